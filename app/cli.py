@@ -1,0 +1,177 @@
+"""``cvm-tune`` command line. The only module that prints.
+
+Exit codes (also in the README):
+  0  success / bundle or quote accepted
+  1  verification rejected (one line per failed check)
+  2  usage, config, policy or input error (missing file, unreadable bundle or quote)
+  3  dataset error   4  key error   5  guest agent / attestation error
+  6  training error  7  state / export error   70  internal error (bug: rerun with --debug)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from attestation import AttestationError
+
+import app
+from app.errors import CvmTuneError
+
+EXIT_REJECTED = 1
+EXIT_INTERNAL = 70
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cvm-tune",
+        description="Attested LoRA fine-tuning for dstack confidential VMs: train on an encrypted dataset, "
+        "export the adapter with a TDX quote, verify it offline.",
+        epilog="Exit codes: 0 ok, 1 rejected, 2 usage/input, 3 data, 4 key, 5 attestation, 6 training, 7 state, 70 bug.",
+    )
+    p.add_argument("--version", action="version", version=f"cvm-tune {app.__version__}")
+    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="run one attested training run now",
+                       description="Decrypt the dataset, train a LoRA adapter, export it with a TDX quote and verify it. "
+                       "Without --config: the embedded demo (simulator, bundled sample data, tiny local model).")
+    r.add_argument("--config", type=Path, metavar="FILE", help="YAML configuration (see `cvm-tune schema`)")
+    r.add_argument("--run-id", metavar="ID", help="name the run (resumes it if unfinished); default: a new timestamped id "
+                   "or the newest unfinished run with the same inputs")
+
+    v = sub.add_parser("verify", help="verify an export bundle",
+                       description="Check a bundle's quote (dcap-qvl), report_data binding, file hashes, RTMR0-3 replay "
+                       "and audit chain under a policy. Exit 0 accepted, 1 rejected, 2 input error.")
+    v.add_argument("bundle", type=Path, metavar="BUNDLE", help="the exports/<run_id> directory")
+    v.add_argument("--policy", type=Path, metavar="FILE", help="YAML policy (default: built-in, Intel root, UpToDate only)")
+    v.add_argument("--now", type=int, metavar="UNIX_SECONDS", help="verification time (default: now); pins time for tests")
+    v.add_argument("--json", action="store_true", help="print the machine-readable verdict (schema cvm-tune/verdict/v1)")
+    v.add_argument("--collateral", type=Path, metavar="FILE", help="use this collateral JSON instead of the bundle's")
+    v.add_argument("--base-model", type=Path, metavar="DIR", help="also check a local copy of the base model against the manifest")
+    v.add_argument("--dataset", type=Path, metavar="FILE", help="also check the encrypted dataset file against the manifest")
+
+    s = sub.add_parser("simulator", help="serve the simulated dstack guest agent (TEST CA, not a TEE)",
+                       description="Serve the dstack guest-agent protocol (Info, GetQuote, GetKey, EmitEvent, Version, ...) "
+                       "with quotes signed by a deterministic TEST CA. Point the app at it with DSTACK_SIMULATOR_ENDPOINT.")
+    where = s.add_mutually_exclusive_group()
+    where.add_argument("--socket", type=Path, metavar="PATH", help="unix socket path (default: ./dstack.sock)")
+    where.add_argument("--port", type=int, metavar="N", help="serve on 127.0.0.1:N instead of a socket")
+    s.add_argument("--emit-event", choices=("accept", "noop", "reject"), default="accept",
+                   help="EmitEvent behaviour: accept (dstack OS 0.5.x), noop (simulator 0.5.3-0.5.8), reject (>= 0.5.9)")
+    s.add_argument("--write-policy", type=Path, metavar="FILE", help="write a policy trusting this simulator's TEST CA and exit")
+
+    sub.add_parser("schema", help="print the configuration JSON schema")
+    c = sub.add_parser("validate-config", help="check a configuration file and print the resolved config")
+    c.add_argument("config", type=Path, metavar="FILE")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _COMMANDS[args.command](args)
+    except (CvmTuneError, AttestationError) as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc.message}", file=sys.stderr)
+        print(f"fix: {exc.fix}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug: one line, no traceback unless --debug
+        if args.debug:
+            raise
+        print(f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
+        print("fix: rerun with --debug and report the traceback", file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+def _run(args: argparse.Namespace) -> int:
+    from app.config import load_config
+    from app.pipeline import run_once
+
+    cfg = load_config(args.config)
+    res = run_once(cfg, progress=lambda m: print(m, flush=True), run_id=args.run_id)
+    print()
+    print(f"Export bundle: {res.bundle_dir}")
+    for name, verdict in res.verdicts:
+        failed = ", ".join(c.name for c in verdict.failed)
+        print(f"Verdict ({name}): {verdict.summary()}" + (f" — failed: {failed}" if failed else ""))
+    cmd = f"cvm-tune verify {res.bundle_dir}" + (f" --policy {res.policy_file}" if res.policy_file else "")
+    print(f"Verify again: {cmd}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from attestation import load_policy, parse_collateral, verify_bundle
+
+    policy = load_policy(args.policy)
+    coll = None
+    if args.collateral is not None:
+        try:
+            coll = parse_collateral(args.collateral.read_bytes())
+        except OSError as exc:
+            raise AttestationError(f"cannot read collateral {args.collateral}: {exc.strerror}") from exc
+    now = args.now if args.now is not None else int(time.time())
+    verdict = verify_bundle(args.bundle, policy=policy, now=now, collateral=coll,
+                            base_model_dir=args.base_model, dataset_file=args.dataset)
+    if args.json:
+        print(json.dumps(verdict.to_json(), indent=2))
+    else:
+        print(verdict.summary())
+        for c in verdict.checks:
+            if c.status != "pass":
+                print(f"{c.status.upper():4} {c.name}: {c.detail}")
+        if verdict.accepted:
+            passed = sum(c.status == "pass" for c in verdict.checks)
+            print(f"{passed} checks passed; TCB {verdict.findings.tcb_status}")
+    return 0 if verdict.accepted else EXIT_REJECTED
+
+
+def _simulator(args: argparse.Namespace) -> int:
+    from attestation.policy import policy_file_text, simulator_policy
+
+    from app.simulator import GuestAgentSimulator, SimulatorServer, SimulatorSettings
+
+    sim = GuestAgentSimulator(SimulatorSettings(emit_event=args.emit_event))
+    if args.write_policy:
+        args.write_policy.write_text(policy_file_text(simulator_policy(sim.test_root_ca_der)))
+        print(f"wrote {args.write_policy}")
+        return 0
+    if args.port is not None:
+        server = SimulatorServer(sim, port=args.port)
+    else:
+        server = SimulatorServer(sim, socket_path=args.socket or Path("dstack.sock"))
+    server.start()
+    print(f"cvm-tune dstack simulator (TEST CA — NOT a TEE) listening on {server.endpoint}", flush=True)
+    print(f"use it with: export DSTACK_SIMULATOR_ENDPOINT={os.path.abspath(server.endpoint) if args.port is None else server.endpoint}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.stop()
+    return 0
+
+
+def _schema(_args: argparse.Namespace) -> int:
+    from app.config import Config
+
+    print(json.dumps(Config.model_json_schema(), indent=2))
+    return 0
+
+
+def _validate_config(args: argparse.Namespace) -> int:
+    from app.config import load_config
+
+    print(json.dumps(load_config(args.config).model_dump(mode="json"), indent=2))
+    return 0
+
+
+_COMMANDS = {"run": _run, "verify": _verify, "simulator": _simulator, "schema": _schema, "validate-config": _validate_config}

@@ -1,0 +1,186 @@
+"""Where the 32-byte dataset key comes from: the :class:`KeySource` seam.
+
+Two sources today: a key file (demo, tests, data owner's side) and a key derived from the dstack
+``GetKey`` call (production; the call is injected so this module never imports dstack). The owner
+key-release flow plugs in here later. No source ever logs or prints key bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from app.errors import KeySourceError
+from app.fsutil import fsync_dir
+
+KEY_LEN = 32
+DERIVED_KEY_INFO = b"cvm-tune/dataset-key/v1"
+_MAX_KEY_FILE = 256  # read no more than this: a key file is 32 or 64-65 bytes
+
+
+@runtime_checkable
+class KeySource(Protocol):
+    """A source of the dataset key."""
+
+    def describe(self) -> str:
+        """A label for logs and manifests (never the secret), e.g. ``getkey:cvm-tune/dataset/v1``."""
+        ...
+
+    def dataset_key(self) -> bytes:
+        """The 32-byte dataset key.
+
+        Raises:
+            KeySourceError: the key cannot be obtained.
+        """
+        ...
+
+
+class KeyFileSource:
+    """A key file: 32 raw bytes, or 64 hex characters with an optional trailing newline.
+
+    The file must be readable by its owner only (mode ``0600`` or stricter).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def describe(self) -> str:
+        """``file:<name>`` (the directory is not needed to identify the key)."""
+        return f"file:{self.path.name}"
+
+    def dataset_key(self) -> bytes:
+        """Read and check the key file.
+
+        Returns:
+            The 32-byte key.
+
+        Raises:
+            KeySourceError: the file is missing, not a regular file, readable by group or others,
+                or does not hold exactly one key.
+        """
+        name = self.path.name
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # NONBLOCK: a FIFO must not hang us
+        except FileNotFoundError:
+            raise KeySourceError(f"key file {name} not found", fix=f"create it (mode 0600) or fix the path {self.path}") from None
+        except OSError as exc:
+            raise KeySourceError(f"cannot open key file {name}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)  # fstat on the open file: no race between the check and the read
+            if not stat.S_ISREG(st.st_mode):
+                raise KeySourceError(f"key file {name} is not a regular file")
+            if st.st_mode & 0o077:
+                raise KeySourceError(f"key file {name} is readable by group or others (mode {stat.S_IMODE(st.st_mode):04o})",
+                                     fix=f"chmod 600 {self.path}")
+            data = os.read(fd, _MAX_KEY_FILE + 1)
+        finally:
+            os.close(fd)
+        return _parse_key_file(data, name)
+
+
+def _parse_key_file(data: bytes, name: str) -> bytes:
+    if len(data) == KEY_LEN:
+        return data
+    text = data[:-1] if data.endswith(b"\n") else data
+    if len(text) == 2 * KEY_LEN:
+        try:
+            return bytes.fromhex(text.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            pass
+    raise KeySourceError(f"key file {name} holds {len(data)} bytes, not a key: expected 32 raw bytes or 64 hex characters",
+                         fix="write the key with `cvm-tune` (write_key_file) or fix the file")
+
+
+class DerivedKeySource:
+    """The dataset key derived from the dstack ``GetKey`` call for ``path``.
+
+    ``dataset_key() = HKDF-SHA256(ikm=get_key(path, purpose), salt=None,
+    info=b"cvm-tune/dataset-key/v1", length=32)``: the extra HKDF keeps the dataset key
+    separate from any other use of the same GetKey bytes.
+    """
+
+    def __init__(self, get_key: Callable[[str, str], bytes], path: str, purpose: str = "cvm-tune-dataset-key") -> None:
+        self._get_key = get_key
+        self.path = path
+        self.purpose = purpose
+
+    def describe(self) -> str:
+        """``getkey:<path>``."""
+        return f"getkey:{self.path}"
+
+    def dataset_key(self) -> bytes:
+        """Call GetKey and derive the dataset key.
+
+        Returns:
+            The 32-byte key.
+
+        Raises:
+            KeySourceError: GetKey returned no bytes or fewer than 32.
+            TeeError: raised by ``get_key`` itself when the guest agent fails.
+        """
+        material = self._get_key(self.path, self.purpose)
+        if not isinstance(material, bytes | bytearray) or len(material) < KEY_LEN:
+            raise KeySourceError(f"GetKey({self.path}) returned no usable key material (need at least {KEY_LEN} bytes)")
+        hkdf = HKDF(algorithm=hashes.SHA256(), length=KEY_LEN, salt=None, info=DERIVED_KEY_INFO)
+        return hkdf.derive(bytes(material))
+
+
+def write_key_file(path: Path, key: bytes) -> None:
+    """Create a key file (mode 0600, 64 hex characters and a newline) atomically.
+
+    Args:
+        path: the file to create; it must not exist.
+        key: the 32-byte key.
+
+    Raises:
+        KeySourceError: the key is not 32 bytes, ``path`` exists, or the file cannot be written.
+    """
+    path = Path(path)
+    if not isinstance(key, bytes | bytearray) or len(key) != KEY_LEN:
+        raise KeySourceError(f"a dataset key must be exactly {KEY_LEN} bytes")
+    if path.exists() or path.is_symlink():
+        raise KeySourceError(f"key file {path} already exists: refusing to overwrite a key",
+                             fix="remove it first if you really mean to replace the key, or choose another path")
+    tmp = path.parent / f".tmp-{path.name}-{secrets.token_hex(8)}"
+    try:
+        # O_EXCL|O_NOFOLLOW: never write through a planted file or symlink; 0600 from the start.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), 0o600)
+            fh.write(bytes(key).hex().encode() + b"\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        _publish(tmp, path)
+        with contextlib.suppress(FileNotFoundError):  # gone already if _publish renamed it
+            os.unlink(tmp)
+        fsync_dir(path.parent)
+    except FileExistsError:
+        raise KeySourceError(f"key file {path} already exists: refusing to overwrite a key") from None
+    except OSError as exc:
+        raise KeySourceError(f"cannot write key file {path}: {exc.strerror}", fix="check the directory and its permissions") from exc
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Give ``tmp`` the name ``path`` without ever replacing an existing ``path``."""
+    try:
+        os.link(tmp, path)  # unlike rename, link never replaces an existing file
+    except FileExistsError:
+        raise
+    except OSError as exc:  # no hard links on this filesystem: check, then rename (a small race)
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+            raise
+        if path.exists() or path.is_symlink():
+            raise FileExistsError(path) from None
+        os.rename(tmp, path)

@@ -1,0 +1,265 @@
+"""JSONL rows from decrypted chunks, validated in memory.
+
+A row is one line: a JSON object with exactly one of
+
+* ``"messages"``: a non-empty array of ``{"role": ..., "content": ...}``; an optional ``system``
+  message first, then turns alternating ``user`` / ``assistant`` starting with ``user``, and at
+  least one ``assistant`` message; every ``content`` a non-blank string; or
+* ``"text"``: a non-blank string.
+
+Lines end in ``\\n`` (a ``\\r`` before it is dropped); blank lines are skipped. The first bad row
+rejects the dataset. Error messages name the source, line, byte offset, field path and JSON type
+names, **never row content** (rows may be secret and logs may be public).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from app.errors import ConfigError, EmptyDatasetError, RowError
+
+MAX_DEPTH = 32
+ROLES = ("system", "user", "assistant")
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+
+
+@dataclass(frozen=True)
+class RowReport:
+    """Row counts (never content)."""
+
+    rows_total: int
+    rows_kept: int
+    by_kind: dict[str, int]
+
+
+def parse_jsonl(chunks: Iterable[bytes], *, source: str, max_row_bytes: int) -> tuple[list[dict], RowReport]:
+    """Split, decode and validate JSONL rows from plaintext chunks (a row may span chunks).
+
+    The whole of ``chunks`` is consumed before anything is returned, so rows from an encrypted
+    stream come back only after its final chunk authenticated. If a row is bad, the rest of the
+    stream is still read: an integrity error there wins over the row error.
+
+    Args:
+        chunks: plaintext pieces, e.g. a :class:`~app.dataset.format.DecryptedStream`.
+        source: a name for error messages (a file name, not a secret path).
+        max_row_bytes: rows longer than this (without the line ending) are rejected unparsed.
+
+    Returns:
+        The rows and their counts.
+
+    Raises:
+        RowError: the first bad row (line, byte offset, field path; no content).
+        EmptyDatasetError: no rows at all.
+        ConfigError: ``max_row_bytes`` is not positive.
+    """
+    if max_row_bytes < 1:
+        raise ConfigError("max_row_bytes must be at least 1")
+    stream = iter(chunks)
+    lines = _Lines(source, max_row_bytes)
+    rows: list[dict] = []
+    by_kind = {"messages": 0, "text": 0}
+    try:
+        for chunk in stream:
+            for where, line in lines.feed(chunk):
+                _take(line, where, max_row_bytes, rows, by_kind)
+        for where, line in lines.finish():
+            _take(line, where, max_row_bytes, rows, by_kind)
+    except RowError:
+        for _ in stream:  # authenticate the rest: tampering or truncation is the real error then
+            pass
+        raise
+    if not rows:
+        raise EmptyDatasetError(f"{source} has no rows", fix="the dataset must hold at least one JSONL row")
+    return rows, RowReport(rows_total=len(rows), rows_kept=len(rows), by_kind=by_kind)
+
+
+class _Lines:
+    """Splits chunks into lines, buffering at most ``max_row_bytes + 1`` bytes of one row."""
+
+    def __init__(self, source: str, max_row_bytes: int) -> None:
+        self.source = source
+        self.limit = max_row_bytes + 1  # + 1 leaves room for a "\r" before the "\n"
+        self.buf = bytearray()
+        self.line_no = 1
+        self.start = 0  # byte offset of the current line in the plaintext
+
+    def _where(self) -> _Where:
+        return _Where(self.source, self.line_no, self.start)
+
+    def feed(self, chunk: bytes) -> Iterator[tuple[_Where, bytes]]:
+        pos = 0
+        while True:
+            nl = chunk.find(b"\n", pos)
+            end = len(chunk) if nl < 0 else nl
+            if len(self.buf) + end - pos > self.limit:  # stop before buffering an oversized row
+                raise RowError(f"{self._where()}: row is longer than max_row_bytes ({self.limit - 1})")
+            if nl < 0:
+                self.buf += chunk[pos:]
+                return
+            if self.buf:
+                self.buf += chunk[pos:nl]
+                line = bytes(self.buf)
+                self.buf.clear()
+            else:
+                line = chunk[pos:nl]
+            yield self._where(), line
+            self.start += len(line) + 1
+            self.line_no += 1
+            pos = nl + 1
+
+    def finish(self) -> Iterator[tuple[_Where, bytes]]:
+        if self.buf:  # a last row without a final newline
+            yield self._where(), bytes(self.buf)
+            self.buf.clear()
+
+
+@dataclass(frozen=True)
+class _Where:
+    source: str
+    line: int
+    offset: int
+
+    def __str__(self) -> str:
+        return f"{self.source} line {self.line}"
+
+
+def _take(line: bytes, where: _Where, max_row_bytes: int, rows: list[dict], by_kind: dict[str, int]) -> None:
+    if line.endswith(b"\r"):
+        line = line[:-1]
+    if not line.strip(b" \t\r"):
+        return
+    if len(line) > max_row_bytes:
+        raise RowError(f"{where}: row is longer than max_row_bytes ({max_row_bytes})")
+    row = _decode(line, where)
+    by_kind[_check_row(row, where)] += 1
+    rows.append(row)
+
+
+def _decode(line: bytes, where: _Where) -> Any:
+    """Strict UTF-8, a depth check, then ``json.loads``.
+
+    Errors are raised outside the ``except`` blocks so the new error does not carry the decoder's
+    exception (which holds the row's bytes) as its context.
+    """
+    problem = None
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        problem = f"invalid UTF-8 at byte offset {where.offset + exc.start} ({exc.reason})"
+    if problem is not None:
+        raise RowError(f"{where}: {problem}")
+    if _too_deep(line):
+        raise RowError(f"{where}: JSON nested deeper than {MAX_DEPTH} levels")
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except json.JSONDecodeError as exc:
+        problem = f"invalid JSON ({exc.msg} at column {exc.colno})"
+    except _RowValueError as exc:
+        problem = f"invalid JSON ({exc.args[0]})"
+    except (ValueError, RecursionError) as exc:  # e.g. an integer with too many digits
+        problem = f"invalid JSON ({type(exc).__name__})"
+    raise RowError(f"{where}: {problem}")
+
+
+def _too_deep(line: bytes) -> bool:
+    """Whether the JSON nests deeper than MAX_DEPTH (checked before parsing; no recursion)."""
+    if line.count(b"[") + line.count(b"{") <= MAX_DEPTH:  # cheap: cannot be deeper than this
+        return False
+    depth = 0
+    for c in _STRING.sub(b"", line).translate(None, _NOT_BRACKETS):  # brackets outside strings
+        depth += 1 if c in b"[{" else -1
+        if depth > MAX_DEPTH:
+            return True
+    return False
+
+
+class _RowValueError(ValueError):
+    """A content-free parse problem raised from our json hooks."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):  # the key itself is content: do not name it
+        raise _RowValueError("duplicate key in an object")
+    return obj
+
+
+def _no_constant(_name: str) -> Any:
+    raise _RowValueError("NaN/Infinity are not JSON")
+
+
+def _type(value: Any) -> str:
+    return "null" if value is None else _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _check_text(value: Any, where: _Where, path: str) -> None:
+    if not isinstance(value, str):
+        raise RowError(f"{where}: {path}: expected a string, got {_type(value)}")
+    if not value.strip():
+        raise RowError(f"{where}: {path}: must not be empty or whitespace only")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            bad = True
+        else:
+            bad = False
+        if bad:
+            raise RowError(f"{where}: {path}: contains a lone surrogate (an unpaired \\uD800-\\uDFFF escape)")
+
+
+def _check_row(row: Any, where: _Where) -> str:
+    """Check one parsed row; returns its kind (``messages`` or ``text``)."""
+    if not isinstance(row, dict):
+        raise RowError(f"{where}: expected a JSON object, got {_type(row)}")
+    extra = len(row.keys() - {"messages", "text"})
+    if extra:
+        raise RowError(f"{where}: {extra} unexpected key(s); a row has exactly one of 'messages' or 'text'")
+    if "messages" in row and "text" in row:
+        raise RowError(f"{where}: has both 'messages' and 'text'; a row has exactly one")
+    if "text" in row:
+        _check_text(row["text"], where, "text")
+        return "text"
+    if "messages" not in row:
+        raise RowError(f"{where}: missing 'messages' or 'text'")
+    _check_messages(row["messages"], where)
+    return "messages"
+
+
+def _check_messages(messages: Any, where: _Where) -> None:
+    if not isinstance(messages, list):
+        raise RowError(f"{where}: messages: expected an array, got {_type(messages)}")
+    if not messages:
+        raise RowError(f"{where}: messages: must not be empty")
+    expected, assistants = "user", 0
+    for i, msg in enumerate(messages):
+        path = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise RowError(f"{where}: {path}: expected an object, got {_type(msg)}")
+        extra = len(msg.keys() - {"role", "content"})
+        if extra:
+            raise RowError(f"{where}: {path}: {extra} unexpected key(s); a message has exactly 'role' and 'content'")
+        for key in ("role", "content"):
+            if key not in msg:
+                raise RowError(f"{where}: {path}.{key}: missing")
+        role = msg["role"]
+        if role not in ROLES:  # the bad value itself is never echoed
+            got = "" if isinstance(role, str) else f", got {_type(role)}"
+            raise RowError(f"{where}: {path}.role: must be one of {', '.join(ROLES)}{got}")
+        _check_text(msg["content"], where, f"{path}.content")
+        if role == "system":
+            if i != 0:
+                raise RowError(f"{where}: {path}.role: a system message is allowed only first")
+            continue
+        if role != expected:
+            raise RowError(f"{where}: {path}.role: expected {expected!r} (turns alternate user/assistant, starting with user)")
+        assistants += role == "assistant"
+        expected = "assistant" if role == "user" else "user"
+    if not assistants:
+        raise RowError(f"{where}: messages: no assistant message")

@@ -1,0 +1,122 @@
+"""The app's one exception hierarchy.
+
+Every error a user can cause or fix derives from :class:`CvmTuneError`. The CLI catches it
+once, prints ``error: <message>`` and ``fix: <what to do>`` and exits with the category's code
+(documented in the README, "Exit codes"). Anything else is a bug: the CLI prints one line and
+exits 70 (a traceback only with ``--debug``).
+"""
+
+from __future__ import annotations
+
+
+class CvmTuneError(Exception):
+    """Base class: an error with a one-line message and a fix for the user."""
+
+    exit_code = 70
+    category = "internal"
+    default_fix = "rerun with --debug and report the traceback"
+
+    def __init__(self, message: str, *, fix: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fix = fix or self.default_fix
+
+
+class ConfigError(CvmTuneError):
+    """The configuration file or a command-line argument is invalid."""
+
+    exit_code = 2
+    category = "config"
+    default_fix = "correct the configuration (see `cvm-tune schema`) and run again"
+
+
+class DataError(CvmTuneError):
+    """The dataset cannot be read, authenticated or validated."""
+
+    exit_code = 3
+    category = "data"
+    default_fix = "check the dataset file and re-encrypt it with `cvm-tune` if needed"
+
+
+class DatasetFormatError(DataError):
+    """The file is not a cvm-tune encrypted dataset, or its header is malformed."""
+
+
+class DatasetIntegrityError(DataError):
+    """Authentication failed: the ciphertext was modified, truncated, reordered or extended."""
+
+    default_fix = "the encrypted dataset was modified or damaged in transit: copy it again from the data owner"
+
+
+class HeaderIntegrityError(DatasetIntegrityError):
+    """The header MAC does not match (header edited)."""
+
+
+class ChunkIntegrityError(DatasetIntegrityError):
+    """A chunk failed AEAD authentication (bit flip, reorder, duplicate)."""
+
+
+class TruncatedDatasetError(DatasetIntegrityError):
+    """The stream ended without an authenticated final chunk."""
+
+
+class TrailingDataError(DatasetIntegrityError):
+    """Bytes follow the authenticated final chunk."""
+
+
+class RowError(DataError):
+    """A JSONL row is malformed or has the wrong schema (message names file and line, never content)."""
+
+
+class EmptyDatasetError(DataError):
+    """No trainable rows are left."""
+
+
+class KeySourceError(CvmTuneError):
+    """The dataset key cannot be obtained or is the wrong key."""
+
+    exit_code = 4
+    category = "key"
+    default_fix = "check the key source in the configuration (dataset.key)"
+
+
+class WrongKeyError(KeySourceError):
+    """The key does not open this dataset (key check failed before any plaintext was released)."""
+
+    default_fix = "use the key the data owner encrypted this dataset for (GetKey path or key file)"
+
+
+class TeeError(CvmTuneError):
+    """The guest agent (dstack or simulator) is unreachable or refused a request."""
+
+    exit_code = 5
+    category = "attestation"
+    default_fix = "run inside a dstack CVM with /var/run/dstack.sock mounted, or start `cvm-tune simulator`"
+
+
+class NoTeeError(TeeError):
+    """No guest agent is configured or reachable: nothing will be exported unattested."""
+
+
+class TrainingError(CvmTuneError):
+    """Training could not start or failed."""
+
+    exit_code = 6
+    category = "training"
+    default_fix = "check the training and base_model settings"
+
+
+class BaseModelError(TrainingError):
+    """Base model files are missing or do not match the pinned hash."""
+
+
+class StateError(CvmTuneError):
+    """Output volume state (checkpoints, runs, exports) is inconsistent or cannot be written."""
+
+    exit_code = 7
+    category = "state"
+    default_fix = "check free space and permissions on the output volume"
+
+
+class ExportError(StateError):
+    """The export bundle could not be written; no partial bundle is left behind."""

@@ -1,0 +1,18 @@
+"""Embedded dstack guest-agent simulator: the real HTTP/JSON protocol, quotes under a TEST PKI.
+
+Outside a confidential VM, cvm-tune runs against this simulator. It answers the same RPCs as the
+dstack guest agent (Info, GetQuote, GetKey, EmitEvent, Version, Sign, Verify) over a unix socket
+or loopback TCP, so ``dstack_sdk.DstackClient`` works unchanged, and its quotes verify with
+``dcap_qvl.verify_with_root_ca`` against :attr:`GuestAgentSimulator.test_root_ca_der` only: they
+can never pass for real TDX evidence. ``DEFAULT_TEST_SECRET`` is public and NOT secret.
+
+Example::
+
+    with SimulatorServer(GuestAgentSimulator(), socket_path="/tmp/dstack.sock") as server:
+        client = dstack_sdk.DstackClient(server.endpoint)
+"""
+
+from app.simulator.agent import DEFAULT_TEST_SECRET, GuestAgentSimulator, SimulatorRpcError, SimulatorSettings
+from app.simulator.server import SimulatorServer
+
+__all__ = ["DEFAULT_TEST_SECRET", "GuestAgentSimulator", "SimulatorRpcError", "SimulatorServer", "SimulatorSettings"]

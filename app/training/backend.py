@@ -1,0 +1,382 @@
+"""The training recipe: backend selection, model loading, TRL SFT with sealed checkpoints, export.
+
+Top to bottom, :func:`train`:
+
+1. Select the backend (``hf`` or ``unsloth``) **before** importing trl/transformers/peft: Unsloth
+   monkeypatches those libraries at import time and must be imported first in the process. This
+   is the only module that ever imports ``unsloth``, and only on that branch, so importing it on a
+   CPU machine never touches Unsloth (which refuses to import without a GPU).
+2. Load the base model from a local directory only (``local_files_only``, offline env vars) and
+   seed everything first so the LoRA initialisation is reproducible.
+3. Build an in-memory ``datasets.Dataset`` (never a cache file: plaintext stays in RAM).
+4. Pick the newest complete checkpoint of this fingerprint (``checkpoints.py``), drop unusable ones.
+5. ``SFTTrainer.train(resume_from_checkpoint=<that path or None>)``; every save is sealed with a
+   completeness marker by a callback.
+6. Export exactly ``adapter_config.json`` + ``adapter_model.safetensors`` atomically, with a
+   normalised ``base_model_name_or_path``.
+
+Both backends share everything except step 2 (``_load_hf`` / ``_load_unsloth``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import re
+import sys
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from app.errors import BaseModelError, CvmTuneError, StateError, TrainingError
+
+from . import TrainingInterrupted, TrainRequest, TrainResult, set_offline_env
+from .checkpoints import discard_rejected, export_adapter, select_checkpoint, write_marker
+
+logger = logging.getLogger(__name__)
+
+_BASE_LIBS = ("torch", "transformers", "peft", "trl", "datasets", "accelerate")
+_UNSLOTH_LIBS = ("unsloth", "unsloth_zoo", "bitsandbytes")
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:limit] if text else ''}".rstrip(": ")
+
+
+def select_backend(preference: str) -> str:
+    """Resolve the configured backend; imports torch (to look for CUDA) but never unsloth.
+
+    Args:
+        preference: ``"auto"``, ``"hf"`` or ``"unsloth"``.
+
+    Returns:
+        ``"unsloth"`` for ``auto`` when a CUDA GPU is visible and unsloth is installed, else ``"hf"``.
+
+    Raises:
+        TrainingError: ``unsloth`` requested without a GPU or without the package; unknown name.
+    """
+    if preference == "hf":
+        return "hf"
+    if preference not in ("auto", "unsloth"):
+        raise TrainingError(f"unknown training backend {preference!r}", fix="set training.backend to auto, hf or unsloth")
+    import torch
+
+    cuda = torch.cuda.is_available()
+    try:
+        has_unsloth = importlib.util.find_spec("unsloth") is not None  # top-level spec: does not import it
+    except (ImportError, ValueError):
+        has_unsloth = False
+    if preference == "auto":
+        return "unsloth" if cuda and has_unsloth else "hf"
+    if not cuda:
+        raise TrainingError("training.backend is 'unsloth' but no CUDA GPU is visible (Unsloth is GPU-only)",
+                            fix="set training.backend to 'auto' or 'hf' (transformers+PEFT), or run on an NVIDIA GPU")
+    if not has_unsloth:
+        raise TrainingError("training.backend is 'unsloth' but the unsloth package is not installed",
+                            fix="install the GPU extra (pip install -e '.[gpu]') or set training.backend to 'auto'")
+    return "unsloth"
+
+
+def train(req: TrainRequest) -> TrainResult:
+    """Run the recipe described in the module docstring (see :func:`app.training.train`)."""
+    set_offline_env()
+    if not re.fullmatch(r"[0-9a-f]{64}", req.fingerprint):
+        raise TrainingError("the run fingerprint must be 64 lowercase hex characters (a sha256)")
+    if not req.base_model_name or Path(req.base_model_name).is_absolute():
+        raise TrainingError("base_model_name must be a model name, not empty or an absolute path (it is exported)")
+    backend = select_backend(req.settings.backend)
+    if backend == "unsloth":
+        _import_unsloth()  # must precede every trl/transformers/peft import below
+    import datasets
+    import torch
+    import transformers
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    # Progress bars would interleave with the CLI's own progress lines (metrics only go to on_log).
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    s = req.settings
+    _check_base_dir(Path(req.base_model_dir))
+    cuda = torch.cuda.is_available()
+    transformers.set_seed(s.seed)  # before loading: LoRA init (and everything after) reproducible
+    try:
+        model, tok, peft_config = (_load_unsloth if backend == "unsloth" else _load_hf)(req, cuda)
+    except CvmTuneError:
+        raise
+    except Exception as exc:
+        raise BaseModelError(f"cannot load base model from {req.base_model_dir}: {_first_line(exc)}",
+                             fix="restore the base model directory (config.json, weights, tokenizer files)") from exc
+
+    dataset = build_dataset(req.rows, tok, assistant_only_loss=s.assistant_only_loss)
+    ckpt_root = Path(req.run_dir) / "checkpoints"
+    choice = select_checkpoint(ckpt_root, req.fingerprint)
+    discard_rejected(ckpt_root, choice)
+
+    try:
+        # CPU: checkpointing only slows tiny models down. Unsloth: get_peft_model already set up its
+        # offloaded checkpointing. GPU + HF: trade compute for memory, as TRL does by default.
+        trainer = _make_trainer(req, model, tok, peft_config, dataset, ckpt_root, cuda=cuda,
+                                gradient_checkpointing=cuda and backend == "hf")
+    except CvmTuneError:
+        raise
+    except Exception as exc:
+        raise TrainingError(f"training setup failed: {_first_line(exc)}") from exc
+    for cb in (PrinterCallback, ProgressCallback):  # they print metrics to stdout/stderr
+        trainer.remove_callback(cb)
+    if len(trainer.train_dataset) == 0:
+        raise TrainingError("no trainable examples: every row has zero trainable tokens after masking and truncation",
+                            fix="check training.max_length and training.assistant_only_loss against the dataset")
+
+    start = time.perf_counter()
+    try:
+        if choice.path is not None and choice.step is not None and choice.step >= s.max_steps:
+            _restore_finished(trainer, choice.path)  # HF would run one extra step past max_steps
+        else:
+            trainer.train(resume_from_checkpoint=str(choice.path) if choice.path is not None else None)
+    except CvmTuneError:  # TrainingInterrupted included: propagates as is
+        raise
+    except Exception as exc:
+        raise TrainingError(f"training failed: {_first_line(exc)}") from exc
+    runtime = time.perf_counter() - start
+
+    try:
+        adapter_dir = export_adapter(trainer.model, Path(req.run_dir) / "adapter", req.base_model_name)
+    except OSError as exc:
+        raise StateError(f"cannot write the adapter under {req.run_dir}: {_first_line(exc)}") from exc
+    state = trainer.state
+    losses = [(int(h["step"]), float(h["loss"])) for h in state.log_history if "loss" in h and "step" in h]
+    device = f"cuda:{torch.cuda.current_device()} {torch.cuda.get_device_name()}" if cuda else "cpu"
+    return TrainResult(
+        adapter_dir=adapter_dir, backend=backend, device=device, losses=losses, global_step=int(state.global_step),
+        resumed_from_step=choice.step, train_runtime_s=runtime,
+        tokens_seen=int(state.num_input_tokens_seen) if state.num_input_tokens_seen else None,
+        library_versions=_library_versions(_BASE_LIBS + (_UNSLOTH_LIBS if backend == "unsloth" else ())),
+    )
+
+
+def _restore_finished(trainer: Any, ckpt: Path) -> None:
+    """Load a checkpoint taken at ``max_steps`` (training done, export not) without training.
+
+    ``Trainer.train(resume_from_checkpoint=...)`` from such a checkpoint runs one more optimizer
+    step (global_step ends at max_steps + 1), which would change the adapter.
+    """
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import TrainerState
+
+    result = set_peft_model_state_dict(trainer.model, load_file(str(ckpt / "adapter_model.safetensors")))
+    if getattr(result, "unexpected_keys", None):
+        raise TrainingError(f"{ckpt.name} does not match the adapter layout", fix="delete the run's checkpoints")
+    trainer.state = TrainerState.load_from_json(str(ckpt / "trainer_state.json"))
+
+
+# --- step 2: model loading (the only backend-specific code) -------------------------------------
+
+
+def _import_unsloth() -> None:
+    """Import unsloth first so its patches of trl/transformers/peft apply."""
+    late = [name for name in ("trl", "transformers", "peft") if name in sys.modules]
+    if late:
+        logger.warning("unsloth imported after %s: some of its optimisations may not apply", ", ".join(late))
+    try:
+        import unsloth  # noqa: F401
+    except Exception as exc:
+        raise TrainingError(
+            f"cannot import unsloth: {_first_line(exc)}",
+            fix="check the [gpu] extra's pinned versions and the GPU driver, or set training.backend to 'hf'",
+        ) from exc
+
+
+def _check_base_dir(base: Path) -> None:
+    if not base.is_dir():
+        raise BaseModelError(f"base model directory {base} does not exist",
+                             fix="use base_model.source: tiny-llama, or point base_model.path at a local HF model directory")
+    if not (base / "config.json").is_file() or not any((base / w).is_file() for w in _WEIGHT_FILES):
+        raise BaseModelError(f"base model directory {base} lacks config.json or safetensors weights",
+                             fix="restore the complete model directory (config.json, model.safetensors, tokenizer files)")
+
+
+def _load_hf(req: TrainRequest, cuda: bool) -> tuple[Any, Any, Any]:
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lora = req.settings.lora
+    dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+    tok = AutoTokenizer.from_pretrained(str(req.base_model_dir), local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(str(req.base_model_dir), local_files_only=True, dtype=dtype)
+    # The SFTTrainer wraps the model with this config exactly once; on resume it loads the
+    # checkpoint's adapter weights into that wrapper (wrapping twice would silently restart).
+    peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                             target_modules=list(lora.target_modules), task_type="CAUSAL_LM", bias="none")
+    return model, tok, peft_config
+
+
+def _load_unsloth(req: TrainRequest, cuda: bool) -> tuple[Any, Any, Any]:
+    from unsloth import FastLanguageModel
+
+    s, lora = req.settings, req.settings.lora
+    model, tok = FastLanguageModel.from_pretrained(model_name=str(req.base_model_dir), max_seq_length=s.max_length,
+                                                   dtype=None, load_in_4bit=False, local_files_only=True)
+    # Wrapped once per process; on resume the trainer loads the checkpoint's adapter into it.
+    model = FastLanguageModel.get_peft_model(model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                             target_modules=list(lora.target_modules), bias="none",
+                                             use_gradient_checkpointing="unsloth", random_state=s.seed)
+    return model, tok, None
+
+
+# --- step 3: dataset ------------------------------------------------------------------------------
+
+
+def build_dataset(rows: Sequence[Mapping[str, Any]], tok: Any, *, assistant_only_loss: bool) -> Any:
+    """An in-memory ``datasets.Dataset`` in a format TRL trains natively.
+
+    All-chat rows stay conversational (``messages``; TRL applies the chat template, and
+    ``assistant_only_loss`` masks everything but the ``{% generation %}`` spans). All-text rows stay
+    ``text`` (TRL appends EOS). Mixed rows need one schema, so chat rows are rendered with the
+    tokenizer's chat template into ``text`` (the trailing newline after the final end-of-turn is
+    dropped so TRL does not append a second EOS); the token ids match TRL's own rendering.
+
+    Args:
+        rows: Validated rows.
+        tok: The tokenizer (its chat template renders chat rows in the mixed case).
+        assistant_only_loss: Must only be set when every row is a chat row.
+
+    Returns:
+        ``datasets.Dataset`` held in memory (no cache files).
+
+    Raises:
+        TrainingError: no rows, a malformed row (index only, no content), or
+            ``assistant_only_loss`` with text rows.
+    """
+    from datasets import Dataset
+
+    if not rows:
+        raise TrainingError("no rows to train on", fix="provide a dataset with at least one row")
+    chats: list[list[dict[str, str]] | None] = []
+    for i, row in enumerate(rows):
+        messages, text = row.get("messages"), row.get("text")
+        if isinstance(text, str) and messages is None:
+            chats.append(None)
+        elif isinstance(messages, list) and messages and text is None and all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            chats.append([{"role": m["role"], "content": m["content"]} for m in messages])
+        else:
+            raise TrainingError(f"row {i} is neither a chat row nor a text row", fix="validate the dataset first")
+        if assistant_only_loss and chats[-1] is not None and not any(m["role"] == "assistant" for m in chats[-1]):
+            raise TrainingError(f"row {i} has no assistant message: nothing to train on with assistant_only_loss",
+                                fix="remove the row or set training.assistant_only_loss: false")
+    n_chat = sum(c is not None for c in chats)
+    if assistant_only_loss and n_chat < len(rows):
+        raise TrainingError(
+            f"training.assistant_only_loss needs chat rows only, but {len(rows) - n_chat} of {len(rows)} rows are text rows",
+            fix="set training.assistant_only_loss: false or remove the text rows",
+        )
+    if n_chat == len(rows):
+        return Dataset.from_list([{"messages": c} for c in chats])
+    if n_chat == 0:
+        return Dataset.from_list([{"text": row["text"]} for row in rows])
+    eos_nl = f"{tok.eos_token}\n"
+    records = []
+    for row, chat in zip(rows, chats, strict=True):
+        if chat is None:
+            records.append({"text": row["text"]})
+            continue
+        rendered = tok.apply_chat_template(chat, tokenize=False)
+        records.append({"text": rendered[:-1] if rendered.endswith(eos_nl) else rendered})
+    return Dataset.from_list(records)
+
+
+# --- step 5: trainer with sealed checkpoints --------------------------------------------------------
+
+
+def _callback_class() -> type:
+    from transformers import TrainerCallback
+
+    class _CvmTuneCallback(TrainerCallback):  # type: ignore[misc]
+        """Seals checkpoints, forwards metrics, implements ``stop_after_step``."""
+
+        def __init__(self, req: TrainRequest) -> None:
+            self.req = req
+
+        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
+            if self.req.on_log is None or not logs or "loss" not in logs:
+                return
+            grad_norm = logs.get("grad_norm")
+            self.req.on_log({
+                "step": int(state.global_step),
+                "loss": float(logs["loss"]),
+                "learning_rate": float(logs.get("learning_rate", 0.0)),
+                "grad_norm": None if grad_norm is None else float(grad_norm),
+                "epoch": float(logs.get("epoch", state.epoch or 0.0)),
+            })
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+            if self.req.stop_after_step is not None and state.global_step == self.req.stop_after_step:
+                control.should_save = True  # the hook promises a checkpoint at that step
+            return control
+
+        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            step = int(state.global_step)
+            write_marker(Path(args.output_dir) / f"checkpoint-{step}", fingerprint=self.req.fingerprint, global_step=step)
+            if self.req.stop_after_step is not None and step >= self.req.stop_after_step:
+                raise TrainingInterrupted(f"training stopped by stop_after_step after sealing checkpoint-{step}")
+
+    return _CvmTuneCallback
+
+
+def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dataset: Any, ckpt_root: Path, *,
+                  cuda: bool, gradient_checkpointing: bool) -> Any:
+    import torch
+    from trl import SFTConfig, SFTTrainer
+
+    s = req.settings
+    bf16 = cuda and torch.cuda.is_bf16_supported()
+    with warnings.catch_warnings():
+        # transformers 5.2x renames gradient_checkpointing; the old name also works on 5.17 (GPU lock).
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
+        args = SFTConfig(
+            output_dir=str(ckpt_root),
+            max_steps=s.max_steps,
+            per_device_train_batch_size=s.per_device_batch_size,
+            gradient_accumulation_steps=s.gradient_accumulation_steps,
+            learning_rate=s.learning_rate,
+            lr_scheduler_type="constant",  # no warmup/decay state to get wrong across a resume
+            logging_steps=s.logging_steps,
+            save_strategy="steps",
+            save_steps=s.save_steps,
+            save_total_limit=3,  # >= 2 complete checkpoints survive while a new one is written
+            max_length=s.max_length,
+            packing=False,
+            assistant_only_loss=s.assistant_only_loss,
+            report_to="none",
+            seed=s.seed,
+            data_seed=s.seed,
+            dataloader_num_workers=0,
+            dataloader_pin_memory=False,  # pinned buffers buy nothing through the CC bounce buffer
+            disable_tqdm=True,
+            use_cpu=not cuda,
+            bf16=bf16,
+            fp16=cuda and not bf16,
+            gradient_checkpointing=gradient_checkpointing,
+            include_num_input_tokens_seen="non_padding",  # kept in trainer_state: survives a resume
+        )
+        return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok,
+                          peft_config=peft_config, callbacks=[_callback_class()(req)])
+
+
+def _library_versions(names: Sequence[str]) -> dict[str, str]:
+    versions = {}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions

@@ -1,0 +1,131 @@
+"""Export-bundle layout, the manifest schema and the report_data binding.
+
+A bundle ``exports/<run_id>/`` holds::
+
+    adapter/adapter_config.json       PEFT adapter (base_model_name_or_path normalised)
+    adapter/adapter_model.safetensors
+    config.json                       the resolved run configuration (canonical JSON)
+    app-compose.json                  the dstack app-compose the CVM measured (raw bytes)
+    README.md                         model card
+    audit.jsonl                       this run's slice of the hash-chained audit log
+    manifest.json                     hashes of all of the above + provenance (schema below)
+    quote.bin, quote.hex              TDX quote whose report_data = manifest_report_data(manifest.json)
+    event_log.json                    the event log returned with the quote (RTMR0-3 replay)
+    collateral.json                   Intel (or test-CA) collateral for offline verification, when available
+
+**report_data** (64 bytes) = ``SHA-512(b"cvm-tune-manifest-v1:" || manifest.json bytes)`` — dstack's
+typed-content convention ``hash(tag ":" content)`` with a cvm-tune tag, over the exact file bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MANIFEST_SCHEMA = "cvm-tune/manifest/v1"
+REPORT_DATA_TAG = b"cvm-tune-manifest-v1"
+
+MANIFEST = "manifest.json"
+QUOTE_BIN = "quote.bin"
+QUOTE_HEX = "quote.hex"
+EVENT_LOG = "event_log.json"
+COLLATERAL = "collateral.json"
+AUDIT = "audit.jsonl"
+CONFIG = "config.json"
+APP_COMPOSE = "app-compose.json"
+MODEL_CARD = "README.md"
+ADAPTER_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors")
+# Files whose hashes the manifest must list (collateral and the quote cannot be: they come after it).
+HASHED_FILES = (*ADAPTER_FILES, CONFIG, APP_COMPOSE, MODEL_CARD, AUDIT)
+ARTIFACT_FILES = tuple(f for f in HASHED_FILES if f != AUDIT)  # what the audit `export` entry commits to
+ATTESTATION_FILES = (MANIFEST, QUOTE_BIN, QUOTE_HEX, EVENT_LOG)
+OPTIONAL_FILES = (COLLATERAL,)
+
+Hex64 = str
+_H64 = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+def manifest_report_data(manifest_bytes: bytes) -> bytes:
+    """The 64-byte report_data that binds a quote to these exact manifest bytes."""
+    return hashlib.sha512(REPORT_DATA_TAG + b":" + manifest_bytes).digest()
+
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class CodeInfo(_Closed):
+    package: str
+    version: str
+    source_sha256: Hex64 = _H64
+
+
+class BackendInfo(_Closed):
+    name: Literal["hf", "unsloth"]
+    device: str
+    libraries: dict[str, str]
+
+
+class BaseModelInfo(_Closed):
+    name: str
+    source: str
+    tree_sha256: Hex64 = _H64
+    files: dict[str, Hex64]
+
+
+class DatasetInfo(_Closed):
+    dataset_id: str
+    dataset_version: int
+    format: str
+    encrypted_sha256: Hex64 = _H64
+    encrypted_size: int
+    plaintext_sha256: Hex64 = _H64
+    plaintext_size: int
+    rows: int
+    key_source: str
+
+
+class TeeInfo(_Closed):
+    mode: Literal["embedded-simulator", "dstack"]
+    app_id: str = Field(pattern=r"^[0-9a-f]{40}$")
+    instance_id: str
+    compose_hash: Hex64 = _H64
+    agent_version: str
+    agent_rev: str
+
+
+class TrainingInfo(_Closed):
+    seed: int
+    global_step: int
+    resumed_from_step: int | None
+    losses: list[tuple[int, float]]
+    train_runtime_s: float
+    tokens_seen: int | None
+    effective_batch_size: int
+
+
+class AuditInfo(_Closed):
+    head: Hex64 = _H64
+    start_prev: Hex64 = _H64
+    first_seq: int
+    entries: int
+    rtmr3: Literal["emit_event", "unsupported"]
+
+
+class Manifest(_Closed):
+    """The provenance manifest (schema ``cvm-tune/manifest/v1``)."""
+
+    schema_: Literal["cvm-tune/manifest/v1"] = Field(MANIFEST_SCHEMA, alias="schema")
+    run_id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,100}$")
+    started_at: str
+    created_at: str
+    code: CodeInfo
+    backend: BackendInfo
+    base_model: BaseModelInfo
+    dataset: DatasetInfo
+    tee: TeeInfo
+    training: TrainingInfo
+    audit: AuditInfo
+    files: dict[str, Hex64]

@@ -1,0 +1,269 @@
+"""Verify an export bundle: the quote-level steps plus the bundle-level ones.
+
+Bundle steps (after ``attestation.verify``'s quote steps):
+ B1 ``bundle.files``     exactly the expected files; no symlinks, nothing unsigned added
+ B2 ``manifest.schema``  manifest.json parses against ``cvm-tune/manifest/v1``
+ B3 ``quote.hex``        quote.hex is the hex of quote.bin
+ B4 ``report_data``      (quote step 8) = SHA-512("cvm-tune-manifest-v1:" || manifest.json bytes)
+ B5 ``manifest.files``   every listed file hashes to its manifest value
+ B6 ``compose.hash``     sha256(app-compose.json) = manifest = event-log compose-hash = MRCONFIGID
+ B7 ``tee.app_id``       manifest app-id = event-log app-id
+ B8 ``audit.chain``      audit.jsonl intact, linked, head and hashes agree with the manifest
+ B9 ``audit.rtmr3``      the measured RTMR3 app events are the audit entries (when EmitEvent was used)
+ B10 ``base_model.tree`` the base-model tree hash is recomputed (and compared with a local copy if given)
+ B11 ``dataset.file``    the encrypted dataset hash (only when the file is given)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from attestation import bundle as B
+from attestation.audit import AuditEntry, AuditFormatError, chain_problems, parse_entry, parse_lines
+from attestation.dcap import Collateral, parse_collateral
+from attestation.errors import AttestationError, BundleError
+from attestation.eventlog import Event, parse_event_log
+from attestation.hashing import files_digest, sha256_file, sha256_hex, tree_files
+from attestation.policy import Policy
+from attestation.verify import QuoteFindings, Verdict, verify_quote
+
+MAX_FILE = 64 << 20
+
+
+def verify_bundle(
+    bundle_dir: Path,
+    *,
+    policy: Policy,
+    now: int,
+    collateral: Collateral | None = None,
+    base_model_dir: Path | None = None,
+    dataset_file: Path | None = None,
+) -> Verdict:
+    """Verify ``bundle_dir`` under ``policy`` at unix time ``now``.
+
+    ``collateral`` overrides the bundle's collateral.json (fresh collateral from a PCCS).
+
+    Raises:
+        BundleError: the directory does not exist or holds no manifest.json (not a bundle at all).
+    """
+    root = Path(bundle_dir)
+    if not root.is_dir():
+        raise BundleError(f"{root} is not a directory", fix="pass the exports/<run_id> directory of a bundle")
+    if not (root / B.MANIFEST).is_file():
+        raise BundleError(f"{root} has no {B.MANIFEST}: not a cvm-tune export bundle")
+    f = QuoteFindings()
+    manifest_bytes = _read(root / B.MANIFEST)
+    manifest = _files_and_manifest(f, root, manifest_bytes)
+    raw = _quote_bytes(f, root)
+    coll = collateral if collateral is not None else _bundle_collateral(f, root)
+    events = _events(f, root)
+    if raw is not None:
+        verify_quote(raw, policy=policy, now=now, collateral=coll, events=events,
+                     expected_report_data=B.manifest_report_data(manifest_bytes), findings=f)
+    if manifest is not None:
+        _file_hashes(f, root, manifest)
+        _compose_and_app_id(f, root, manifest)
+        _audit(f, root, manifest, policy)
+        _inputs(f, manifest, base_model_dir, dataset_file)
+    return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
+
+
+def _read(path: Path) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read(MAX_FILE)
+
+
+def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> B.Manifest | None:
+    present, odd = set(), []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            full = Path(dirpath) / name
+            mode = os.lstat(full).st_mode
+            if stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                odd.append(full.relative_to(root).as_posix())
+            elif stat.S_ISREG(mode):
+                present.add(full.relative_to(root).as_posix())
+    manifest = None
+    try:
+        manifest = B.Manifest.model_validate(json.loads(manifest_bytes))
+        if set(manifest.files) != set(B.HASHED_FILES):
+            raise ValueError(f"manifest lists {sorted(manifest.files)}, expected {sorted(B.HASHED_FILES)}")
+        f.add("manifest.schema", "pass", B.MANIFEST_SCHEMA)
+    except (ValueError, ValidationError) as exc:
+        f.add("manifest.schema", "fail", f"manifest.json is not a valid {B.MANIFEST_SCHEMA} manifest: {str(exc).splitlines()[0]}")
+        manifest = None
+    expected = set(B.HASHED_FILES) | set(B.ATTESTATION_FILES)
+    extra = sorted(present - expected - set(B.OPTIONAL_FILES))
+    missing = sorted(expected - present)
+    problems = [*(f"unexpected file {p}" for p in extra), *(f"missing {p}" for p in missing),
+                *(f"{p} is a symlink or special file" for p in odd)]
+    f.add("bundle.files", "fail" if problems else "pass", "; ".join(problems) or f"{len(present)} files, none unexpected")
+    return manifest
+
+
+def _quote_bytes(f: QuoteFindings, root: Path) -> bytes | None:
+    try:
+        raw = _read(root / B.QUOTE_BIN)
+    except OSError:
+        f.add("quote.parse", "fail", f"{B.QUOTE_BIN} missing or unreadable")
+        return None
+    try:
+        hex_ok = _read(root / B.QUOTE_HEX).strip().decode("ascii").lower() == raw.hex()
+    except (OSError, UnicodeDecodeError):
+        hex_ok = False
+    f.add("quote.hex", "pass" if hex_ok else "fail", "quote.hex = hex(quote.bin)" if hex_ok else "quote.hex differs from quote.bin")
+    return raw
+
+
+def _bundle_collateral(f: QuoteFindings, root: Path) -> Collateral | None:
+    path = root / B.COLLATERAL
+    if not path.exists():
+        return None
+    try:
+        return parse_collateral(_read(path))
+    except AttestationError as exc:
+        f.add("collateral.parse", "fail", exc.message)
+        return None
+
+
+def _events(f: QuoteFindings, root: Path) -> tuple[Event, ...] | None:
+    try:
+        return parse_event_log(_read(root / B.EVENT_LOG))
+    except (OSError, AttestationError) as exc:
+        f.add("event_log.parse", "fail", getattr(exc, "message", f"{B.EVENT_LOG} missing or unreadable"))
+        return None
+
+
+def _file_hashes(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
+    bad = []
+    for rel, want in sorted(m.files.items()):
+        try:
+            if sha256_file(root / rel) != want:
+                bad.append(f"{rel} changed")
+        except (OSError, ValueError):
+            bad.append(f"{rel} unreadable")
+    f.add("manifest.files", "fail" if bad else "pass", "; ".join(bad) or f"{len(m.files)} file hashes match")
+
+
+def _compose_and_app_id(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
+    try:
+        actual = sha256_hex(_read(root / B.APP_COMPOSE))
+    except OSError:
+        actual = None
+    measured = f.boot.hex("compose-hash") if f.boot else None
+    td = f.quote.td if f.quote else None
+    config_id = td.mr_config_id if td else b""
+    problems = []
+    if actual != m.tee.compose_hash:
+        problems.append("app-compose.json does not hash to the manifest's compose_hash")
+    if measured != m.tee.compose_hash:
+        problems.append(f"event-log compose-hash {measured or '(absent)'} differs from the manifest")
+    if config_id[:1] == b"\x01" and config_id[1:33].hex() != m.tee.compose_hash:
+        problems.append("MRCONFIGID does not carry the manifest's compose_hash")
+    f.add("compose.hash", "fail" if problems else "pass", "; ".join(problems) or f"compose-hash {m.tee.compose_hash[:16]}… consistent")
+    app_id = f.boot.hex("app-id") if f.boot else None
+    ok = app_id == m.tee.app_id
+    f.add("tee.app_id", "pass" if ok else "fail", f"app-id {app_id or '(absent)'}" + ("" if ok else f" != manifest {m.tee.app_id}"))
+
+
+def _audit(f: QuoteFindings, root: Path, m: B.Manifest, policy: Policy) -> None:
+    try:
+        entries = parse_lines(_read(root / B.AUDIT))
+    except (OSError, AuditFormatError) as exc:
+        f.add("audit.chain", "fail", f"audit.jsonl unreadable: {exc}")
+        return
+    problems = chain_problems(entries)
+    if not entries:
+        problems.append("audit.jsonl is empty")
+    else:
+        first, last = entries[0], entries[-1]
+        if first.type != "run.start" or last.type != "export":
+            problems.append("the slice must run from a run.start entry to an export entry")
+        if first.prev != m.audit.start_prev or first.seq != m.audit.first_seq or len(entries) != m.audit.entries:
+            problems.append("slice start/length differ from the manifest")
+        if last.hash != m.audit.head:
+            problems.append("chain head differs from the manifest")
+        if any(e.run_id != m.run_id for e in entries):
+            problems.append("an entry belongs to another run")
+        problems += _entry_contents(entries, m)
+    f.add("audit.chain", "fail" if problems else "pass", "; ".join(problems) or f"{len(entries)} entries, head {m.audit.head[:16]}…")
+    _audit_rtmr3(f, entries, m, policy)
+
+
+def _entry_contents(entries: list[AuditEntry], m: B.Manifest) -> list[str]:
+    """The entries must commit to the same hashes as the manifest (nothing taken on trust)."""
+    want = {
+        "run.start": {
+            "config_sha256": m.files[B.CONFIG],
+            "dataset_encrypted_sha256": m.dataset.encrypted_sha256,
+            "dataset_plaintext_sha256": m.dataset.plaintext_sha256,
+            "base_model_tree_sha256": m.base_model.tree_sha256,
+            "code_source_sha256": m.code.source_sha256,
+        },
+        "train.done": {"global_step": m.training.global_step, "adapter_sha256": {k: m.files[k] for k in B.ADAPTER_FILES}},
+        "export": {"artifacts_sha256": files_digest({k: m.files[k] for k in B.ARTIFACT_FILES})},
+    }
+    problems = []
+    for e in entries:
+        expected = want.get(e.type)
+        if expected is not None and any(e.data.get(k) != v for k, v in expected.items()):
+            problems.append(f"{e.type} entry (seq {e.seq}) commits to different hashes than the manifest")
+    return problems
+
+
+def _audit_rtmr3(f: QuoteFindings, entries: list[AuditEntry], m: B.Manifest, policy: Policy) -> None:
+    if m.audit.rtmr3 == "unsupported":
+        status = "fail" if policy.require_rtmr3_audit else "skip"
+        f.add("audit.rtmr3", status, "the guest agent did not support EmitEvent: audit chain is bound by report_data only")
+        return
+    if f.boot is None:
+        f.add("audit.rtmr3", "fail", "no usable event log to match the audit entries against")
+        return
+    measured: list[AuditEntry] = []
+    for ev in f.boot.app_events:
+        try:
+            entry = parse_entry(ev.payload)
+        except AuditFormatError:
+            entry = None
+        if entry is None or ev.event != entry.event_name:
+            f.add("audit.rtmr3", "fail", f"RTMR3 app event {ev.event!r} (index {ev.index}) is not a cvm-tune audit entry")
+            return
+        measured.append(entry)
+    problems = chain_problems(measured)
+    lines = [e.line for e in entries]
+    seen = [e.line for e in measured]
+    # The run's entries from its last boot onward must be the tail of this boot's measured events;
+    # earlier entries may have been measured in a previous boot (a resumed run starts with run.resume).
+    start = next((i for i in range(len(lines)) if len(lines) - i <= len(seen) and seen[i - len(lines):] == lines[i:]), None)
+    if start is None or (start > 0 and entries[start].type != "run.resume"):
+        problems.append("the audit entries of this run are not the last events measured into RTMR3")
+    f.add("audit.rtmr3", "fail" if problems else "pass",
+          "; ".join(problems) or f"{len(lines) - (start or 0)} audit entries measured into RTMR3 and replayed")
+
+
+def _inputs(f: QuoteFindings, m: B.Manifest, base_model_dir: Path | None, dataset_file: Path | None) -> None:
+    problems = []
+    if files_digest(m.base_model.files) != m.base_model.tree_sha256:
+        problems.append("base_model.tree_sha256 does not match its file list")
+    if base_model_dir is not None:
+        try:
+            if tree_files(base_model_dir) != m.base_model.files:
+                problems.append(f"{base_model_dir} differs from the base model in the manifest")
+        except (OSError, ValueError) as exc:
+            problems.append(f"{base_model_dir} unreadable: {exc}")
+    detail = "; ".join(problems) or ("tree hash recomputed" + (f"; {base_model_dir} matches" if base_model_dir else ""))
+    f.add("base_model.tree", "fail" if problems else "pass", detail)
+    if dataset_file is None:
+        f.add("dataset.file", "skip", "no --dataset given: the encrypted dataset hash was not checked")
+        return
+    try:
+        ok = sha256_file(dataset_file) == m.dataset.encrypted_sha256
+    except (OSError, ValueError) as exc:
+        f.add("dataset.file", "fail", f"{dataset_file} unreadable: {exc}")
+        return
+    f.add("dataset.file", "pass" if ok else "fail", "encrypted dataset matches" if ok else f"{dataset_file} is not the dataset trained on")

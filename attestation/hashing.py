@@ -1,0 +1,69 @@
+"""Hashing helpers shared by the exporter and the verifier (stdlib only).
+
+``canonical_json`` is the one serialisation that gets hashed anywhere in cvm-tune: sorted keys,
+no whitespace, UTF-8, no NaN. ``tree_digest`` hashes a directory as a sorted list of
+``(relative posix path, sha256)`` pairs; symlinks and special files are refused so a tree hash
+always describes regular bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+_READ = 1 << 20
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Sorted-key, compact, UTF-8 JSON (raises ValueError on NaN/Infinity)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def sha256_hex(data: bytes) -> str:
+    """Hex SHA-256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a regular file, read in 1 MiB blocks (symlinks are refused)."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path} is not a regular file")
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(_READ):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tree_files(root: Path) -> dict[str, str]:
+    """``{relative posix path: sha256}`` for every regular file under ``root``.
+
+    Raises:
+        ValueError: a symlink or special file is present (never followed, never hashed).
+    """
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames.sort()
+        for name in dirnames:
+            if os.path.islink(os.path.join(dirpath, name)):
+                raise ValueError(f"symlink {os.path.join(dirpath, name)} is not allowed in {root}")
+        for name in sorted(filenames):
+            full = Path(dirpath) / name
+            out[full.relative_to(root).as_posix()] = sha256_file(full)
+    return dict(sorted(out.items()))
+
+
+def files_digest(files: dict[str, str]) -> str:
+    """One hex SHA-256 over a ``{path: sha256}`` map (order-independent, canonical JSON)."""
+    return sha256_hex(canonical_json(dict(sorted(files.items()))))
+
+
+def tree_digest(root: Path) -> tuple[str, dict[str, str]]:
+    """``(digest, files)`` of a directory: the digest is ``files_digest(tree_files(root))``."""
+    files = tree_files(root)
+    return files_digest(files), files

@@ -1,0 +1,414 @@
+"""Training package: tiny model, backend selection, LoRA SFT, sealed checkpoints, resume, privacy.
+
+Run: ``python -m pytest tests/test_training.py -q`` (CPU only, nothing downloaded; the tiny model
+is built once per session, each training run is a few optimizer steps on 20 rows).
+"""
+
+from __future__ import annotations
+
+import os
+
+for _key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY",
+             "UNSLOTH_DISABLE_STATISTICS"):
+    os.environ.setdefault(_key, "1")
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+from app.config import TrainingSettings  # noqa: E402
+from app.errors import BaseModelError, TrainingError  # noqa: E402
+from app.training import (  # noqa: E402
+    TrainingInterrupted,
+    TrainRequest,
+    TrainResult,
+    build_tiny_model,
+    select_backend,
+    train,
+)
+from app.training.checkpoints import ADAPTER_FILES, MARKER, select_checkpoint, write_marker  # noqa: E402
+from attestation.hashing import sha256_file, tree_digest  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE = REPO / "app" / "data" / "sample.jsonl"
+FP = "ab" * 32
+OTHER_FP = "cd" * 32
+CANARY = "CANARY-q7Zx-4411-plaintext"
+# 20 mixed rows, batch 2: 10 steps per epoch, so the 12-step run resumes at step 8 (epoch 0)
+# and its final steps run in epoch 1.
+SETTINGS = TrainingSettings(max_steps=12, per_device_batch_size=2, gradient_accumulation_steps=1,
+                            learning_rate=5e-3, max_length=64, save_steps=4, logging_steps=1)
+SUBPROCESS_ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def _rows(n: int = 20) -> list[dict[str, Any]]:
+    with open(SAMPLE, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh][:n]
+
+
+def _tensors(adapter_dir: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(adapter_dir / "adapter_model.safetensors"))
+
+
+def _assert_same_adapter(a: Path, b: Path, atol: float = 1e-5) -> None:
+    import torch
+
+    ta, tb = _tensors(a), _tensors(b)
+    assert sorted(ta) == sorted(tb)
+    for name in ta:
+        assert torch.allclose(ta[name], tb[name], atol=atol, rtol=0), name
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny base model, built once per session."""
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    build_tiny_model(path)
+    return path
+
+
+def _request(base: Path, run_dir: Path, **kw: Any) -> TrainRequest:
+    fields: dict[str, Any] = {"base_model_dir": base, "base_model_name": "cvm-tune/tiny-llama", "rows": _rows(),
+                              "run_dir": run_dir, "settings": SETTINGS, "fingerprint": FP}
+    fields.update(kw)
+    return TrainRequest(**fields)
+
+
+@dataclass
+class Baseline:
+    result: TrainResult
+    logs: list[dict[str, Any]]
+    run_dir: Path
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Baseline:
+    """One uninterrupted 12-step run that several tests compare against."""
+    run_dir = tmp_path_factory.mktemp("baseline")
+    logs: list[dict[str, Any]] = []
+    result = train(_request(tiny_model, run_dir, on_log=logs.append))
+    return Baseline(result, logs, run_dir)
+
+
+def _copy_checkpoints(src_run: Path, dest_run: Path) -> Path:
+    shutil.copytree(src_run / "checkpoints", dest_run / "checkpoints")
+    return dest_run / "checkpoints"
+
+
+# --- tiny model ---------------------------------------------------------------------------------------
+
+
+def test_tiny_model_is_byte_identical_across_processes(tiny_model: Path, tmp_path: Path) -> None:
+    other = tmp_path / "elsewhere" / "tiny"
+    code = "import sys; from pathlib import Path; from app.training import build_tiny_model; build_tiny_model(Path(sys.argv[1]))"
+    env = {**SUBPROCESS_ENV, "PYTHONHASHSEED": "12345"}
+    subprocess.run([sys.executable, "-c", code, str(other)], check=True, env=env, cwd=tmp_path, capture_output=True)
+    digest, files = tree_digest(tiny_model)
+    assert tree_digest(other) == (digest, files)
+    assert sorted(files) == ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+                             "tokenizer.json", "tokenizer_config.json"]
+    assert not [p.name for p in other.parent.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_tiny_model_shape_and_chat_template(tiny_model: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(tiny_model, local_files_only=True)
+    assert (cfg.model_type, cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == ("llama", 64, 128, 2)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.max_position_embeddings) == (4, 4, 256)
+    assert cfg.tie_word_embeddings is False and 512 <= cfg.vocab_size <= 1024
+    tok = AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
+    msgs = [{"role": "user", "content": "What is 2 plus 3?"}, {"role": "assistant", "content": "2 plus 3 is 5."}]
+    assert tok.apply_chat_template(msgs, tokenize=False) == (
+        "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n2 plus 3 is 5.<|im_end|>\n")
+    assert (tok.eos_token, tok.pad_token, tok.bos_token) == ("<|im_end|>", "<pad>", "<|endoftext|>")
+
+
+def test_build_tiny_model_keeps_complete_dir_and_refuses_partial(tiny_model: Path, tmp_path: Path) -> None:
+    before = tree_digest(tiny_model)
+    build_tiny_model(tiny_model)  # complete: left as is
+    assert tree_digest(tiny_model) == before
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text("{}")
+    with pytest.raises(BaseModelError, match="incomplete"):
+        build_tiny_model(partial)
+
+
+# --- backend selection and imports ---------------------------------------------------------------------
+
+
+def test_select_backend_on_cpu() -> None:
+    assert select_backend("auto") == "hf"
+    assert select_backend("hf") == "hf"
+    with pytest.raises(TrainingError) as err:
+        select_backend("unsloth")
+    assert "unsloth" in err.value.message and err.value.fix
+
+
+def test_package_import_is_light() -> None:
+    code = ("import sys, app.training, app.training.backend, app.training.checkpoints; "
+            "print([m for m in ('torch', 'transformers', 'trl', 'peft', 'datasets', 'unsloth') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], check=True, env=SUBPROCESS_ENV, capture_output=True, text=True)
+    assert out.stdout.strip() == "[]"
+
+
+# --- a training run -------------------------------------------------------------------------------------
+
+
+def test_training_run_loss_adapter_and_metrics(baseline: Baseline, tiny_model: Path) -> None:
+    r = baseline.result
+    assert (r.backend, r.device, r.global_step, r.resumed_from_step) == ("hf", "cpu", 12, None)
+    assert [step for step, _ in r.losses] == list(range(1, 13))
+    first, last = [loss for _, loss in r.losses[:2]], [loss for _, loss in r.losses[-2:]]
+    assert sum(last) / 2 < sum(first) / 2 - 0.05
+    assert r.train_runtime_s > 0 and r.tokens_seen and r.tokens_seen > 0
+    assert set(r.library_versions) == {"torch", "transformers", "peft", "trl", "datasets", "accelerate"}
+    assert "unsloth" not in sys.modules
+
+    assert r.adapter_dir == baseline.run_dir / "adapter"
+    assert sorted(p.name for p in r.adapter_dir.iterdir()) == sorted(ADAPTER_FILES)
+    cfg = json.loads((r.adapter_dir / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == "cvm-tune/tiny-llama"
+    assert cfg["target_modules"] == sorted(SETTINGS.lora.target_modules)
+    assert (cfg["r"], cfg["lora_alpha"]) == (SETTINGS.lora.r, SETTINGS.lora.alpha)
+
+    assert [m["step"] for m in baseline.logs] == list(range(1, 13))
+    for m in baseline.logs:
+        assert set(m) == {"step", "loss", "learning_rate", "grad_norm", "epoch"}
+        assert isinstance(m["step"], int) and all(isinstance(m[k], float) for k in ("loss", "learning_rate", "epoch"))
+        assert m["grad_norm"] is None or isinstance(m["grad_norm"], float)
+    assert [(m["step"], m["loss"]) for m in baseline.logs] == r.losses
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+def test_adapter_loads_and_generates(baseline: Baseline, tiny_model: Path) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)
+    model = PeftModel.from_pretrained(base, baseline.result.adapter_dir).eval()
+    enc = tok.apply_chat_template([{"role": "user", "content": "What is 2 plus 3?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] == enc["input_ids"].shape[1] + 6
+
+
+def test_two_runs_from_scratch_are_identical(baseline: Baseline, tiny_model: Path, tmp_path: Path) -> None:
+    again = train(_request(tiny_model, tmp_path))
+    for name in ADAPTER_FILES:
+        assert sha256_file(again.adapter_dir / name) == sha256_file(baseline.result.adapter_dir / name)
+    assert again.losses == baseline.result.losses
+
+
+# --- checkpoints and resume ------------------------------------------------------------------------------
+
+
+def test_checkpoints_are_sealed(baseline: Baseline) -> None:
+    ckpts = sorted(p.name for p in (baseline.run_dir / "checkpoints").iterdir() if p.is_dir())
+    assert ckpts == ["checkpoint-12", "checkpoint-4", "checkpoint-8"]  # save_total_limit=3
+    marker = json.loads((baseline.run_dir / "checkpoints" / "checkpoint-12" / MARKER).read_text())
+    assert (marker["fingerprint"], marker["global_step"]) == (FP, 12)
+    assert {"adapter_model.safetensors", "optimizer.pt", "rng_state.pth", "trainer_state.json"} <= set(marker["files"])
+
+
+def test_interrupted_run_resumes_to_the_same_adapter(baseline: Baseline, tiny_model: Path, tmp_path: Path) -> None:
+    with pytest.raises(TrainingInterrupted):
+        train(_request(tiny_model, tmp_path, stop_after_step=8))
+    assert not (tmp_path / "adapter").exists()
+    assert select_checkpoint(tmp_path / "checkpoints", FP).step == 8
+    resumed = train(_request(tiny_model, tmp_path))
+    assert (resumed.resumed_from_step, resumed.global_step) == (8, 12)
+    assert [s for s, _ in resumed.losses] == list(range(1, 13))  # steps 1-8 restored from the log history
+    for (sa, la), (sb, lb) in zip(resumed.losses, baseline.result.losses, strict=True):
+        assert sa == sb and la == pytest.approx(lb, abs=1e-5)
+    _assert_same_adapter(resumed.adapter_dir, baseline.result.adapter_dir)
+    assert resumed.tokens_seen == baseline.result.tokens_seen
+
+
+def test_checkpoint_with_other_fingerprint_is_not_resumed(baseline: Baseline, tiny_model: Path, tmp_path: Path) -> None:
+    _copy_checkpoints(baseline.run_dir, tmp_path)
+    result = train(_request(tiny_model, tmp_path, fingerprint=OTHER_FP))
+    assert result.resumed_from_step is None
+    _assert_same_adapter(result.adapter_dir, baseline.result.adapter_dir)  # fresh run, same seed
+    marker = json.loads((tmp_path / "checkpoints" / "checkpoint-12" / MARKER).read_text())
+    assert marker["fingerprint"] == OTHER_FP  # stale checkpoints were discarded, not mixed in
+
+
+def test_corrupted_checkpoint_falls_back_to_previous(baseline: Baseline, tiny_model: Path, tmp_path: Path) -> None:
+    ckpts = _copy_checkpoints(baseline.run_dir, tmp_path)
+    target = ckpts / "checkpoint-12" / "adapter_model.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-3] ^= 0x01
+    target.write_bytes(bytes(data))
+    choice = select_checkpoint(ckpts, FP)
+    assert choice.step == 8 and choice.rejected == [("checkpoint-12", "hash mismatch: adapter_model.safetensors")]
+    result = train(_request(tiny_model, tmp_path))
+    assert result.resumed_from_step == 8
+    _assert_same_adapter(result.adapter_dir, baseline.result.adapter_dir)
+
+
+def test_checkpoint_without_marker_is_skipped(baseline: Baseline, tiny_model: Path, tmp_path: Path) -> None:
+    ckpts = _copy_checkpoints(baseline.run_dir, tmp_path)
+    (ckpts / "checkpoint-12" / MARKER).unlink()  # as if the process died during HF's save
+    result = train(_request(tiny_model, tmp_path))
+    assert result.resumed_from_step == 8
+    _assert_same_adapter(result.adapter_dir, baseline.result.adapter_dir)
+
+
+def test_finished_checkpoint_resumes_without_steps(baseline: Baseline, tiny_model: Path, tmp_path: Path) -> None:
+    _copy_checkpoints(baseline.run_dir, tmp_path)
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "stale.bin").write_bytes(b"old")
+    result = train(_request(tiny_model, tmp_path))
+    assert (result.resumed_from_step, result.global_step) == (12, 12)  # HF alone would run a 13th step
+    assert (result.losses, result.tokens_seen) == (baseline.result.losses, baseline.result.tokens_seen)
+    assert sorted(p.name for p in result.adapter_dir.iterdir()) == sorted(ADAPTER_FILES)
+    _assert_same_adapter(result.adapter_dir, baseline.result.adapter_dir, atol=0.0)
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda d: (d / "extra.txt").write_text("x"), "unexpected files: extra.txt"),
+        (lambda d: (d / "optimizer.pt").unlink(), "missing files: optimizer.pt"),
+        (lambda d: (d / MARKER).write_text("{not json"), "unreadable completeness marker"),
+        (lambda d: (d / MARKER).unlink(), "no completeness marker (interrupted save)"),
+    ],
+)
+def test_select_checkpoint_reasons(tmp_path: Path, damage: Callable[[Path], object], reason: str) -> None:
+    for step in (2, 4):
+        d = tmp_path / f"checkpoint-{step}"
+        d.mkdir()
+        for name in ("optimizer.pt", "trainer_state.json", "adapter_model.safetensors"):
+            (d / name).write_bytes(f"{name}-{step}".encode())
+        write_marker(d, fingerprint=FP, global_step=step)
+    (tmp_path / "checkpoint-x").mkdir()  # not a checkpoint name: ignored
+    damage(tmp_path / "checkpoint-4")
+    choice = select_checkpoint(tmp_path, FP)
+    assert (choice.step, choice.rejected) == (2, [("checkpoint-4", reason)])
+    assert select_checkpoint(tmp_path, OTHER_FP).path is None
+
+
+# --- rows and errors ----------------------------------------------------------------------------------------
+
+
+def test_dataset_formats(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from app.training.backend import build_dataset
+
+    tok = AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    mixed = build_dataset([chat, {"text": "plain note"}], tok, assistant_only_loss=False)
+    assert mixed.column_names == ["text"] and mixed.cache_files == []
+    assert mixed[0]["text"] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>"
+    assert mixed[1]["text"] == "plain note"
+    assert build_dataset([chat], tok, assistant_only_loss=True).column_names == ["messages"]
+    assert build_dataset([{"text": "a"}], tok, assistant_only_loss=False).column_names == ["text"]
+    with pytest.raises(TrainingError, match="1 of 2 rows are text rows"):
+        build_dataset([chat, {"text": "plain note"}], tok, assistant_only_loss=True)
+    with pytest.raises(TrainingError) as err:
+        build_dataset([chat, {"messages": CANARY}], tok, assistant_only_loss=False)
+    assert "row 1" in err.value.message and CANARY not in err.value.message
+
+
+def test_assistant_only_loss_trains_on_chat_rows(tiny_model: Path, tmp_path: Path) -> None:
+    rows = [r for r in _rows(40) if "messages" in r][:8]
+    settings = SETTINGS.model_copy(update={"assistant_only_loss": True, "max_steps": 2})
+    result = train(_request(tiny_model, tmp_path, rows=rows, settings=settings))
+    assert result.global_step == 2 and all(loss > 0 for _, loss in result.losses)
+
+
+def test_zero_trainable_tokens_is_a_training_error(tiny_model: Path, tmp_path: Path) -> None:
+    rows = [{"messages": [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "ok"}]}]
+    settings = SETTINGS.model_copy(update={"assistant_only_loss": True, "max_length": 8})
+    with pytest.raises(TrainingError, match="zero trainable tokens"):
+        train(_request(tiny_model, tmp_path, rows=rows, settings=settings))
+
+
+def test_exception_inside_training_is_wrapped(tiny_model: Path, tmp_path: Path) -> None:
+    def boom(_metrics: dict[str, Any]) -> None:
+        raise ValueError("callback exploded\nsecond line")
+
+    with pytest.raises(TrainingError) as err:
+        train(_request(tiny_model, tmp_path, on_log=boom, settings=SETTINGS.model_copy(update={"max_steps": 1})))
+    assert err.value.message == "training failed: ValueError: callback exploded"
+    assert isinstance(err.value.__cause__, ValueError)
+
+
+def test_request_checks(tiny_model: Path, tmp_path: Path) -> None:
+    with pytest.raises(TrainingError, match="fingerprint"):
+        train(_request(tiny_model, tmp_path, fingerprint="not-hex"))
+    with pytest.raises(TrainingError, match="absolute path"):
+        train(_request(tiny_model, tmp_path, base_model_name=str(tiny_model)))
+
+
+def test_missing_base_model_dir(tmp_path: Path) -> None:
+    with pytest.raises(BaseModelError, match="does not exist") as err:
+        train(_request(tmp_path / "nope", tmp_path / "run"))
+    assert str(tmp_path / "nope") in err.value.message and err.value.fix
+
+
+def test_garbled_base_model_dir(tiny_model: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    (broken / "config.json").write_text("{ this is not json")
+    with pytest.raises(BaseModelError, match="cannot load base model"):
+        train(_request(broken, tmp_path / "run"))
+
+
+# --- privacy --------------------------------------------------------------------------------------------------
+
+_CANARY_SCRIPT = textwrap.dedent("""
+    import json, logging, sys
+    from pathlib import Path
+    logging.basicConfig(level=logging.INFO)
+    import transformers
+    transformers.logging.set_verbosity_info()
+    from app.config import TrainingSettings
+    from app.training import TrainRequest, train
+    base, run_dir, rows = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3])
+    settings = TrainingSettings(max_steps=2, per_device_batch_size=2, gradient_accumulation_steps=1,
+                                max_length=64, save_steps=1, logging_steps=1)
+    logs = []
+    train(TrainRequest(base_model_dir=base, base_model_name="tiny", rows=rows, run_dir=run_dir,
+                       settings=settings, fingerprint="ef" * 32, on_log=logs.append))
+    print(json.dumps(logs))
+""")
+
+
+def test_no_plaintext_on_disk_and_no_hf_cache(tiny_model: Path, tmp_path: Path) -> None:
+    rows = _rows(6) + [
+        {"messages": [{"role": "user", "content": f"secret {CANARY}?"}, {"role": "assistant", "content": CANARY}]},
+        {"text": f"note {CANARY}"},
+    ]
+    dirs = {name: tmp_path / name for name in ("hf_home", "hf_datasets", "xdg", "tmp", "run")}
+    for d in dirs.values():
+        d.mkdir()
+    env = {**SUBPROCESS_ENV, "HF_HOME": str(dirs["hf_home"]), "HF_DATASETS_CACHE": str(dirs["hf_datasets"]),
+           "XDG_CACHE_HOME": str(dirs["xdg"]), "TMPDIR": str(dirs["tmp"])}
+    proc = subprocess.run([sys.executable, "-c", _CANARY_SCRIPT, str(tiny_model), str(dirs["run"]), json.dumps(rows)],
+                          env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert CANARY not in proc.stdout and CANARY not in proc.stderr  # logs carry metrics only
+    assert (dirs["run"] / "adapter" / "adapter_model.safetensors").is_file()
+    assert not [p for d in ("hf_home", "hf_datasets") for p in dirs[d].rglob("*") if p.is_file()]
+    needle = CANARY.encode()
+    for d in dirs.values():
+        for p in d.rglob("*"):
+            if p.is_file():
+                assert needle not in p.read_bytes(), p
