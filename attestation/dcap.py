@@ -14,8 +14,10 @@ from datetime import datetime
 
 import dcap_qvl
 from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
 
 from attestation.errors import CollateralError
+from attestation.roots import INTEL_SGX_ROOT_CA_DER
 
 _PEM_FIELDS = ("pck_crl_issuer_chain", "tcb_info_issuer_chain", "qe_identity_issuer_chain", "pck_certificate_chain")
 _CRL_FIELDS = ("root_ca_crl", "pck_crl")
@@ -90,8 +92,35 @@ def parse_collateral(text: str | bytes) -> Collateral:
     return Collateral(text, qvl, max(starts), min(ends), tcb_number)
 
 
+def chain_root_problems(raw: bytes, collateral: Collateral, root_der: bytes) -> list[str]:
+    """Every PEM chain (quote certification data, collateral issuer chains) must end in ``root_der``.
+
+    dcap-qvl anchors at its own root and ignores a root copy inside a chain, so an altered copy
+    would pass unnoticed; the shipped chains are part of the evidence and must be exactly right.
+    """
+    chains: list[tuple[str, bytes]] = []
+    try:
+        embedded = dcap_qvl.parse_quote(bytes(raw)).cert_chain_pem_bytes()
+    except ValueError:
+        embedded = None
+    if embedded:
+        chains.append(("the quote's PCK chain", embedded.rstrip(b"\0")))
+    obj = json.loads(collateral.text)
+    chains += [(f"collateral {k}", obj[k].encode()) for k in _PEM_FIELDS if obj.get(k)]
+    problems = []
+    for name, pem in chains:
+        try:
+            last = x509.load_pem_x509_certificates(pem)[-1].public_bytes(Encoding.DER)
+        except ValueError:
+            problems.append(f"{name} is not a PEM certificate chain")
+            continue
+        if last != root_der:
+            problems.append(f"{name} does not end in the trusted root certificate")
+    return problems
+
+
 def dcap_verify(raw: bytes, collateral: Collateral, *, root_der: bytes | None, now: int) -> DcapResult:
-    """Run dcap-qvl. ``root_der`` None = Intel's root (compiled in); else that test root.
+    """Run dcap-qvl, then :func:`chain_root_problems`. ``root_der`` None = Intel's root.
 
     The quote is passed byte-exact (dcap-qvl insists on ``bytes``; ``now`` must be an int).
     """
@@ -102,4 +131,7 @@ def dcap_verify(raw: bytes, collateral: Collateral, *, root_der: bytes | None, n
             rep = dcap_qvl.verify_with_root_ca(bytes(raw), collateral.qvl, bytes(root_der), int(now))
     except (ValueError, TypeError, OverflowError) as exc:
         return DcapResult(False, None, (), " | ".join(line.strip() for line in str(exc).splitlines() if line.strip()))
+    problems = chain_root_problems(raw, collateral, INTEL_SGX_ROOT_CA_DER if root_der is None else root_der)
+    if problems:
+        return DcapResult(False, None, (), "; ".join(problems))
     return DcapResult(True, rep.status, tuple(rep.advisory_ids), None)

@@ -1,0 +1,258 @@
+"""The whole slice: simulator -> encrypted dataset -> `cvm-tune run` -> `cvm-tune verify`, then tampering.
+
+One demo run (module scope) produces a bundle; each tamper test copies it and changes one thing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app.cli import main
+from app.simulator import GuestAgentSimulator
+
+STEPS = 12
+
+
+def _write_config(path: Path, out: Path, **extra: object) -> Path:
+    cfg = {"output": {"dir": str(out)}, "training": {"max_steps": STEPS, "save_steps": 4, "logging_steps": 1}}
+    for key, value in extra.items():
+        cfg[key] = value
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One `cvm-tune run` on the embedded defaults (fewer steps), through the CLI entry point."""
+    root = tmp_path_factory.mktemp("demo")
+    out = root / "out"
+    cfg = _write_config(root / "cfg.yaml", out)
+    lines: list[str] = []
+    import builtins
+
+    real_print = builtins.print
+    builtins.print = lambda *a, **k: lines.append(" ".join(str(x) for x in a))  # capture the CLI's output
+    try:
+        rc = main(["run", "--config", str(cfg)])
+    finally:
+        builtins.print = real_print
+    bundle = next((out / "exports").iterdir())
+    return {"rc": rc, "lines": lines, "bundle": bundle, "out": out, "policy": out / "simulator-test-policy.yaml"}
+
+
+def verify(bundle: Path, *args: str) -> int:
+    return main(["verify", str(bundle), *args])
+
+
+def test_run_exports_a_bundle_and_prints_the_verdict(demo: dict) -> None:
+    assert demo["rc"] == 0
+    text = "\n".join(demo["lines"])
+    assert f"Export bundle: {demo['bundle']}" in text
+    assert "ACCEPTED" in text and "NOT evidence of a real TEE" in text
+    assert "REJECTED under policy 'default'" in text and "quote.signature" in text
+
+
+def test_bundle_layout(demo: dict) -> None:
+    files = sorted(p.relative_to(demo["bundle"]).as_posix() for p in demo["bundle"].rglob("*") if p.is_file())
+    assert files == sorted([
+        "README.md", "adapter/adapter_config.json", "adapter/adapter_model.safetensors", "app-compose.json",
+        "audit.jsonl", "collateral.json", "config.json", "event_log.json", "manifest.json", "quote.bin", "quote.hex"])
+    manifest = json.loads((demo["bundle"] / "manifest.json").read_text())
+    assert manifest["schema"] == "cvm-tune/manifest/v1"
+    assert manifest["backend"]["name"] == "hf"
+    assert manifest["tee"]["mode"] == "embedded-simulator"
+    assert manifest["audit"]["rtmr3"] == "emit_event"
+    adapter_cfg = json.loads((demo["bundle"] / "adapter/adapter_config.json").read_text())
+    assert adapter_cfg["base_model_name_or_path"] == "cvm-tune/tiny-llama"  # no build path leaks
+
+
+def test_loss_goes_down(demo: dict) -> None:
+    losses = json.loads((demo["bundle"] / "manifest.json").read_text())["training"]["losses"]
+    assert len(losses) == STEPS
+    first, last = [v for _, v in losses[:3]], [v for _, v in losses[-3:]]
+    assert sum(last) / 3 < sum(first) / 3 - 0.05
+
+
+def test_adapter_loads_with_peft_and_generates(demo: dict) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_dir = demo["out"] / "models" / "tiny-llama"
+    tok = AutoTokenizer.from_pretrained(base_dir, local_files_only=True)
+    base = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True)
+    model = PeftModel.from_pretrained(base, demo["bundle"] / "adapter").eval()
+    enc = tok.apply_chat_template([{"role": "user", "content": "What is 2 plus 3?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[1] == enc["input_ids"].shape[1] + 6
+
+
+def test_verify_accepts_under_the_simulator_policy(demo: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    assert verify(demo["bundle"], "--policy", str(demo["policy"])) == 0
+    assert "NOT evidence of a real TEE" in capsys.readouterr().out
+
+
+def test_default_policy_rejects_simulator_quotes(demo: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    assert verify(demo["bundle"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL quote.signature" in out
+
+
+def test_verify_json_schema(demo: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    assert verify(demo["bundle"], "--policy", str(demo["policy"]), "--json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] == "accepted" and doc["test_root"] is True
+    assert doc["tcb_status"] == "UpToDate"
+    assert doc["quote_hex"] == (demo["bundle"] / "quote.bin").read_bytes().hex()
+    assert doc["replayed_rtmrs"][3] == doc["measurements"]["rtmr3"]
+    names = {c["name"] for c in doc["checks"]}
+    for required in ("quote.signature", "report_data", "manifest.files", "event_log.replay", "audit.chain", "audit.rtmr3"):
+        assert required in names
+
+
+def test_verify_checks_the_inputs_when_given(demo: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    ds = next((demo["out"] / "datasets").iterdir())
+    args = ["--policy", str(demo["policy"]), "--base-model", str(demo["out"] / "models" / "tiny-llama")]
+    assert verify(demo["bundle"], *args, "--dataset", str(ds)) == 0
+    other = demo["out"] / "other.cvmds"
+    other.write_bytes(ds.read_bytes() + b"x")
+    assert verify(demo["bundle"], *args, "--dataset", str(other)) == 1
+    assert "FAIL dataset.file" in capsys.readouterr().out
+
+
+def test_expired_collateral_is_cannot_verify(demo: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    assert verify(demo["bundle"], "--policy", str(demo["policy"]), "--now", "4100000000") == 1
+    assert "FAIL collateral.window: cannot verify" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- tampering
+# file -> checks of which at least one must fail when one byte of that file changes
+TAMPER = {
+    "adapter/adapter_model.safetensors": {"manifest.files"},
+    "adapter/adapter_config.json": {"manifest.files"},
+    "config.json": {"manifest.files"},
+    "app-compose.json": {"manifest.files", "compose.hash"},
+    "README.md": {"manifest.files"},
+    "audit.jsonl": {"manifest.files", "audit.chain"},
+    "manifest.json": {"report_data", "manifest.schema"},
+    "quote.bin": {"quote.signature", "quote.parse", "quote.padding"},
+    "quote.hex": {"quote.hex"},
+    "event_log.json": {"event_log.replay", "event_log.parse"},
+    "collateral.json": {"quote.signature", "collateral.parse"},
+}
+
+
+def _copy(demo: dict, tmp_path: Path) -> Path:
+    dst = tmp_path / "bundle"
+    shutil.copytree(demo["bundle"], dst)
+    return dst
+
+
+def _failed(bundle: Path, policy: Path, capsys: pytest.CaptureFixture[str]) -> set[str]:
+    rc = verify(bundle, "--policy", str(policy), "--json")
+    doc = json.loads(capsys.readouterr().out)
+    failed = {c["name"] for c in doc["checks"] if c["status"] == "fail"}
+    assert (rc == 1) == bool(failed)
+    return failed
+
+
+@pytest.mark.parametrize("name", sorted(TAMPER))
+@pytest.mark.parametrize("where", [0.25, 0.5, 0.9])
+def test_one_byte_flip_in_any_bundle_file_is_rejected(demo: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      name: str, where: float) -> None:
+    bundle = _copy(demo, tmp_path)
+    path = bundle / name
+    data = bytearray(path.read_bytes())
+    pos = int(len(data) * where)
+    if name == "quote.bin":
+        pos = min(pos, 631)  # inside the signed header+body (the verifier also rejects non-zero padding)
+    data[pos] ^= 0x01
+    path.write_bytes(bytes(data))
+    failed = _failed(bundle, demo["policy"], capsys)
+    assert failed & TAMPER[name], f"flip in {name}@{pos}: failed checks {failed}"
+
+
+def test_added_file_is_rejected(demo: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bundle = _copy(demo, tmp_path)
+    (bundle / "adapter" / "extra.safetensors").write_bytes(b"unsigned")
+    assert "bundle.files" in _failed(bundle, demo["policy"], capsys)
+
+
+def test_removed_file_is_rejected(demo: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bundle = _copy(demo, tmp_path)
+    (bundle / "README.md").unlink()
+    assert {"bundle.files", "manifest.files"} <= _failed(bundle, demo["policy"], capsys)
+
+
+def test_symlink_is_rejected(demo: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bundle = _copy(demo, tmp_path)
+    target = bundle / "config.json"
+    moved = tmp_path / "config.json"
+    shutil.move(target, moved)
+    target.symlink_to(moved)
+    assert "bundle.files" in _failed(bundle, demo["policy"], capsys)
+
+
+def test_quote_from_other_content_is_rejected(demo: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A valid quote (same simulator, same test CA) for different report_data: only the binding fails."""
+    bundle = _copy(demo, tmp_path)
+    sim = GuestAgentSimulator()
+    resp = sim.get_quote(b"\x42" * 64)
+    (bundle / "quote.bin").write_bytes(bytes.fromhex(resp["quote"]))
+    (bundle / "quote.hex").write_text(resp["quote"] + "\n")
+    (bundle / "event_log.json").write_text(resp["event_log"])
+    failed = _failed(bundle, demo["policy"], capsys)
+    assert "report_data" in failed
+    assert "quote.signature" not in failed
+
+
+def test_reordered_audit_is_rejected(demo: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bundle = _copy(demo, tmp_path)
+    lines = (bundle / "audit.jsonl").read_bytes().splitlines(keepends=True)
+    (bundle / "audit.jsonl").write_bytes(b"".join([lines[1], lines[0], *lines[2:]]))
+    assert "audit.chain" in _failed(bundle, demo["policy"], capsys)
+
+
+# ----------------------------------------------------------------------------- input errors (exit 2)
+def test_input_errors_exit_2(demo: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert verify(tmp_path / "missing") == 2
+    (tmp_path / "empty").mkdir()
+    assert verify(tmp_path / "empty") == 2
+    bad_policy = tmp_path / "p.yaml"
+    bad_policy.write_text("allowed_tcb_statuses: [Great]\n")
+    assert verify(demo["bundle"], "--policy", str(bad_policy)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("error:") == 3
+
+
+def test_verify_runs_as_a_console_script_without_torch(demo: dict) -> None:
+    """`cvm-tune verify` in a fresh interpreter: exit code contract, and no training stack imported."""
+    code = ("import sys; from app.cli import main; rc = main(sys.argv[1:]); "
+            "heavy = [m for m in ('torch', 'transformers', 'trl', 'peft') if m in sys.modules]; "
+            "print('HEAVY', heavy); raise SystemExit(rc)")
+    res = subprocess.run([sys.executable, "-c", code, "verify", str(demo["bundle"]), "--policy", str(demo["policy"])],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "HEAVY []" in res.stdout
+
+
+# ----------------------------------------------------------------------------- fail closed
+def test_no_guest_agent_exports_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("DSTACK_SIMULATOR_ENDPOINT", raising=False)
+    out = tmp_path / "out"
+    cfg = _write_config(tmp_path / "c.yaml", out, tee={"mode": "dstack", "endpoint": str(tmp_path / "none.sock")})
+    assert main(["run", "--config", str(cfg)]) == 5
+    err = capsys.readouterr().err
+    assert "error:" in err and "fix:" in err and "Traceback" not in err
+    assert not list((out / "exports").iterdir()) if (out / "exports").exists() else True
