@@ -9,6 +9,7 @@ bundle appears under ``exports/`` only when complete (staged, fsynced, renamed).
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import shutil
 import time
@@ -30,13 +31,14 @@ from app import export
 from app.audit import AuditLog, AuditRecorder, utc_now
 from app.config import Config
 from app.dataset import DerivedKeySource, KeyFileSource, KeySource, encrypt_file, open_encrypted, parse_jsonl
-from app.errors import BaseModelError, StateError, TeeError
+from app.errors import BaseModelError, ConfigError, StateError, TeeError
 from app.fsutil import atomic_write_bytes, remove_stale_temps, staged_dir
 from app.tee import GuestAgent, Identity, open_guest_agent
 
 Progress = Callable[[str], None]
 SIMULATOR_POLICY_FILE = "simulator-test-policy.yaml"
 SAMPLE_DATASET_ID = "cvm-tune-sample"
+RUN_ID = re.compile(B.RUN_ID_PATTERN)
 
 
 @dataclass
@@ -74,6 +76,8 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
     """
     from app.training import TrainRequest, build_tiny_model, train  # heavy stack, imported lazily
 
+    if run_id is not None and not RUN_ID.fullmatch(run_id):
+        raise ConfigError(f"run id {run_id!r} is not allowed", fix="use 1-100 letters, digits, '.', '_' or '-', not starting with '.' or '-'")
     timer, t0 = _Timer(), time.perf_counter()
     out = cfg.output.dir.resolve()
     for sub in ("state", "datasets", "models", "runs", "exports"):
@@ -86,7 +90,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             agent = stack.enter_context(open_guest_agent(cfg.tee))
         ident = agent.identity()
         simulated = cfg.tee.mode == "embedded-simulator" or ident.is_cvm_tune_simulator
-        progress(f"guest agent: {_describe_agent(cfg, ident, simulated)}")
+        progress(f"guest agent: {_describe_agent(ident, simulated)}")
         compose_bytes = ident.app_compose.encode()
         if sha256_hex(compose_bytes) != ident.compose_hash:
             raise TeeError("the agent's app-compose text does not hash to its compose-hash", fix="report this: the guest agent is inconsistent")
@@ -127,8 +131,8 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         fingerprint = sha256_hex(json.dumps([sha256_hex(config_bytes), dataset["plaintext_sha256"], base_tree]).encode())
         run_id, resuming = _pick_run(out, fingerprint, run_id)
         run_dir = out / "runs" / run_id
-        _write_state(run_dir, {"run_id": run_id, "fingerprint": fingerprint, "status": "running", "started_at": utc_now()})
-        started_at = json.loads((run_dir / "state.json").read_text())["started_at"]
+        started_at = json.loads((run_dir / "state.json").read_text())["started_at"] if resuming else utc_now()
+        _write_state(run_dir, {"run_id": run_id, "fingerprint": fingerprint, "status": "running", "started_at": started_at})
 
         # 6. Audit: run.start (or run.resume) commits to every input hash before training.
         with timer.phase("audit"):
@@ -217,7 +221,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
                      result.resumed_from_step)
 
 
-def _describe_agent(cfg: Config, ident: Identity, simulated: bool) -> str:
+def _describe_agent(ident: Identity, simulated: bool) -> str:
     kind = "cvm-tune SIMULATOR (test CA, not a TEE)" if simulated else "dstack"
     return f"{kind} {ident.version} app_id {ident.app_id} compose_hash {ident.compose_hash[:16]}…"
 

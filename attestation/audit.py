@@ -90,7 +90,7 @@ def parse_lines(text: bytes) -> list[AuditEntry]:
 def chain_problems(entries: list[AuditEntry]) -> list[str]:
     """Links and sequence numbers inside a contiguous slice of the chain (empty list = intact)."""
     problems = []
-    for before, after in zip(entries, entries[1:]):
+    for before, after in zip(entries, entries[1:], strict=False):  # consecutive pairs
         if after.prev != before.hash:
             problems.append(f"entry seq {after.seq}: prev does not match the hash of entry seq {before.seq}")
         if after.seq != before.seq + 1:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MANIFEST_SCHEMA = "cvm-tune/manifest/v1"
 REPORT_DATA_TAG = b"cvm-tune-manifest-v1"
+RUN_ID_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}"  # a safe single path component
 
 MANIFEST = "manifest.json"
 QUOTE_BIN = "quote.bin"
@@ -118,7 +119,7 @@ class Manifest(_Closed):
     """The provenance manifest (schema ``cvm-tune/manifest/v1``)."""
 
     schema_: Literal["cvm-tune/manifest/v1"] = Field(MANIFEST_SCHEMA, alias="schema")
-    run_id: str = Field(pattern=r"^[A-Za-z0-9._-]{1,100}$")
+    run_id: str = Field(pattern=rf"^{RUN_ID_PATTERN}$")
     started_at: str
     created_at: str
     code: CodeInfo

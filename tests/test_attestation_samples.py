@@ -8,7 +8,6 @@ status dcap-qvl computes and our own steps around it.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import dcap_qvl
 import pytest

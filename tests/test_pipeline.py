@@ -165,3 +165,9 @@ def test_wrong_key_is_a_key_error_and_nothing_trains(tmp_path: Path) -> None:
                                   "key": {"source": "file", "file": str(tmp_path / "k")}})
     assert main(["run", "--config", str(cfg)]) == 4
     assert not (tmp_path / "out" / "runs").exists() or not list((tmp_path / "out" / "runs").iterdir())
+
+
+@pytest.mark.parametrize("bad", ["..", "../escape", "a/b", ".hidden", "-x", "x" * 101])
+def test_run_id_must_be_a_safe_name(tmp_path: Path, bad: str) -> None:
+    assert main(["run", "--config", str(_cfg(tmp_path)), f"--run-id={bad}"]) == 2
+    assert not (tmp_path / "escape").exists()

@@ -6,7 +6,6 @@ One demo run (module scope) produces a bundle; each tamper test copies it and ch
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -256,3 +255,20 @@ def test_no_guest_agent_exports_nothing(tmp_path: Path, monkeypatch: pytest.Monk
     err = capsys.readouterr().err
     assert "error:" in err and "fix:" in err and "Traceback" not in err
     assert not list((out / "exports").iterdir()) if (out / "exports").exists() else True
+
+
+def test_attestation_verifies_with_the_training_stack_absent(demo: dict) -> None:
+    """Relying parties run the verifier on small machines: block torch & co. and verify anyway."""
+    code = (
+        "import sys\n"
+        "for m in ('torch', 'transformers', 'trl', 'peft', 'datasets', 'accelerate', 'unsloth', 'app'):\n"
+        "    sys.modules[m] = None  # any import of these now raises ImportError\n"
+        "from pathlib import Path\n"
+        "from attestation import load_policy, verify_bundle\n"
+        "v = verify_bundle(Path(sys.argv[1]), policy=load_policy(Path(sys.argv[2])), now=1800000000)\n"
+        "print('ACCEPTED' if v.accepted else [c.name for c in v.failed])\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code, str(demo["bundle"]), str(demo["policy"])],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ACCEPTED"
