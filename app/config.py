@@ -115,6 +115,17 @@ class LoraSettings(_Closed):
     )
 
 
+class LossWatchdogSettings(_Closed):
+    """Abort a diverging run (NaN/Inf loss, or a loss spike that lasts) before it is checkpointed or exported."""
+
+    enabled: bool = True
+    spike_factor: float = Field(5.0, gt=1.0, description="A logged loss above this multiple of the median of the "
+                                "previous `window` losses is a spike.")
+    window: int = Field(10, ge=1, le=1000, description="Losses the spike median is taken over.")
+    patience: int = Field(3, ge=1, le=1000, description="Consecutive spikes that abort the run (NaN/Inf abort at once). "
+                          "No checkpoint is sealed while a spike lasts.")
+
+
 class TrainingSettings(_Closed):
     """Optimisation settings shared by both backends."""
 
@@ -131,12 +142,65 @@ class TrainingSettings(_Closed):
     logging_steps: int = Field(1, ge=1)
     assistant_only_loss: bool = False
     lora: LoraSettings = LoraSettings()
+    loss_watchdog: LossWatchdogSettings = LossWatchdogSettings()
 
 
 class OutputSettings(_Closed):
     """The output volume: runs, checkpoints, audit chain and export bundles."""
 
     dir: Path = Field(Path("cvm-tune-output"), description="Output volume root.")
+    scratch_dir: Path | None = Field(
+        None, description="Private in-memory directory where the trainer writes a checkpoint before it is sealed "
+        "(encrypted) onto the output volume; never on the output volume. Unset: /dev/shm when writable, else the "
+        "system temp directory.")
+    keep_checkpoints: int = Field(3, ge=1, le=100, description="Sealed checkpoints kept per run (newest first).")
+
+
+class ScheduleSettings(_Closed):
+    """`cvm-tune serve`: one run per calendar day at `time` in `timezone`, with catch-up, retries and a watchdog."""
+
+    time: str = Field("02:00", pattern=r"^([01][0-9]|2[0-3]):[0-5][0-9]$", description="Local time of day (HH:MM).")
+    timezone: str = Field("UTC", min_length=1, description="IANA time zone of `time` (DST: a time in the spring gap "
+                          "runs at the first valid instant after it, a time in the autumn fold runs once, at its first occurrence).")
+    max_attempts: int = Field(3, ge=1, le=50, description="Attempts per slot (the first run and its retries).")
+    retry_backoff_s: float = Field(60.0, gt=0, description="Wait before the first retry; doubles per attempt.")
+    retry_backoff_max_s: float = Field(3600.0, gt=0, description="Cap on the wait between retries.")
+    max_run_hours: float = Field(24.0, gt=0, description="Watchdog on the monotonic clock: a run still training after "
+                                 "this long is checkpointed and stopped (failed: watchdog).")
+    tick_s: float = Field(30.0, gt=0, le=3600, description="How often the service wakes up to check for work and "
+                          "write its heartbeat.")
+    health_max_age_s: float = Field(600.0, gt=0, description="`cvm-tune status --health` fails when the heartbeat "
+                                    "is older than this (a run in progress refreshes it every step).")
+
+    @model_validator(mode="after")
+    def _known_zone(self) -> ScheduleSettings:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError) as exc:
+            raise ValueError(f"schedule.timezone {self.timezone!r} is not a known IANA time zone") from exc
+        return self
+
+
+class AlertSettings(_Closed):
+    """Failure alerts: a JSON POST to a webhook (metadata only, never dataset content)."""
+
+    webhook_url_env: str = Field("CVM_TUNE_ALERT_WEBHOOK", pattern=r"^[A-Z_][A-Z0-9_]{0,63}$", description="Environment "
+                                 "variable holding the webhook URL (a dstack encrypted env var: the URL often "
+                                 "embeds a token, so it is never in the config or the bundle). Unset or empty: no alerts.")
+    timeout_s: float = Field(10.0, gt=0, le=120)
+    retries: int = Field(3, ge=0, le=10, description="Retries after the first POST (5xx, 429 and network errors).")
+    retry_backoff_s: float = Field(2.0, ge=0, le=300, description="Wait before the first retry; doubles per retry.")
+
+
+class StateSettings(_Closed):
+    """The service's run database and its rollback anchor."""
+
+    rollback_anchor: Path | None = Field(
+        None, description="A file outside the output volume where the service publishes its run counter and audit "
+        "chain head (MAC'd with a GetKey-derived key) after every run; a volume rolled back behind it is refused. "
+        "Unset: no rollback detection.")
 
 
 class Config(_Closed):
@@ -148,10 +212,18 @@ class Config(_Closed):
     base_model: BaseModelSettings = BaseModelSettings()
     training: TrainingSettings = TrainingSettings()
     output: OutputSettings = OutputSettings()
+    schedule: ScheduleSettings = ScheduleSettings()
+    alerts: AlertSettings = AlertSettings()
+    state: StateSettings = StateSettings()
 
     def canonical_json(self) -> bytes:
         """The bytes hashed into the manifest and written to the bundle's ``config.json``."""
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+
+    def training_json(self) -> bytes:
+        """Canonical JSON of the settings that shape the adapter (a checkpoint's config identity)."""
+        data = self.model_dump(mode="json", include={"training", "base_model"})
+        return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
 
 def load_config(path: Path | None) -> Config:

@@ -25,7 +25,7 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 
 from app.config import TrainingSettings  # noqa: E402
-from app.errors import BaseModelError, TrainingError  # noqa: E402
+from app.errors import BaseModelError, StateError, TrainingError  # noqa: E402
 from app.training import (  # noqa: E402
     TrainingInterrupted,
     TrainRequest,
@@ -34,13 +34,23 @@ from app.training import (  # noqa: E402
     select_backend,
     train,
 )
-from app.training.checkpoints import ADAPTER_FILES, MARKER, select_checkpoint, write_marker  # noqa: E402
+from app.training.checkpoints import (  # noqa: E402
+    ADAPTER_FILES,
+    LATEST,
+    MANIFEST,
+    checkpoint_dirs,
+    latest_name,
+    restore_checkpoint,
+    seal_checkpoint,
+)
 from attestation.hashing import sha256_file, tree_digest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "app" / "data" / "sample.jsonl"
 FP = "ab" * 32
 OTHER_FP = "cd" * 32
+CKPT_KEY = bytes(range(32))  # the pipeline derives it from GetKey; any fixed key resumes across calls
+INPUTS = {"config": "11" * 32, "dataset": "22" * 32, "base_model": "33" * 32}
 CANARY = "CANARY-q7Zx-4411-plaintext"
 # 20 mixed rows, batch 2: 10 steps per epoch, so the 12-step run resumes at step 8 (epoch 0)
 # and its final steps run in epoch 1.
@@ -79,7 +89,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _request(base: Path, run_dir: Path, **kw: Any) -> TrainRequest:
     fields: dict[str, Any] = {"base_model_dir": base, "base_model_name": "cvm-tune/tiny-llama", "rows": _rows(),
-                              "run_dir": run_dir, "settings": SETTINGS, "fingerprint": FP}
+                              "run_dir": run_dir, "settings": SETTINGS, "fingerprint": FP,
+                              "checkpoint_key": CKPT_KEY, "inputs": INPUTS}
     fields.update(kw)
     return TrainRequest(**fields)
 
@@ -217,19 +228,35 @@ def test_two_runs_from_scratch_are_identical(baseline: Baseline, tiny_model: Pat
 # --- checkpoints and resume ------------------------------------------------------------------------------
 
 
-def test_checkpoints_are_sealed(baseline: Baseline) -> None:
-    ckpts = sorted(p.name for p in (baseline.run_dir / "checkpoints").iterdir() if p.is_dir())
-    assert ckpts == ["checkpoint-12", "checkpoint-4", "checkpoint-8"]  # save_total_limit=3
-    marker = json.loads((baseline.run_dir / "checkpoints" / "checkpoint-12" / MARKER).read_text())
-    assert (marker["fingerprint"], marker["global_step"]) == (FP, 12)
-    assert {"adapter_model.safetensors", "optimizer.pt", "rng_state.pth", "trainer_state.json"} <= set(marker["files"])
+def _restore(ckpts: Path, tmp: Path, fingerprint: str = FP, key: bytes = CKPT_KEY, inputs: dict | None = None):
+    return restore_checkpoint(ckpts, key=key, fingerprint=fingerprint, inputs=inputs or INPUTS, scratch=tmp / "scratch")
+
+
+def test_checkpoints_are_sealed_encrypted_and_rotated(baseline: Baseline, tmp_path: Path) -> None:
+    ckpts = baseline.run_dir / "checkpoints"
+    assert [p.name for _, p in checkpoint_dirs(ckpts)] == ["checkpoint-12", "checkpoint-8", "checkpoint-4"]  # keep=3
+    assert latest_name(ckpts) == "checkpoint-12" and (ckpts / LATEST).read_text() == "checkpoint-12\n"
+    assert not [p for p in ckpts.iterdir() if p.name.startswith(".tmp-")]
+    sealed = ckpts / "checkpoint-12"
+    assert (sealed / MANIFEST).is_file() and all(p.suffix == ".enc" for p in sealed.iterdir())
+    # Plaintext never reaches the output volume: no trainer_state JSON, no torch zip, no safetensors header.
+    for p in baseline.run_dir.rglob("*"):
+        if p.is_file() and p.parent.name != "adapter":
+            data = p.read_bytes()
+            assert b"log_history" not in data and b"data.pkl" not in data and b"lora_A" not in data, p
+    choice = _restore(ckpts, tmp_path)
+    assert choice.step == 12 and choice.rejected == []
+    restored = {p.name for p in choice.path.iterdir()}
+    assert {"adapter_model.safetensors", "optimizer.pt", "rng_state.pth", "trainer_state.json"} <= restored
+    assert json.loads((choice.path / "trainer_state.json").read_text())["global_step"] == 12
 
 
 def test_interrupted_run_resumes_to_the_same_adapter(baseline: Baseline, tiny_model: Path, tmp_path: Path) -> None:
+    """Cases 33/38/39: resume in epoch 1 from a sealed checkpoint equals the uninterrupted run."""
     with pytest.raises(TrainingInterrupted):
         train(_request(tiny_model, tmp_path, stop_after_step=8))
     assert not (tmp_path / "adapter").exists()
-    assert select_checkpoint(tmp_path / "checkpoints", FP).step == 8
+    assert latest_name(tmp_path / "checkpoints") == "checkpoint-8"
     resumed = train(_request(tiny_model, tmp_path))
     assert (resumed.resumed_from_step, resumed.global_step) == (8, 12)
     assert [s for s, _ in resumed.losses] == list(range(1, 13))  # steps 1-8 restored from the log history
@@ -239,33 +266,43 @@ def test_interrupted_run_resumes_to_the_same_adapter(baseline: Baseline, tiny_mo
     assert resumed.tokens_seen == baseline.result.tokens_seen
 
 
-def test_checkpoint_with_other_fingerprint_is_not_resumed(baseline: Baseline, tiny_model: Path, tmp_path: Path) -> None:
+def test_checkpoint_from_other_inputs_is_refused_with_a_reason(baseline: Baseline, tiny_model: Path, tmp_path: Path) -> None:
+    """Case 37: a checkpoint of another config/dataset/base model is refused, naming what differs."""
     _copy_checkpoints(baseline.run_dir, tmp_path)
-    result = train(_request(tiny_model, tmp_path, fingerprint=OTHER_FP))
+    events: list[tuple[str, dict]] = []
+    other_inputs = {**INPUTS, "dataset": "44" * 32}
+    result = train(_request(tiny_model, tmp_path, fingerprint=OTHER_FP, inputs=other_inputs,
+                            on_event=lambda t, d: events.append((t, d))))
     assert result.resumed_from_step is None
+    assert result.rejected_checkpoints[0] == ("checkpoint-12", "sealed for other inputs (dataset differ)")
+    assert ("checkpoint.rejected", {"checkpoint": "checkpoint-12", "reason": "sealed for other inputs (dataset differ)"}) in events
+    assert [t for t, _ in events].count("checkpoint") == 3
     _assert_same_adapter(result.adapter_dir, baseline.result.adapter_dir)  # fresh run, same seed
-    marker = json.loads((tmp_path / "checkpoints" / "checkpoint-12" / MARKER).read_text())
-    assert marker["fingerprint"] == OTHER_FP  # stale checkpoints were discarded, not mixed in
+    assert _restore(tmp_path / "checkpoints", tmp_path, fingerprint=OTHER_FP, inputs=other_inputs).step == 12
 
 
 def test_corrupted_checkpoint_falls_back_to_previous(baseline: Baseline, tiny_model: Path, tmp_path: Path) -> None:
+    """Case 36: a flipped byte in a sealed blob is detected; resume falls back to checkpoint-8."""
     ckpts = _copy_checkpoints(baseline.run_dir, tmp_path)
-    target = ckpts / "checkpoint-12" / "adapter_model.safetensors"
+    target = max((ckpts / "checkpoint-12").glob("0*.enc"), key=lambda p: p.stat().st_size)
     data = bytearray(target.read_bytes())
-    data[-3] ^= 0x01
+    data[len(data) // 2] ^= 0x01
     target.write_bytes(bytes(data))
-    choice = select_checkpoint(ckpts, FP)
-    assert choice.step == 8 and choice.rejected == [("checkpoint-12", "hash mismatch: adapter_model.safetensors")]
     result = train(_request(tiny_model, tmp_path))
     assert result.resumed_from_step == 8
+    assert result.rejected_checkpoints == [("checkpoint-12", "corrupt (failed authentication)")]
     _assert_same_adapter(result.adapter_dir, baseline.result.adapter_dir)
 
 
-def test_checkpoint_without_marker_is_skipped(baseline: Baseline, tiny_model: Path, tmp_path: Path) -> None:
+def test_interrupted_save_is_skipped_and_cleaned(baseline: Baseline, tiny_model: Path, tmp_path: Path) -> None:
+    """Case 34: a kill mid-save leaves a .tmp- staging dir (ignored, removed) or a dir without manifest."""
     ckpts = _copy_checkpoints(baseline.run_dir, tmp_path)
-    (ckpts / "checkpoint-12" / MARKER).unlink()  # as if the process died during HF's save
+    (ckpts / "checkpoint-12" / MANIFEST).unlink()
+    shutil.copytree(ckpts / "checkpoint-8", ckpts / ".tmp-checkpoint-16-abcd")
     result = train(_request(tiny_model, tmp_path))
     assert result.resumed_from_step == 8
+    assert result.rejected_checkpoints == [("checkpoint-12", "no manifest (interrupted save)")]
+    assert not list(ckpts.glob(".tmp-*"))
     _assert_same_adapter(result.adapter_dir, baseline.result.adapter_dir)
 
 
@@ -280,27 +317,78 @@ def test_finished_checkpoint_resumes_without_steps(baseline: Baseline, tiny_mode
     _assert_same_adapter(result.adapter_dir, baseline.result.adapter_dir, atol=0.0)
 
 
+def _blobs(d: Path) -> list[Path]:
+    return sorted(p for p in d.iterdir() if p.name != MANIFEST)
+
+
 @pytest.mark.parametrize(
     ("damage", "reason"),
     [
-        (lambda d: (d / "extra.txt").write_text("x"), "unexpected files: extra.txt"),
-        (lambda d: (d / "optimizer.pt").unlink(), "missing files: optimizer.pt"),
-        (lambda d: (d / MARKER).write_text("{not json"), "unreadable completeness marker"),
-        (lambda d: (d / MARKER).unlink(), "no completeness marker (interrupted save)"),
+        (lambda d: (d / "9999.enc").write_bytes(b"x"), "blobs unexpected: 9999.enc"),
+        (lambda d: _blobs(d)[0].unlink(), "blobs missing: 0000.enc"),
+        (lambda d: (d / MANIFEST).write_bytes(b"{not a sealed file"), "corrupt (not a sealed file)"),
+        (lambda d: (d / MANIFEST).unlink(), "no manifest (interrupted save)"),
+        (lambda d: shutil.copyfile(_blobs(d)[0], _blobs(d)[1]), "0001.enc belongs to another file or step"),
     ],
 )
-def test_select_checkpoint_reasons(tmp_path: Path, damage: Callable[[Path], object], reason: str) -> None:
+def test_restore_checkpoint_reasons(tmp_path: Path, damage: Callable[[Path], object], reason: str) -> None:
+    ckpts = tmp_path / "checkpoints"
     for step in (2, 4):
-        d = tmp_path / f"checkpoint-{step}"
-        d.mkdir()
+        src = tmp_path / f"plain-{step}"
+        src.mkdir()
         for name in ("optimizer.pt", "trainer_state.json", "adapter_model.safetensors"):
-            (d / name).write_bytes(f"{name}-{step}".encode())
-        write_marker(d, fingerprint=FP, global_step=step)
-    (tmp_path / "checkpoint-x").mkdir()  # not a checkpoint name: ignored
-    damage(tmp_path / "checkpoint-4")
-    choice = select_checkpoint(tmp_path, FP)
+            (src / name).write_bytes(f"{name}-{step}".encode() * 100)
+        seal_checkpoint(src, ckpts, key=CKPT_KEY, fingerprint=FP, inputs=INPUTS, step=step, keep=3)
+    (ckpts / "checkpoint-x").mkdir()  # not a checkpoint name: ignored
+    damage(ckpts / "checkpoint-4")
+    choice = _restore(ckpts, tmp_path)
     assert (choice.step, choice.rejected) == (2, [("checkpoint-4", reason)])
-    assert select_checkpoint(tmp_path, OTHER_FP).path is None
+    assert (choice.path / "optimizer.pt").read_bytes() == b"optimizer.pt-2" * 100
+    assert latest_name(ckpts) == "checkpoint-2"  # LATEST follows the fallback
+
+
+def test_restore_refuses_other_key_and_inputs(tmp_path: Path) -> None:
+    src = tmp_path / "plain"
+    src.mkdir()
+    for name in ("trainer_state.json", "adapter_model.safetensors"):
+        (src / name).write_bytes(b"x" * 10)
+    seal_checkpoint(src, tmp_path / "a", key=CKPT_KEY, fingerprint=FP, inputs=INPUTS, step=3, keep=3)
+    assert _restore(tmp_path / "a", tmp_path, key=b"\x07" * 32).rejected == [
+        ("checkpoint-3", "sealed with another key (other app id)")]
+    seal_checkpoint(src, tmp_path / "b", key=CKPT_KEY, fingerprint=FP, inputs=INPUTS, step=3, keep=3)
+    other = {**INPUTS, "config": "55" * 32, "base_model": "66" * 32}
+    assert _restore(tmp_path / "b", tmp_path, fingerprint=OTHER_FP, inputs=other).rejected == [
+        ("checkpoint-3", "sealed for other inputs (base_model, config differ)")]
+
+
+def test_disk_full_while_sealing_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Case 35: ENOSPC mid-seal: StateError, no partial directory, LATEST not moved, previous intact."""
+    import errno
+
+    import app.training.checkpoints as C
+
+    src = tmp_path / "plain"
+    src.mkdir()
+    for name in ("trainer_state.json", "adapter_model.safetensors", "optimizer.pt"):
+        (src / name).write_bytes(os.urandom(5000))
+    ckpts = tmp_path / "checkpoints"
+    seal_checkpoint(src, ckpts, key=CKPT_KEY, fingerprint=FP, inputs=INPUTS, step=4, keep=3)
+    before = {p.name: p.read_bytes() for p in (ckpts / "checkpoint-4").iterdir()}
+    real, calls = C.encrypt_stream, []
+
+    def full_disk(src_fh, dst_fh, *a, **kw):  # the third file write hits a full disk
+        calls.append(1)
+        if len(calls) == 3:
+            dst_fh.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(src_fh, dst_fh, *a, **kw)
+
+    monkeypatch.setattr(C, "encrypt_stream", full_disk)
+    with pytest.raises(StateError, match="No space left on device"):
+        seal_checkpoint(src, ckpts, key=CKPT_KEY, fingerprint=FP, inputs=INPUTS, step=8, keep=3)
+    assert sorted(p.name for p in ckpts.iterdir()) == ["LATEST", "checkpoint-4"]
+    assert latest_name(ckpts) == "checkpoint-4"
+    assert {p.name: p.read_bytes() for p in (ckpts / "checkpoint-4").iterdir()} == before
 
 
 # --- rows and errors ----------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ object (one byte string per header), duplicate keys, `NaN`/`Infinity` and floats
 | `alg`             | string | exactly `"AES-256-GCM/HKDF-SHA256/STREAM-v1"` |
 | `chunk_size`      | int    | `4096 … 16777216` (default 1048576) |
 | `salt`            | string | 64 lowercase hex characters |
-| `content_type`    | string | exactly `"application/jsonl"` in version 1 |
+| `content_type`    | string | `"application/jsonl"` (a dataset) or `"application/octet-stream"` (a sealed checkpoint file, `app.training.checkpoints`); readers name the one they expect |
 | `dataset_id`      | string | 1–256 characters, no control characters (U+0000–U+001F) |
 | `dataset_version` | int    | `0 … 2^53-1` |
 | `metadata`        | object | optional; ≤ 64 entries; keys match `[A-Za-z0-9][A-Za-z0-9_.-]{0,63}`; values are strings (≤ 1024 characters, no control characters) or ints (abs ≤ 2^53-1) |
@@ -161,6 +161,8 @@ FORMAT_MAGIC = b"CVMTDS\x00\x01"
 FORMAT_VERSION = FORMAT_MAGIC[-1]
 ALG = "AES-256-GCM/HKDF-SHA256/STREAM-v1"
 CONTENT_TYPE = "application/jsonl"
+BLOB_CONTENT_TYPE = "application/octet-stream"  # sealed checkpoint files (app.training.checkpoints)
+CONTENT_TYPES = (CONTENT_TYPE, BLOB_CONTENT_TYPE)
 DEFAULT_CHUNK_SIZE = 1 << 20
 MIN_CHUNK_SIZE = 4096
 MAX_CHUNK_SIZE = 16 << 20
@@ -288,8 +290,8 @@ def _header_from_obj(obj: Any, raw: bytes, err: type[CvmTuneError]) -> DatasetHe
         raise err(f"header chunk_size must be an int in {MIN_CHUNK_SIZE}..{MAX_CHUNK_SIZE}")
     if not isinstance(obj["salt"], str) or not _SALT.match(obj["salt"]):
         raise err("header salt must be 64 lowercase hex characters")
-    if obj["content_type"] != CONTENT_TYPE:
-        raise err(f"header content_type must be {CONTENT_TYPE!r} in format version 1")
+    if obj["content_type"] not in CONTENT_TYPES:
+        raise err(f"header content_type must be one of {', '.join(CONTENT_TYPES)} in format version 1")
     if not _text(obj["dataset_id"], 256, 1):
         raise err("header dataset_id must be 1-256 characters without control characters")
     if not _int(obj["dataset_version"], 0, _MAX_INT):
@@ -371,7 +373,8 @@ def read_header(src: BinaryIO) -> DatasetHeader:
 
 
 def encrypt_stream(src: BinaryIO, dst: BinaryIO, key: bytes, *, dataset_id: str, dataset_version: int = 0,
-                   chunk_size: int = DEFAULT_CHUNK_SIZE, metadata: dict | None = None) -> EncryptResult:
+                   chunk_size: int = DEFAULT_CHUNK_SIZE, metadata: dict | None = None,
+                   content_type: str = CONTENT_TYPE) -> EncryptResult:
     """Encrypt ``src`` to ``dst`` in the version-1 format, holding about two chunks in memory.
 
     Args:
@@ -382,6 +385,7 @@ def encrypt_stream(src: BinaryIO, dst: BinaryIO, key: bytes, *, dataset_id: str,
         dataset_version: the owner's version number (stored in the clear).
         chunk_size: plaintext bytes per chunk (4096..16 MiB).
         metadata: extra ``{str: str | int}`` stored in the clear header.
+        content_type: one of ``CONTENT_TYPES`` (default: a JSONL dataset).
 
     Returns:
         Sizes, SHA-256 digests and the chunk count of what was written.
@@ -392,7 +396,7 @@ def encrypt_stream(src: BinaryIO, dst: BinaryIO, key: bytes, *, dataset_id: str,
     """
     _check_key(key)
     salt = _fresh_salt()
-    obj: dict[str, Any] = {"alg": ALG, "chunk_size": chunk_size, "content_type": CONTENT_TYPE,
+    obj: dict[str, Any] = {"alg": ALG, "chunk_size": chunk_size, "content_type": content_type,
                            "dataset_id": dataset_id, "dataset_version": dataset_version, "salt": salt.hex()}
     if metadata:
         obj["metadata"] = dict(metadata)
@@ -605,12 +609,13 @@ class DecryptedStream:
         raise cut
 
 
-def open_encrypted(src: BinaryIO, key: bytes) -> DecryptedStream:
+def open_encrypted(src: BinaryIO, key: bytes, *, content_type: str = CONTENT_TYPE) -> DecryptedStream:
     """Authenticate the header of an encrypted dataset and return its chunk stream.
 
     Args:
         src: the encrypted file, positioned at its start; read sequentially, never whole.
         key: the 32-byte dataset key.
+        content_type: the content type the caller expects (a dataset by default).
 
     Returns:
         A :class:`DecryptedStream` whose ``header`` is authenticated. Chunk errors
@@ -622,6 +627,7 @@ def open_encrypted(src: BinaryIO, key: bytes) -> DecryptedStream:
         DatasetFormatError: not a version-1 dataset, or a malformed header.
         WrongKeyError: the key does not open this file (nothing was decrypted).
         HeaderIntegrityError: the header or its MAC was modified.
+        DatasetFormatError: the authenticated header names another content type.
     """
     _check_key(key)
     prefix = _read_prefix(src)
@@ -638,4 +644,6 @@ def open_encrypted(src: BinaryIO, key: bytes) -> DecryptedStream:
         _hmac(_derive(key, header.salt, b"header"), prefix + key_check).verify(header_mac)
     except InvalidSignature:
         raise HeaderIntegrityError("the dataset header was modified (header MAC mismatch)") from None
+    if header.content_type != content_type:
+        raise DatasetFormatError(f"the file holds {header.content_type}, not {content_type}")
     return DecryptedStream(src, header, _derive(key, header.salt, b"payload"), header_mac, prefix + tail)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,9 +28,11 @@ if TYPE_CHECKING:
     from app.config import TrainingSettings
 
 __all__ = [
+    "LossDiverged",
     "TrainRequest",
     "TrainResult",
     "TrainingInterrupted",
+    "TrainingStopped",
     "build_tiny_model",
     "select_backend",
     "set_offline_env",
@@ -68,6 +70,18 @@ class TrainRequest:
             "epoch"}`` (metrics only, never data).
         stop_after_step: Test/bench hook: raise :class:`TrainingInterrupted` once this optimizer
             step has been checkpointed (simulates a crash right after a checkpoint).
+        checkpoint_key: 32-byte key that seals checkpoints on the output volume (GetKey-derived in
+            the pipeline). ``None``: a random key for this process only (nothing resumable later).
+        inputs: ``{"config"|"dataset"|"base_model": sha256}`` behind ``fingerprint``; a sealed
+            checkpoint of other inputs is refused naming the one that differs.
+        scratch_dir: Private directory (RAM) for the trainer's plaintext checkpoints; emptied
+            first and removed at the end. ``None``: a fresh temporary directory.
+        keep_checkpoints: Sealed checkpoints kept on the volume.
+        on_step_end: Called after every optimizer step with the global step; a returned string is
+            a reason to checkpoint now and stop (SIGTERM, watchdog): :class:`TrainingStopped`.
+        on_event: Called with ``("checkpoint", {"global_step", "manifest_sha256"})`` for every
+            sealed checkpoint and ``("checkpoint.rejected", {"checkpoint", "reason"})`` for every
+            one skipped on resume (audit entries; no data).
     """
 
     base_model_dir: Path
@@ -78,6 +92,12 @@ class TrainRequest:
     fingerprint: str
     on_log: Callable[[dict[str, Any]], None] | None = None
     stop_after_step: int | None = None
+    checkpoint_key: bytes | None = None
+    inputs: Mapping[str, str] | None = None
+    scratch_dir: Path | None = None
+    keep_checkpoints: int = 3
+    on_step_end: Callable[[int], str | None] | None = None
+    on_event: Callable[[str, dict[str, Any]], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +116,8 @@ class TrainResult:
         tokens_seen: Non-padding input tokens over the whole run (restored across resumes).
         library_versions: torch, transformers, peft, trl, datasets, accelerate (+ unsloth,
             unsloth_zoo, bitsandbytes when used).
+        rejected_checkpoints: ``(name, reason)`` of sealed checkpoints skipped on resume.
+        peak_gpu_memory_bytes: ``torch.cuda.max_memory_allocated`` (``None`` on CPU).
     """
 
     adapter_dir: Path
@@ -107,12 +129,27 @@ class TrainResult:
     train_runtime_s: float
     tokens_seen: int | None
     library_versions: dict[str, str]
+    rejected_checkpoints: list[tuple[str, str]] = field(default_factory=list)
+    peak_gpu_memory_bytes: int | None = None
 
 
 class TrainingInterrupted(TrainingError):
     """Raised by the ``stop_after_step`` hook right after that step's checkpoint was sealed."""
 
     default_fix = "run again with the same inputs: training resumes from the last complete checkpoint"
+
+
+class TrainingStopped(TrainingError):
+    """A stop was requested (SIGTERM, watchdog): the last step's checkpoint was sealed, then training stopped."""
+
+    default_fix = "run again with the same inputs: training resumes from the checkpoint just sealed"
+
+
+class LossDiverged(TrainingError):
+    """The loss watchdog saw NaN/Inf or a lasting spike: nothing exported, the last good checkpoint kept."""
+
+    default_fix = ("lower training.learning_rate or check the dataset; the run resumes from the last good "
+                   "checkpoint (training.loss_watchdog tunes the detector)")
 
 
 def select_backend(preference: str) -> str:

@@ -9,9 +9,12 @@ Top to bottom, :func:`train`:
 2. Load the base model from a local directory only (``local_files_only``, offline env vars) and
    seed everything first so the LoRA initialisation is reproducible.
 3. Build an in-memory ``datasets.Dataset`` (never a cache file: plaintext stays in RAM).
-4. Pick the newest complete checkpoint of this fingerprint (``checkpoints.py``), drop unusable ones.
-5. ``SFTTrainer.train(resume_from_checkpoint=<that path or None>)``; every save is sealed with a
-   completeness marker by a callback.
+4. Decrypt the newest usable sealed checkpoint of this fingerprint into the private scratch
+   directory (``checkpoints.py``); unusable ones are reported and dropped.
+5. ``SFTTrainer.train(resume_from_checkpoint=<that path or None>)`` with ``output_dir`` = scratch;
+   a callback seals (encrypts) every save onto the output volume and deletes the plaintext, stops
+   at a step boundary with a sealed checkpoint when asked (SIGTERM, watchdog), and runs the loss
+   watchdog (``watchdog.py``).
 6. Export exactly ``adapter_config.json`` + ``adapter_model.safetensors`` atomically, with a
    normalised ``base_model_name_or_path``.
 
@@ -20,21 +23,26 @@ Both backends share everything except step 2 (``_load_hf`` / ``_load_unsloth``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import logging
+import os
 import re
+import shutil
+import tempfile
 import sys
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from app.errors import BaseModelError, CvmTuneError, StateError, TrainingError
 
-from . import TrainingInterrupted, TrainRequest, TrainResult, set_offline_env
-from .checkpoints import discard_rejected, export_adapter, select_checkpoint, write_marker
+from . import LossDiverged, TrainingInterrupted, TrainingStopped, TrainRequest, TrainResult, set_offline_env
+from .checkpoints import export_adapter, restore_checkpoint, seal_checkpoint
+from .watchdog import LossWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +90,28 @@ def select_backend(preference: str) -> str:
     return "unsloth"
 
 
+@contextlib.contextmanager
+def _scratch(requested: Path | None) -> Iterator[Path]:
+    """The private plaintext-checkpoint directory: emptied first (a crash may have left one), removed after."""
+    if requested is None:
+        path = Path(tempfile.mkdtemp(prefix="cvm-tune-scratch-"))
+    else:
+        path = Path(requested)
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(mode=0o700, parents=True)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def train(req: TrainRequest) -> TrainResult:
     """Run the recipe described in the module docstring (see :func:`app.training.train`)."""
+    with _scratch(req.scratch_dir) as scratch:
+        return _train(req, scratch)
+
+
+def _train(req: TrainRequest, scratch: Path) -> TrainResult:
     set_offline_env()
     if not re.fullmatch(r"[0-9a-f]{64}", req.fingerprint):
         raise TrainingError("the run fingerprint must be 64 lowercase hex characters (a sha256)")
@@ -114,14 +142,19 @@ def train(req: TrainRequest) -> TrainResult:
 
     dataset = build_dataset(req.rows, tok, assistant_only_loss=s.assistant_only_loss)
     ckpt_root = Path(req.run_dir) / "checkpoints"
-    choice = select_checkpoint(ckpt_root, req.fingerprint)
-    discard_rejected(ckpt_root, choice)
+    key = req.checkpoint_key if req.checkpoint_key is not None else os.urandom(32)
+    inputs = dict(req.inputs or {"fingerprint": req.fingerprint})
+    choice = restore_checkpoint(ckpt_root, key=key, fingerprint=req.fingerprint, inputs=inputs, scratch=scratch)
+    for name, reason in choice.rejected:
+        if req.on_event is not None:
+            req.on_event("checkpoint.rejected", {"checkpoint": name, "reason": reason})
 
     try:
         # CPU: checkpointing only slows tiny models down. Unsloth: get_peft_model already set up its
         # offloaded checkpointing. GPU + HF: trade compute for memory, as TRL does by default.
-        trainer = _make_trainer(req, model, tok, peft_config, dataset, ckpt_root, cuda=cuda,
-                                gradient_checkpointing=cuda and backend == "hf")
+        trainer = _make_trainer(req, model, tok, peft_config, dataset, scratch, cuda=cuda,
+                                gradient_checkpointing=cuda and backend == "hf",
+                                sealing={"key": key, "inputs": inputs, "root": ckpt_root})
     except CvmTuneError:
         raise
     except Exception as exc:
@@ -156,6 +189,8 @@ def train(req: TrainRequest) -> TrainResult:
         resumed_from_step=choice.step, train_runtime_s=runtime,
         tokens_seen=int(state.num_input_tokens_seen) if state.num_input_tokens_seen else None,
         library_versions=_library_versions(_BASE_LIBS + (_UNSLOTH_LIBS if backend == "unsloth" else ())),
+        rejected_checkpoints=choice.rejected,
+        peak_gpu_memory_bytes=int(torch.cuda.max_memory_allocated()) if cuda else None,
     )
 
 
@@ -301,13 +336,21 @@ def _callback_class() -> type:
     from transformers import TrainerCallback
 
     class _CvmTuneCallback(TrainerCallback):  # type: ignore[misc]
-        """Seals checkpoints, forwards metrics, implements ``stop_after_step``."""
+        """Seals checkpoints, forwards metrics, runs the loss watchdog, stops on request."""
 
-        def __init__(self, req: TrainRequest) -> None:
+        def __init__(self, req: TrainRequest, sealing: dict[str, Any]) -> None:
             self.req = req
+            self.sealing = sealing
+            self.watchdog = LossWatchdog(req.settings.loss_watchdog)
+            self.stop_reason: str | None = None
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
-            if self.req.on_log is None or not logs or "loss" not in logs:
+            if not logs or "loss" not in logs:
+                return
+            diverged = self.watchdog.check(int(state.global_step), float(logs["loss"]))
+            if diverged is not None:  # raised before this step's save: no diverged checkpoint is sealed
+                raise LossDiverged(f"loss watchdog: {diverged}; aborted, nothing exported")
+            if self.req.on_log is None:
                 return
             grad_norm = logs.get("grad_norm")
             self.req.on_log({
@@ -321,11 +364,27 @@ def _callback_class() -> type:
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
             if self.req.stop_after_step is not None and state.global_step == self.req.stop_after_step:
                 control.should_save = True  # the hook promises a checkpoint at that step
+            if self.req.on_step_end is not None and self.stop_reason is None:
+                self.stop_reason = self.req.on_step_end(int(state.global_step))
+                if self.stop_reason is not None:  # SIGTERM / watchdog: checkpoint at this step boundary
+                    control.should_save = True
+                    control.should_training_stop = True
             return control
 
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             step = int(state.global_step)
-            write_marker(Path(args.output_dir) / f"checkpoint-{step}", fingerprint=self.req.fingerprint, global_step=step)
+            plain = Path(args.output_dir) / f"checkpoint-{step}"
+            sealed = not self.watchdog.suspicious  # never seal weights from inside a loss spike
+            if sealed:
+                digest = seal_checkpoint(plain, self.sealing["root"], key=self.sealing["key"],
+                                         fingerprint=self.req.fingerprint, inputs=self.sealing["inputs"], step=step,
+                                         keep=self.req.keep_checkpoints)
+                if self.req.on_event is not None:
+                    self.req.on_event("checkpoint", {"global_step": step, "manifest_sha256": digest})
+            shutil.rmtree(plain, ignore_errors=True)  # the plaintext copy lives only until it is sealed
+            if self.stop_reason is not None:
+                raise TrainingStopped(f"{self.stop_reason}: stopped at step {step}"
+                                      + (f" after sealing checkpoint-{step}" if sealed else " (loss spike: not sealed)"))
             if self.req.stop_after_step is not None and step >= self.req.stop_after_step:
                 raise TrainingInterrupted(f"training stopped by stop_after_step after sealing checkpoint-{step}")
 
@@ -333,7 +392,7 @@ def _callback_class() -> type:
 
 
 def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dataset: Any, ckpt_root: Path, *,
-                  cuda: bool, gradient_checkpointing: bool) -> Any:
+                  cuda: bool, gradient_checkpointing: bool, sealing: dict[str, Any]) -> Any:
     import torch
     from trl import SFTConfig, SFTTrainer
 
@@ -369,7 +428,7 @@ def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dat
             include_num_input_tokens_seen="non_padding",  # kept in trainer_state: survives a resume
         )
         return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok,
-                          peft_config=peft_config, callbacks=[_callback_class()(req)])
+                          peft_config=peft_config, callbacks=[_callback_class()(req, sealing)])
 
 
 def _library_versions(names: Sequence[str]) -> dict[str, str]:

@@ -1,47 +1,77 @@
-"""On-disk state of a training run: sealed checkpoints, resume selection, the exported adapter.
+"""Sealed checkpoints: encrypted at rest, atomic, hashed; resume selection; the exported adapter.
 
-HF Trainer checkpoints are not atomic: a crash mid-save leaves a ``checkpoint-N`` directory
-that ``resume_from_checkpoint=True`` would happily pick. So after HF has written
-``checkpoint-N`` (``TrainerCallback.on_save`` runs after the save), the trainer's files are
-fsynced and ``checkpoint-N/cvm-tune-checkpoint.json`` is written atomically::
+HF Trainer writes plaintext, non-atomic checkpoints (a crash mid-save leaves a ``checkpoint-N``
+that ``resume_from_checkpoint=True`` would pick). So the trainer writes into a private scratch
+directory (RAM: ``/dev/shm`` by default, never the output volume) and, after each HF save, the
+training callback calls :func:`seal_checkpoint`, which publishes an encrypted copy::
 
-    {"fingerprint": <run fingerprint>, "global_step": N, "files": {<relative path>: <sha256>}}
+    run_dir/checkpoints/
+      .tmp-checkpoint-N-xxxx/            staging (removed on failure, ignored and cleaned on resume)
+      checkpoint-N/manifest.enc          the checkpoint manifest, itself sealed (below)
+      checkpoint-N/0000.enc, 0001.enc …  one sealed blob per trainer file
+      LATEST                             "checkpoint-N\\n", moved (atomically) only after the rename
 
-covering every other file in the directory. A checkpoint is resumed only if its marker exists,
-names this run's fingerprint and step, and every file hash matches with no file missing or
-extra. Candidates are tried newest first; the rest are reported with a reason.
+Every ``.enc`` file is a cvm-tune STREAM file (``app.dataset.format``: AES-256-GCM chunks, HKDF
+keys, header MAC) with content type ``application/octet-stream`` under the **checkpoint key**
+(HKDF of dstack ``GetKey("cvm-tune/checkpoints/v1")``: bound to the app id, never on disk). Each
+blob's authenticated header metadata names its ``path``, ``step`` and ``fingerprint``; the manifest
+(canonical JSON, ``cvm-tune/checkpoint/v1``) lists every blob with its plaintext and ciphertext
+SHA-256 and the run's ``inputs`` (config, dataset and base-model hashes). Order: blobs, fsync,
+manifest, fsync, rename ``.tmp-…`` → ``checkpoint-N``, fsync the parent, then ``LATEST``. A kill
+at any point leaves either the previous state or the complete new checkpoint.
+
+:func:`restore_checkpoint` tries ``LATEST`` then every other ``checkpoint-N`` newest first,
+decrypts into the scratch directory and checks everything; a candidate that fails (no manifest =
+interrupted save, wrong key, a changed byte, other inputs) is skipped with a reason naming no data.
 
 The final adapter (:func:`export_adapter`) is staged next to ``run_dir/"adapter"`` and renamed
-into place. Stdlib only: the model object is passed in.
+into place. No torch here: the model object is passed in.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import os
 import re
 import shutil
+import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.errors import TrainingError
-from app.fsutil import atomic_write_bytes, fsync_tree, staged_dir
-from attestation.hashing import canonical_json, tree_files
+from app.dataset.format import BLOB_CONTENT_TYPE, encrypt_stream, open_encrypted
+from app.errors import (
+    CvmTuneError,
+    DatasetIntegrityError,
+    HeaderIntegrityError,
+    StateError,
+    TrainingError,
+    WrongKeyError,
+)
+from app.fsutil import atomic_write_bytes, fsync_dir, fsync_tree, staged_dir
+from attestation.hashing import canonical_json, sha256_hex
 
 logger = logging.getLogger(__name__)
 
-MARKER = "cvm-tune-checkpoint.json"
+CHECKPOINT_SCHEMA = "cvm-tune/checkpoint/v1"
+MANIFEST = "manifest.enc"
+LATEST = "LATEST"
+CHECKPOINT_GETKEY_PATH = "cvm-tune/checkpoints/v1"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+REQUIRED_FILES = ("trainer_state.json", "adapter_model.safetensors")
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+_BLOB_ID = "cvm-tune-checkpoint"
 
 
 @dataclass(frozen=True)
 class ResumeChoice:
-    """Outcome of :func:`select_checkpoint`.
+    """Outcome of :func:`restore_checkpoint`.
 
     Attributes:
-        path: The checkpoint to resume from, or ``None`` to train from scratch.
+        path: The decrypted checkpoint in the scratch directory, or ``None`` to train from scratch.
         step: Its global step (``None`` with ``path``).
         rejected: ``(directory name, reason)`` for every newer candidate that was skipped.
     """
@@ -51,8 +81,12 @@ class ResumeChoice:
     rejected: list[tuple[str, str]] = field(default_factory=list)
 
 
+class _Unusable(Exception):
+    """A candidate checkpoint cannot be resumed (the message is the reason)."""
+
+
 def checkpoint_dirs(checkpoints_dir: Path) -> list[tuple[int, Path]]:
-    """``(step, path)`` of every ``checkpoint-N`` directory, newest (highest step) first."""
+    """``(step, path)`` of every sealed ``checkpoint-N`` directory, newest (highest step) first."""
     found: list[tuple[int, Path]] = []
     if Path(checkpoints_dir).is_dir():
         for entry in Path(checkpoints_dir).iterdir():
@@ -62,107 +96,202 @@ def checkpoint_dirs(checkpoints_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found, key=lambda item: item[0], reverse=True)
 
 
-def write_marker(ckpt_dir: Path, *, fingerprint: str, global_step: int) -> dict[str, str]:
-    """Seal a finished HF checkpoint: fsync its files, then write the marker atomically.
+def latest_name(checkpoints_dir: Path) -> str | None:
+    """The checkpoint ``LATEST`` names, if it names a well-formed one."""
+    try:
+        name = (Path(checkpoints_dir) / LATEST).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name if _CKPT_RE.match(name) else None
+
+
+def _seal_file(src: Path, dst: Path, key: bytes, metadata: dict[str, Any]) -> tuple[str, str, int]:
+    with open(src, "rb") as fin, open(dst, "xb") as fout:
+        res = encrypt_stream(fin, fout, key, dataset_id=_BLOB_ID, dataset_version=int(metadata["step"]),
+                             metadata=metadata, content_type=BLOB_CONTENT_TYPE)
+    return res.plaintext_sha256, res.ciphertext_sha256, res.plaintext_size
+
+
+def seal_checkpoint(src: Path, checkpoints_dir: Path, *, key: bytes, fingerprint: str, inputs: Mapping[str, str],
+                    step: int, keep: int) -> str:
+    """Encrypt the trainer's ``checkpoint-N`` directory onto the output volume, atomically.
 
     Args:
-        ckpt_dir: The ``checkpoint-N`` directory HF just wrote.
-        fingerprint: The run fingerprint the checkpoint belongs to.
-        global_step: The optimizer step it was saved at.
+        src: The plaintext checkpoint HF just wrote (in the scratch directory).
+        checkpoints_dir: ``run_dir/"checkpoints"`` on the output volume.
+        key: The 32-byte checkpoint key.
+        fingerprint: The run fingerprint (hash of ``inputs``).
+        inputs: ``{"config"|"dataset"|"base_model": sha256}``, recorded to explain a refusal later.
+        step: The optimizer step.
+        keep: Sealed checkpoints to keep (older ones are deleted after ``LATEST`` moved).
 
     Returns:
-        The ``{relative path: sha256}`` map recorded in the marker.
+        SHA-256 of the manifest plaintext (recorded in the audit chain).
 
     Raises:
-        OSError: the directory cannot be read or the marker cannot be written.
-        ValueError: the directory contains a symlink or special file.
+        StateError: the output volume cannot be written (disk full, permissions); the previous
+            checkpoints and ``LATEST`` are untouched and no partial directory is left.
     """
-    ckpt_dir = Path(ckpt_dir)
-    # Data before marker: without this a power cut could persist the marker but not the files.
-    fsync_tree(ckpt_dir)
-    files = {rel: digest for rel, digest in tree_files(ckpt_dir).items() if rel != MARKER}
-    body = {"fingerprint": fingerprint, "global_step": int(global_step), "files": files}
-    atomic_write_bytes(ckpt_dir / MARKER, canonical_json(body) + b"\n")
-    return files
-
-
-def check_checkpoint(ckpt_dir: Path, *, fingerprint: str, step: int) -> str | None:
-    """Why ``ckpt_dir`` cannot be resumed, or ``None`` when it is complete and ours.
-
-    Args:
-        ckpt_dir: A ``checkpoint-N`` directory.
-        fingerprint: The fingerprint the checkpoint must carry.
-        step: ``N`` from the directory name.
-
-    Returns:
-        A short reason (no data, no file contents) or ``None``.
-    """
-    marker = Path(ckpt_dir) / MARKER
-    if not marker.is_file():
-        return "no completeness marker (interrupted save)"
+    checkpoints_dir = Path(checkpoints_dir)
+    checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    final = checkpoints_dir / f"checkpoint-{step}"
+    files = []
     try:
-        body = json.loads(marker.read_bytes())
-        recorded = body["files"]
-        marker_fp, marker_step = body["fingerprint"], body["global_step"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "unreadable completeness marker"
-    if marker_fp != fingerprint:
-        return "fingerprint differs (other config, dataset or base model)"
-    if marker_step != step:
-        return f"marker names step {marker_step}"
-    if not isinstance(recorded, dict) or not recorded:
-        return "marker lists no files"
+        rels = sorted(p.relative_to(src).as_posix() for p in Path(src).rglob("*") if p.is_file() and not p.is_symlink())
+        stage = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=checkpoints_dir))
+        try:
+            for i, rel in enumerate(rels):
+                blob = f"{i:04d}.enc"
+                meta = {"path": rel, "step": step, "fingerprint": fingerprint}
+                pt_sha, ct_sha, size = _seal_file(Path(src) / rel, stage / blob, key, meta)
+                files.append({"path": rel, "blob": blob, "plaintext_sha256": pt_sha, "ciphertext_sha256": ct_sha,
+                              "size": size})
+            body = canonical_json({"schema": CHECKPOINT_SCHEMA, "global_step": step, "fingerprint": fingerprint,
+                                   "inputs": dict(inputs), "files": files})
+            with open(stage / MANIFEST, "xb") as fout:
+                encrypt_stream(io.BytesIO(body), fout, key, dataset_id=_BLOB_ID, dataset_version=step,
+                               metadata={"path": MANIFEST, "step": step, "fingerprint": fingerprint},
+                               content_type=BLOB_CONTENT_TYPE)
+            os.chmod(stage, 0o700)
+            fsync_tree(stage)
+            old = None
+            if final.exists():  # the same step sealed again (a resumed run re-saving): swap, never mix
+                old = Path(tempfile.mkdtemp(prefix=f".tmp-old-{final.name}-", dir=checkpoints_dir))
+                os.rename(final, old / final.name)
+            os.rename(stage, final)
+            fsync_dir(checkpoints_dir)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+        atomic_write_bytes(checkpoints_dir / LATEST, f"{final.name}\n".encode())
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        for _step, path in checkpoint_dirs(checkpoints_dir)[keep:]:
+            if path != final:
+                shutil.rmtree(path, ignore_errors=True)
+    except OSError as exc:
+        raise StateError(f"cannot seal checkpoint-{step} onto {checkpoints_dir}: {exc.strerror or type(exc).__name__}",
+                         fix="free space on the output volume; the previous checkpoint is intact and the run "
+                         "resumes from it") from exc
+    return sha256_hex(body)
+
+
+def _open_blob(path: Path, key: bytes, *, rel: str, step: int, fingerprint: str, sink: Any) -> str:
+    """Decrypt one blob into ``sink`` (``write``); returns the plaintext SHA-256."""
+    with open(path, "rb") as fh:
+        stream = open_encrypted(fh, key, content_type=BLOB_CONTENT_TYPE)
+        meta = stream.header.metadata
+        if (stream.header.dataset_id, meta.get("path"), meta.get("step")) != (_BLOB_ID, rel, step):
+            raise _Unusable(f"{path.name} belongs to another file or step")
+        if meta.get("fingerprint") != fingerprint:
+            raise _Unusable("__fingerprint__")
+        for chunk in stream:
+            sink.write(chunk)
+        return stream.plaintext_sha256
+
+
+def _read_manifest(ckpt: Path, key: bytes, step: int, fingerprint: str, inputs: Mapping[str, str]) -> dict[str, Any]:
+    if not (ckpt / MANIFEST).is_file():
+        raise _Unusable("no manifest (interrupted save)")
+    buf = io.BytesIO()
     try:
-        actual = {rel: digest for rel, digest in tree_files(Path(ckpt_dir)).items() if rel != MARKER}
-    except (OSError, ValueError) as exc:
-        return f"cannot hash files ({type(exc).__name__})"
-    missing = sorted(set(recorded) - set(actual))
-    extra = sorted(set(actual) - set(recorded))
-    changed = sorted(rel for rel in set(recorded) & set(actual) if recorded[rel] != actual[rel])
-    if missing:
-        return f"missing files: {', '.join(missing)}"
-    if extra:
-        return f"unexpected files: {', '.join(extra)}"
-    if changed:
-        return f"hash mismatch: {', '.join(changed)}"
-    if not (Path(ckpt_dir) / "trainer_state.json").is_file():
-        return "no trainer_state.json"
-    return None
+        _open_blob(ckpt / MANIFEST, key, rel=MANIFEST, step=step, fingerprint=fingerprint, sink=buf)
+    except _Unusable as exc:
+        if str(exc) != "__fingerprint__":
+            raise
+        buf = io.BytesIO()  # another run's inputs: read the manifest anyway to say which input differs
+        _open_blob_any(ckpt / MANIFEST, key, sink=buf)
+        body = json.loads(buf.getvalue())
+        theirs = body.get("inputs", {})
+        differ = sorted(k for k in set(inputs) | set(theirs) if inputs.get(k) != theirs.get(k))
+        raise _Unusable(f"sealed for other inputs ({', '.join(differ) or 'fingerprint'} differ)") from None
+    body = json.loads(buf.getvalue())
+    if body.get("schema") != CHECKPOINT_SCHEMA or body.get("global_step") != step:
+        raise _Unusable("manifest does not describe this checkpoint")
+    return body
 
 
-def select_checkpoint(checkpoints_dir: Path, fingerprint: str) -> ResumeChoice:
-    """Pick the newest complete checkpoint of this run.
+def _open_blob_any(path: Path, key: bytes, *, sink: Any) -> None:
+    with open(path, "rb") as fh:
+        for chunk in open_encrypted(fh, key, content_type=BLOB_CONTENT_TYPE):
+            sink.write(chunk)
+
+
+def _restore_one(ckpt: Path, step: int, key: bytes, fingerprint: str, inputs: Mapping[str, str], scratch: Path) -> Path:
+    body = _read_manifest(ckpt, key, step, fingerprint, inputs)
+    listed = {f["blob"] for f in body["files"]} | {MANIFEST}
+    present = {p.name for p in ckpt.iterdir()}
+    if present != listed:
+        raise _Unusable(f"blobs {'missing' if listed - present else 'unexpected'}: "
+                        f"{', '.join(sorted(listed ^ present))}")
+    paths = [f["path"] for f in body["files"]]
+    if any(Path(p).is_absolute() or ".." in Path(p).parts for p in paths) or not set(REQUIRED_FILES) <= set(paths):
+        raise _Unusable("manifest lists unsafe or too few files")
+    target = scratch / ckpt.name
+    shutil.rmtree(target, ignore_errors=True)
+    with staged_dir(target) as stage:
+        for f in body["files"]:
+            out = stage / f["path"]
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with open(out, "xb") as sink:
+                got = _open_blob(ckpt / f["blob"], key, rel=f["path"], step=step, fingerprint=fingerprint, sink=sink)
+            if got != f["plaintext_sha256"]:
+                raise _Unusable(f"hash mismatch: {f['path']}")
+    return target
+
+
+def restore_checkpoint(checkpoints_dir: Path, *, key: bytes, fingerprint: str, inputs: Mapping[str, str],
+                       scratch: Path) -> ResumeChoice:
+    """Decrypt the newest usable sealed checkpoint of this run into ``scratch``.
 
     Args:
         checkpoints_dir: ``run_dir/"checkpoints"`` (may be absent).
-        fingerprint: The run fingerprint; checkpoints with another one are never resumed.
+        key: The checkpoint key.
+        fingerprint: This run's fingerprint; checkpoints of other inputs are refused.
+        inputs: This run's input hashes (to name what differs in a refusal).
+        scratch: Private directory for the plaintext copy (the trainer resumes from it).
 
     Returns:
-        The chosen checkpoint (or none) and the reasons newer candidates were skipped; each
-        skip is also logged at INFO (directory name and reason only).
+        The chosen checkpoint (or none) and the reasons candidates were skipped, newest first.
+        Skipped candidates and ``.tmp-*`` leftovers are deleted so HF never mixes them in.
     """
+    checkpoints_dir = Path(checkpoints_dir)
+    for leftover in checkpoints_dir.glob(".tmp-*") if checkpoints_dir.is_dir() else []:
+        shutil.rmtree(leftover, ignore_errors=True)
+        logger.info("removed interrupted save %s", leftover.name)
+    candidates = checkpoint_dirs(checkpoints_dir)
+    latest = latest_name(checkpoints_dir)
+    candidates.sort(key=lambda c: (c[1].name != latest, -c[0]))
     rejected: list[tuple[str, str]] = []
-    for step, path in checkpoint_dirs(checkpoints_dir):
-        reason = check_checkpoint(path, fingerprint=fingerprint, step=step)
-        if reason is None:
-            logger.info("resuming from %s", path.name)
-            return ResumeChoice(path=path, step=step, rejected=rejected)
-        logger.info("skipping %s: %s", path.name, reason)
-        rejected.append((path.name, reason))
+    for step, path in candidates:
+        try:
+            restored = _restore_one(path, step, key, fingerprint, inputs, scratch)
+        except OSError as exc:  # the volume or the scratch directory failed: keep the checkpoint, fail the run
+            raise StateError(f"cannot restore {path.name}: {exc.strerror or type(exc).__name__}",
+                             fix="check the output volume and the scratch directory (free memory/space)") from exc
+        except (_Unusable, CvmTuneError, ValueError, KeyError, TypeError) as exc:
+            reason = _reason(exc)
+            logger.info("skipping %s: %s", path.name, reason)
+            rejected.append((path.name, reason))
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        logger.info("resuming from %s", path.name)
+        if latest != path.name:
+            atomic_write_bytes(checkpoints_dir / LATEST, f"{path.name}\n".encode())
+        return ResumeChoice(path=restored, step=step, rejected=rejected)
     return ResumeChoice(path=None, step=None, rejected=rejected)
 
 
-def discard_rejected(checkpoints_dir: Path, choice: ResumeChoice) -> None:
-    """Delete the skipped checkpoints so HF neither overwrites them in place nor counts them.
-
-    HF saves ``checkpoint-N`` into an existing directory without clearing it and rotates by
-    count, so a stale or corrupt directory would mix files with the new save or evict a good one.
-    """
-    for name, _reason in choice.rejected:
-        target = Path(checkpoints_dir) / name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-            logger.info("removed unusable %s", name)
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, _Unusable):
+        return str(exc)
+    if isinstance(exc, WrongKeyError):
+        return "sealed with another key (other app id)"
+    if isinstance(exc, DatasetIntegrityError | HeaderIntegrityError):
+        return "corrupt (failed authentication)"
+    if isinstance(exc, CvmTuneError):
+        return "corrupt (not a sealed file)"
+    return f"malformed manifest ({type(exc).__name__})"
 
 
 def export_adapter(model: Any, final: Path, base_model_name: str) -> Path:
