@@ -1,7 +1,9 @@
 """One attested training run, top to bottom: decrypt -> validate -> train -> export -> attest.
 
 ``run_once(cfg, progress=print)`` is the whole job. Each numbered step is one call into a small
-module; read this file to know what happens in what order and what is hashed where.
+module; read this file to know what happens in what order and what is hashed where. The nightly
+service (``app.scheduler``) calls it with a slot-derived ``run_id`` and :class:`RunHooks` (stop
+requests, step progress); a run that fails after ``run.start`` records ``run.abort`` in the audit.
 Fail-closed rules: no quote, no export; the dataset is fully authenticated before training; a
 bundle appears under ``exports/`` only when complete (staged, fsynced, renamed).
 """
@@ -9,6 +11,7 @@ bundle appears under ``exports/`` only when complete (staged, fsynced, renamed).
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
 import shutil
@@ -27,11 +30,11 @@ from attestation.hashing import files_digest, sha256_file, sha256_hex, tree_dige
 from attestation.policy import policy_file_text, simulator_policy
 
 import app
-from app import export
+from app import export, report
 from app.audit import AuditLog, AuditRecorder, utc_now
 from app.config import Config
 from app.dataset import DerivedKeySource, KeyFileSource, KeySource, encrypt_file, open_encrypted, parse_jsonl
-from app.errors import BaseModelError, ConfigError, StateError, TeeError
+from app.errors import BaseModelError, ConfigError, CvmTuneError, ExportError, StateError, TeeError
 from app.fsutil import atomic_write_bytes, remove_stale_temps, staged_dir
 from app.tee import GuestAgent, Identity, open_guest_agent
 
@@ -53,6 +56,24 @@ class RunResult:
     timings: dict[str, float] = field(default_factory=dict)  # phase -> seconds (bench/overhead.py)
     train_runtime_s: float = 0.0
     resumed_from_step: int | None = None
+    report: dict[str, Any] = field(default_factory=dict)  # report/report.json of the bundle
+    audit_head: str = ""
+
+
+@dataclass(frozen=True)
+class RunHooks:
+    """What the service plugs into a run (all optional).
+
+    Attributes:
+        should_stop: Polled before training and after every optimizer step; a returned reason
+            checkpoints at that step boundary and raises ``TrainingStopped`` (SIGTERM, watchdog).
+        on_step: Called with the global step after every optimizer step (heartbeat).
+        slot: The scheduled slot instant, recorded in the report.
+    """
+
+    should_stop: Callable[[], str | None] = lambda: None
+    on_step: Callable[[int], None] = lambda _step: None
+    slot: str | None = None
 
 
 class _Timer:
@@ -68,13 +89,17 @@ class _Timer:
             self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - start
 
 
-def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str | None = None) -> RunResult:
+def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str | None = None,
+             hooks: RunHooks | None = None) -> RunResult:
     """Run one attested fine-tune and export its bundle.
 
     Raises:
         CvmTuneError: any data, key, attestation, training or state failure (nothing exported).
     """
-    from app.training import TrainRequest, build_tiny_model, train  # heavy stack, imported lazily
+    from app.training import TrainingStopped, TrainRequest, build_tiny_model, train  # heavy stack, imported lazily
+    from app.training.checkpoints import CHECKPOINT_GETKEY_PATH
+
+    hooks = hooks or RunHooks()
 
     if run_id is not None and not RUN_ID.fullmatch(run_id):
         raise ConfigError(f"run id {run_id!r} is not allowed", fix="use 1-100 letters, digits, '.', '_' or '-', not starting with '.' or '-'")
@@ -99,21 +124,23 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         with timer.phase("key"):
             key_source = _key_source(cfg, agent)
             key = key_source.dataset_key()
+            # Checkpoints are sealed under their own GetKey path (bound to the app id, never on disk).
+            ckpt_key = DerivedKeySource(agent.get_key, CHECKPOINT_GETKEY_PATH, "cvm-tune-checkpoint-key").dataset_key()
 
         # 3. Encrypted dataset: decrypt in memory, authenticate ALL of it, then validate rows.
         with timer.phase("decrypt_validate"):
             ds_path = _dataset_file(cfg, out, key, progress)
             with open(ds_path, "rb") as fh:
                 stream = open_encrypted(fh, key)
-                rows, report = parse_jsonl(stream, source=ds_path.name, max_row_bytes=cfg.dataset.max_row_bytes)
+                rows, report_rows = parse_jsonl(stream, source=ds_path.name, max_row_bytes=cfg.dataset.max_row_bytes)
             dataset = {
                 "dataset_id": stream.header.dataset_id, "dataset_version": stream.header.dataset_version,
                 "format": "cvm-tune encrypted dataset v1", "encrypted_sha256": stream.ciphertext_sha256,
                 "encrypted_size": stream.ciphertext_size, "plaintext_sha256": stream.plaintext_sha256,
-                "plaintext_size": stream.plaintext_size, "rows": report.rows_kept, "key_source": key_source.describe(),
+                "plaintext_size": stream.plaintext_size, "rows": report_rows.rows_kept, "key_source": key_source.describe(),
             }
         progress(f"dataset: {ds_path.name} decrypted in memory and authenticated ({stream.chunks} chunks), "
-                 f"{report.rows_kept} rows {dict(report.by_kind)}")
+                 f"{report_rows.rows_kept} rows {dict(report_rows.by_kind)}")
 
         # 4. Base model: built or found locally, hashed, checked against the pin.
         with timer.phase("base_model"):
@@ -128,7 +155,8 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         config_bytes = cfg.canonical_json()
         with timer.phase("hashing"):
             code_sha = export.source_digest()
-        fingerprint = sha256_hex(json.dumps([sha256_hex(config_bytes), dataset["plaintext_sha256"], base_tree]).encode())
+        inputs = {"config": sha256_hex(cfg.training_json()), "dataset": dataset["plaintext_sha256"], "base_model": base_tree}
+        fingerprint = sha256_hex(json.dumps(inputs, sort_keys=True).encode())
         run_id, resuming = _pick_run(out, fingerprint, run_id)
         run_dir = out / "runs" / run_id
         started_at = json.loads((run_dir / "state.json").read_text())["started_at"] if resuming else utc_now()
@@ -146,15 +174,26 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
                     "dataset_encrypted_sha256": dataset["encrypted_sha256"],
                     "dataset_plaintext_sha256": dataset["plaintext_sha256"],
                     "base_model_tree_sha256": base_tree, "code_source_sha256": code_sha})
+        done: list[bool] = []  # set once the bundle is published
+        stack.push(lambda _et, exc, _tb: _record_abort(recorder, run_id, exc, done))  # run.abort on any failure
         progress(f"run {run_id}: {'resuming' if resuming else 'started'}; audit events "
                  f"{'measured into RTMR3' if recorder.rtmr3 == 'emit_event' else 'NOT measured (' + str(recorder.note) + ')'}")
 
         # 7. Train (checkpoints under runs/<id>/checkpoints; resumes from the newest complete one).
         ts = cfg.training
+        if (reason := hooks.should_stop()) is not None:
+            raise TrainingStopped(f"{reason}: stopped before training")
+
+        def step_end(step: int) -> str | None:
+            hooks.on_step(step)
+            return hooks.should_stop()
+
         with timer.phase("train"):
             result = train(TrainRequest(
                 base_model_dir=base_dir, base_model_name=base_name, rows=rows, run_dir=run_dir, settings=ts,
-                fingerprint=fingerprint,
+                fingerprint=fingerprint, checkpoint_key=ckpt_key, inputs=inputs,
+                scratch_dir=_scratch_dir(cfg, out), keep_checkpoints=cfg.output.keep_checkpoints,
+                on_step_end=step_end, on_event=lambda t, d: recorder.record(run_id, t, d),
                 on_log=lambda m: progress(f"  step {m['step']}/{ts.max_steps}  loss {m['loss']:.4f}")))
         if result.resumed_from_step:
             progress(f"training resumed from checkpoint step {result.resumed_from_step}")
@@ -164,7 +203,17 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
 
         # 8. Export: stage every file, commit to them in the audit chain, bind the manifest into a quote.
         final = out / "exports" / run_id
-        with timer.phase("export"), staged_dir(final) as stage:
+        checks = [
+            f"guest agent {ident.version}: compose-hash consistent with its app-compose",
+            f"dataset header and all {stream.chunks} chunks authenticated before any row was used",
+            f"rows validated: {report_rows.rows_kept} of {report_rows.rows_total} kept",
+            "base model tree hash " + ("matches the pinned sha256" if cfg.base_model.sha256 else "recorded (not pinned)"),
+            (f"resumed from sealed checkpoint step {result.resumed_from_step} (manifest and blob hashes verified)"
+             if result.resumed_from_step else "trained from step 0"),
+            *(f"refused {name}: {why}" for name, why in result.rejected_checkpoints),
+            "loss watchdog: " + ("no NaN/Inf or spike" if ts.loss_watchdog.enabled else "disabled"),
+        ]
+        with timer.phase("export"), _disk_errors(f"writing the export bundle {final}"), staged_dir(final) as stage:
             (stage / "adapter").mkdir()
             for p in result.adapter_dir.iterdir():
                 shutil.copyfile(p, stage / "adapter" / p.name)
@@ -174,6 +223,10 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             (stage / B.MODEL_CARD).write_bytes(export.model_card(
                 run_id=run_id, base_model=base_name, base_tree=base_tree, dataset=dataset, backend=result.backend,
                 steps=result.global_step, last_loss=last_loss, simulated=simulated))
+            run_report = report.build(run_id=run_id, slot=hooks.slot, timings=timer.t, train=result,
+                                      effective_batch_size=ts.per_device_batch_size * ts.gradient_accumulation_steps,
+                                      rows=report_rows, checks=checks)
+            report_files = report.write(stage, run_report)
             artifacts = {rel: sha256_file(stage / rel) for rel in B.ARTIFACT_FILES}
             with timer.phase("audit"):
                 recorder.record(run_id, "export", {"artifacts_sha256": files_digest(artifacts)})
@@ -194,7 +247,8 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
                              "effective_batch_size": ts.per_device_batch_size * ts.gradient_accumulation_steps},
                 "audit": {"head": entries[-1].hash, "start_prev": entries[0].prev, "first_seq": entries[0].seq,
                           "entries": len(entries), "rtmr3": recorder.rtmr3 or "unsupported"},
-                "files": {**artifacts, B.AUDIT: sha256_file(stage / B.AUDIT)},
+                "files": {**artifacts, B.AUDIT: sha256_file(stage / B.AUDIT),
+                          **{rel: sha256_file(p) for rel, p in report_files.items()}},
             })
             (stage / B.MANIFEST).write_bytes(manifest)
             with timer.phase("quote"):
@@ -209,6 +263,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
                 (stage / B.COLLATERAL).write_text(collateral)
             else:
                 progress("collateral: not available; verify later with --collateral (fresh collateral from a PCCS)")
+        done.append(True)
         _write_state(run_dir, {"run_id": run_id, "fingerprint": fingerprint, "status": "exported",
                                "started_at": started_at, "bundle": str(final)})
         progress(f"exported: {final}")
@@ -218,7 +273,44 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             verdicts, policy_file = _self_verify(final, out, agent, simulated)
     timer.t["total"] = time.perf_counter() - t0
     return RunResult(run_id, final, verdicts, policy_file, result.losses, timer.t, result.train_runtime_s,
-                     result.resumed_from_step)
+                     result.resumed_from_step, run_report, entries[-1].hash)
+
+
+def _record_abort(recorder: AuditRecorder, run_id: str, exc: BaseException | None, done: list[bool]) -> bool:
+    """Audit ``run.abort`` (error class and category only) when a started run fails before its export."""
+    if exc is None or done:
+        return False
+    category = exc.category if isinstance(exc, CvmTuneError) else "internal"
+    try:
+        recorder.record(run_id, "run.abort", {"error": type(exc).__name__, "category": category})
+    except Exception:  # the agent or the volume may be what failed: never mask the original error
+        logging.getLogger(__name__).warning("could not record run.abort for %s", run_id)
+    return False
+
+
+@contextmanager
+def _disk_errors(what: str) -> Iterator[None]:
+    """Disk full (or any OS error) while writing state: a clean StateError, nothing half-written kept."""
+    try:
+        yield
+    except OSError as exc:
+        raise ExportError(f"{what} failed: {exc.strerror or type(exc).__name__}",
+                          fix="free space on the output volume and run again; no partial bundle was kept") from exc
+
+
+def _scratch_dir(cfg: Config, out: Path) -> Path:
+    """Private directory for the trainer's plaintext checkpoints: RAM when possible, never the volume."""
+    import os
+    import tempfile
+
+    base = cfg.output.scratch_dir
+    if base is None:
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    path = Path(base).resolve() / f"cvm-tune-{sha256_hex(str(out).encode())[:12]}"
+    if path == out or out in path.parents:
+        raise ConfigError(f"output.scratch_dir {base} is on the output volume", fix="point it at /dev/shm or a tmpfs")
+    return path
 
 
 def _describe_agent(ident: Identity, simulated: bool) -> str:

@@ -7,6 +7,7 @@ A bundle ``exports/<run_id>/`` holds::
     config.json                       the resolved run configuration (canonical JSON)
     app-compose.json                  the dstack app-compose the CVM measured (raw bytes)
     README.md                         model card
+    report/report.json, report/loss.png   run report: metrics and counts, no data (bundles since 0.1 service)
     audit.jsonl                       this run's slice of the hash-chained audit log
     manifest.json                     hashes of all of the above + provenance (schema below)
     quote.bin, quote.hex              TDX quote whose report_data = manifest_report_data(manifest.json)
@@ -42,6 +43,8 @@ ADAPTER_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetenso
 HASHED_FILES = (*ADAPTER_FILES, CONFIG, APP_COMPOSE, MODEL_CARD, AUDIT)
 ARTIFACT_FILES = tuple(f for f in HASHED_FILES if f != AUDIT)  # what the audit `export` entry commits to
 ATTESTATION_FILES = (MANIFEST, QUOTE_BIN, QUOTE_HEX, EVENT_LOG)
+# The run report: hashed in `files` like the rest (all or none: bundles made before reports lack both).
+REPORT_FILES = ("report/report.json", "report/loss.png")
 OPTIONAL_FILES = (COLLATERAL,)
 
 Hex64 = str

@@ -91,13 +91,14 @@ def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> 
     manifest = None
     try:
         manifest = B.Manifest.model_validate(json.loads(manifest_bytes))
-        if set(manifest.files) != set(B.HASHED_FILES):
-            raise ValueError(f"manifest lists {sorted(manifest.files)}, expected {sorted(B.HASHED_FILES)}")
+        if set(manifest.files) not in (set(B.HASHED_FILES), set(B.HASHED_FILES) | set(B.REPORT_FILES)):
+            raise ValueError(f"manifest lists {sorted(manifest.files)}, expected {sorted(B.HASHED_FILES)} "
+                             f"(+ {', '.join(B.REPORT_FILES)})")
         f.add("manifest.schema", "pass", B.MANIFEST_SCHEMA)
     except (ValueError, ValidationError) as exc:
         f.add("manifest.schema", "fail", f"manifest.json is not a valid {B.MANIFEST_SCHEMA} manifest: {str(exc).splitlines()[0]}")
         manifest = None
-    expected = set(B.HASHED_FILES) | set(B.ATTESTATION_FILES)
+    expected = set(manifest.files if manifest else B.HASHED_FILES) | set(B.ATTESTATION_FILES)
     extra = sorted(present - expected - set(B.OPTIONAL_FILES))
     missing = sorted(expected - present)
     problems = [*(f"unexpected file {p}" for p in extra), *(f"missing {p}" for p in missing),

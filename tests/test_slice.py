@@ -63,7 +63,8 @@ def test_bundle_layout(demo: dict) -> None:
     files = sorted(p.relative_to(demo["bundle"]).as_posix() for p in demo["bundle"].rglob("*") if p.is_file())
     assert files == sorted([
         "README.md", "adapter/adapter_config.json", "adapter/adapter_model.safetensors", "app-compose.json",
-        "audit.jsonl", "collateral.json", "config.json", "event_log.json", "manifest.json", "quote.bin", "quote.hex"])
+        "audit.jsonl", "collateral.json", "config.json", "event_log.json", "manifest.json", "quote.bin", "quote.hex",
+        "report/loss.png", "report/report.json"])
     manifest = json.loads((demo["bundle"] / "manifest.json").read_text())
     assert manifest["schema"] == "cvm-tune/manifest/v1"
     assert manifest["backend"]["name"] == "hf"
@@ -175,6 +176,8 @@ def test_one_byte_flip_in_any_bundle_file_is_rejected(demo: dict, tmp_path: Path
     pos = int(len(data) * where)
     if name == "quote.bin":
         pos = min(pos, 631)  # inside the signed header+body (the verifier also rejects non-zero padding)
+    if name == "event_log.json":  # a boot event's event_type is not measured: flip inside the next digest value
+        pos = data.index(b'"digest":"', pos) + 12
     data[pos] ^= 0x01
     path.write_bytes(bytes(data))
     failed = _failed(bundle, demo["policy"], capsys)
