@@ -6,6 +6,9 @@ Exit codes (also in the README):
   2  usage, config, policy or input error (missing file, unreadable bundle or quote)
   3  dataset error   4  key error   5  guest agent / attestation error
   6  training error  7  state / export error   70  internal error (bug: rerun with --debug)
+``run``/``serve`` when another process holds the output volume's lock: "skipped: locked", exit 0.
+A SIGTERM during ``run``/``serve`` checkpoints at the next step boundary and exits 0.
+``status --health``: 0 healthy, 1 unhealthy (one line saying why).
 """
 
 from __future__ import annotations
@@ -44,6 +47,21 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--config", type=Path, metavar="FILE", help="YAML configuration (see `cvm-tune schema`)")
     r.add_argument("--run-id", metavar="ID", help="name the run (resumes it if unfinished); default: a new timestamped id "
                    "or the newest unfinished run with the same inputs")
+
+    sv = sub.add_parser("serve", help="the nightly service: run each scheduled slot once (what the container runs)",
+                        description="Run one attested training per calendar day at schedule.time in schedule.timezone: "
+                        "one catch-up run after downtime, retries with backoff, overrun slots skipped, SIGTERM = "
+                        "checkpoint and exit 0. A second process on the same output volume logs 'skipped: locked', exits 0.")
+    sv.add_argument("--config", type=Path, metavar="FILE", help="YAML configuration (see `cvm-tune schema`)")
+    sv.add_argument("--once", action="store_true", help="run the due slot (if any) and exit, for cron-like use")
+
+    st = sub.add_parser("status", help="show the last runs and the next slot of the service",
+                        description="Print the run database (last runs, status, reasons, bundles) and the next slot. "
+                        "--health: exit 0 only when the heartbeat is fresh and the newest slot is not finally failed.")
+    st.add_argument("--config", type=Path, metavar="FILE", help="YAML configuration (see `cvm-tune schema`)")
+    st.add_argument("--health", action="store_true", help="health check for Docker HEALTHCHECK: exit 0 healthy, 1 not")
+    st.add_argument("--json", action="store_true", help="machine-readable status (schema cvm-tune/status/v1)")
+    st.add_argument("-n", type=int, default=10, metavar="N", help="rows to show (default 10)")
 
     v = sub.add_parser("verify", help="verify an export bundle",
                        description="Check a bundle's quote (dcap-qvl), report_data binding, file hashes, RTMR0-3 replay "
@@ -94,12 +112,34 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERNAL
 
 
+def _stop_on_sigterm() -> list[str]:
+    """SIGTERM/SIGINT set a flag the trainer polls at every step boundary (checkpoint, then stop)."""
+    import signal
+
+    flag: list[str] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: flag.append(signal.Signals(signum).name))
+    return flag
+
+
 def _run(args: argparse.Namespace) -> int:
     from app.config import load_config
-    from app.pipeline import run_once
+    from app.pipeline import RunHooks, run_once
+    from app.state import Locked, run_lock
+    from app.training import TrainingStopped
 
     cfg = load_config(args.config)
-    res = run_once(cfg, progress=lambda m: print(m, flush=True), run_id=args.run_id)
+    flag = _stop_on_sigterm()
+    hooks = RunHooks(should_stop=lambda: f"{flag[0]} received" if flag else None)
+    try:
+        with run_lock(cfg.output.dir):
+            res = run_once(cfg, progress=lambda m: print(m, flush=True), run_id=args.run_id, hooks=hooks)
+    except Locked as exc:
+        print(f"skipped: locked ({exc} is held by another cvm-tune process)", flush=True)
+        return 0
+    except TrainingStopped as exc:
+        print(f"stopped: {exc.message}; run again to resume", flush=True)
+        return 0
     print()
     print(f"Export bundle: {res.bundle_dir}")
     for name, verdict in res.verdicts:
@@ -107,6 +147,31 @@ def _run(args: argparse.Namespace) -> int:
         print(f"Verdict ({name}): {verdict.summary()}" + (f" — failed: {failed}" if failed else ""))
     cmd = f"cvm-tune verify {res.bundle_dir}" + (f" --policy {res.policy_file}" if res.policy_file else "")
     print(f"Verify again: {cmd}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from app.config import load_config
+    from app.scheduler import serve
+
+    cfg = load_config(args.config)
+    outcome = serve(cfg, once=args.once, progress=lambda m: print(m, flush=True))
+    print(f"service: {outcome}", flush=True)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from app.config import load_config
+    from app.status import render_status
+
+    cfg = load_config(args.config)
+    if args.health:
+        from app.scheduler import health
+
+        ok, why = health(cfg)
+        print(why)
+        return 0 if ok else EXIT_REJECTED
+    print(render_status(cfg, limit=args.n, as_json=args.json))
     return 0
 
 
@@ -174,4 +239,4 @@ def _validate_config(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"run": _run, "verify": _verify, "simulator": _simulator, "schema": _schema, "validate-config": _validate_config}
+_COMMANDS = {"run": _run, "serve": _serve, "status": _status, "verify": _verify, "simulator": _simulator, "schema": _schema, "validate-config": _validate_config}

@@ -500,3 +500,48 @@ def test_no_plaintext_on_disk_and_no_hf_cache(tiny_model: Path, tmp_path: Path) 
         for p in d.rglob("*"):
             if p.is_file():
                 assert needle not in p.read_bytes(), p
+
+
+# --- loss watchdog (case 26) ------------------------------------------------------------------------------------
+
+
+def test_loss_watchdog_detector() -> None:
+    from app.config import LossWatchdogSettings
+    from app.training.watchdog import LossWatchdog
+
+    dog = LossWatchdog(LossWatchdogSettings(spike_factor=3.0, window=4, patience=2))
+    assert [dog.check(s, v) for s, v in enumerate([5.0, 4.8, 4.7, 4.9], 1)] == [None] * 4
+    assert dog.check(5, 20.0) is None and dog.suspicious  # one spike: wait, but seal nothing
+    assert dog.check(6, 4.6) is None and not dog.suspicious  # recovered
+    assert dog.check(7, 30.0) is None
+    assert "spiked to 31 at step 8" in dog.check(8, 31.0)
+    assert LossWatchdog(LossWatchdogSettings()).check(1, float("nan")) == "loss is nan at step 1"
+    assert LossWatchdog(LossWatchdogSettings()).check(1, 5.0, float("inf")) == "gradient norm is inf at step 1"
+    assert LossWatchdog(LossWatchdogSettings(enabled=False)).check(1, float("inf")) is None
+
+
+def _poisoned_copy(tiny_model: Path, dest: Path) -> Path:
+    """The tiny model with infinite embeddings: the real forward pass yields a NaN loss."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_model, dest)
+    weights = load_file(str(dest / "model.safetensors"))
+    name = next(k for k in weights if "embed_tokens" in k)
+    weights[name] = weights[name] * float("inf")
+    save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def test_case26_diverging_run_aborts_keeps_last_good_checkpoint_and_exports_nothing(
+        tiny_model: Path, tmp_path: Path) -> None:
+    with pytest.raises(TrainingInterrupted):  # a good run up to its checkpoint at step 4
+        train(_request(tiny_model, tmp_path / "run", stop_after_step=4))
+    poisoned = _poisoned_copy(tiny_model, tmp_path / "poisoned")
+    with pytest.raises(TrainingError) as err:  # the same run continues and its loss turns NaN at step 5
+        train(_request(poisoned, tmp_path / "run"))
+    assert type(err.value).__name__ == "LossDiverged"
+    assert err.value.message == "loss watchdog: loss is nan at step 5; aborted, nothing exported"
+    assert not (tmp_path / "run" / "adapter").exists()
+    assert [s for s, _ in checkpoint_dirs(tmp_path / "run" / "checkpoints")] == [4]
+    assert latest_name(tmp_path / "run" / "checkpoints") == "checkpoint-4"
+    assert _restore(tmp_path / "run" / "checkpoints", tmp_path).step == 4  # the last good one, intact

@@ -347,7 +347,7 @@ def _callback_class() -> type:
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
             if not logs or "loss" not in logs:
                 return
-            diverged = self.watchdog.check(int(state.global_step), float(logs["loss"]))
+            diverged = self.watchdog.check(int(state.global_step), float(logs["loss"]), logs.get("grad_norm"))
             if diverged is not None:  # raised before this step's save: no diverged checkpoint is sealed
                 raise LossDiverged(f"loss watchdog: {diverged}; aborted, nothing exported")
             if self.req.on_log is None:
@@ -426,6 +426,7 @@ def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dat
             fp16=cuda and not bf16,
             gradient_checkpointing=gradient_checkpointing,
             include_num_input_tokens_seen="non_padding",  # kept in trainer_state: survives a resume
+            logging_nan_inf_filter=False,  # HF would log a NaN/Inf loss as the running mean: hide it from the watchdog
         )
         return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok,
                           peft_config=peft_config, callbacks=[_callback_class()(req, sealing)])
