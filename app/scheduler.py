@@ -332,8 +332,12 @@ def serve(cfg: Config, *, once: bool, progress: Callable[[str], None], clock: Cl
 
 
 def _beat(service: Service) -> None:
+    """Heartbeat thread: proves the process is alive even while a run holds the main thread (model loading)."""
     while not service.stop_event.wait(service.cfg.schedule.tick_s):
-        service.heartbeat()
+        try:
+            service.heartbeat()
+        except Exception:  # never let the heartbeat thread die silently
+            logger.exception("heartbeat failed")
 
 
 def health(cfg: Config, *, now: datetime | None = None) -> tuple[bool, str]:

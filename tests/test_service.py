@@ -405,3 +405,57 @@ def test_alert_gives_up_on_4xx_and_without_url(webhook: Any, tmp_path: Path) -> 
     assert not alerts.send(AlertSettings(), {"event": "failed"}, output=tmp_path, env={}, sleep=lambda _s: None)
     assert not alerts.send(AlertSettings(retries=1), {"event": "failed"}, output=tmp_path,  # nobody listening
                            env={"CVM_TUNE_ALERT_WEBHOOK": "http://127.0.0.1:9/"}, sleep=lambda _s: None)
+
+
+# --- with the real pipeline -----------------------------------------------------------------------------------
+
+CANARY = "CANARY-7f3a-row-content-must-not-be-alerted"
+
+
+def test_failed_real_run_alerts_without_dataset_content(tmp_path: Path, webhook: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dataset with a bad row (holding a canary) fails the run: recorded, alerted, retried; no content leaks."""
+    from app.dataset import encrypt_file, write_key_file
+
+    url, hook = webhook
+    plain = tmp_path / "d.jsonl"
+    plain.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"text": CANARY, "extra": CANARY}) + "\n")
+    write_key_file(tmp_path / "k", bytes(range(32)))
+    encrypt_file(plain, tmp_path / "d.cvmds", bytes(range(32)), dataset_id="canary")
+    cfg = Config.model_validate({
+        "output": {"dir": str(tmp_path / "out")}, "alerts": {"webhook_url_env": "CVM_TUNE_TEST_WEBHOOK"},
+        "dataset": {"source": "encrypted-file", "path": str(tmp_path / "d.cvmds"),
+                    "key": {"source": "file", "file": str(tmp_path / "k")}}})
+    monkeypatch.setenv("CVM_TUNE_TEST_WEBHOOK", url)
+    svc = Service(cfg, clock=FakeClock(datetime(2026, 11, 20, 2, 0, tzinfo=UTC)))
+    assert svc.tick() == "failed: nightly-2026-11-20 attempt 1, retry in 60 s"
+    row = svc.db.get("nightly-2026-11-20")
+    assert row.status == "failed" and row.reason.startswith("RowError: ") and "line 2" in row.reason
+    body = json.loads(hook.bodies[-1])
+    assert body["event"] == "failed" and body["run_id"] == "nightly-2026-11-20" and body["attempt"] == 1
+    everything = b"".join(hook.bodies) + (tmp_path / "out" / "state" / "runs.sqlite").read_bytes()
+    assert CANARY.encode() not in everything
+
+
+def test_disk_full_during_export_fails_cleanly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Case 35 (export side): ENOSPC while staging the bundle -> exit 7, no bundle, no temp dir, checkpoints kept."""
+    import errno
+
+    from app import report
+    from app.cli import main
+    from app.training.checkpoints import latest_name
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(json.dumps({"output": {"dir": str(tmp_path / "out")}, "training": {"max_steps": 4, "save_steps": 2}}))
+
+    def full(*_a: Any, **_k: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(report, "write", full)
+    assert main(["run", "--config", str(cfg), "--run-id", "r1"]) == 7
+    assert list((tmp_path / "out" / "exports").iterdir()) == []  # nothing that looks complete, no .tmp- left
+    assert latest_name(tmp_path / "out" / "runs" / "r1" / "checkpoints") == "checkpoint-4"
+    monkeypatch.undo()
+    assert main(["run", "--config", str(cfg), "--run-id", "r1"]) == 0  # space freed: resumes and exports
+    manifest = json.loads((tmp_path / "out" / "exports" / "r1" / "manifest.json").read_text())
+    assert manifest["training"]["resumed_from_step"] == 4

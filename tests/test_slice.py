@@ -149,6 +149,8 @@ TAMPER = {
     "quote.hex": {"quote.hex"},
     "event_log.json": {"event_log.replay", "event_log.parse"},
     "collateral.json": {"quote.signature", "collateral.parse"},
+    "report/report.json": {"manifest.files"},
+    "report/loss.png": {"manifest.files"},
 }
 
 
@@ -188,6 +190,12 @@ def test_added_file_is_rejected(demo: dict, tmp_path: Path, capsys: pytest.Captu
     bundle = _copy(demo, tmp_path)
     (bundle / "adapter" / "extra.safetensors").write_bytes(b"unsigned")
     assert "bundle.files" in _failed(bundle, demo["policy"], capsys)
+
+
+def test_removed_report_is_rejected(demo: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bundle = _copy(demo, tmp_path)
+    (bundle / "report" / "loss.png").unlink()  # the manifest lists it: all report files or none
+    assert {"bundle.files", "manifest.files"} <= _failed(bundle, demo["policy"], capsys)
 
 
 def test_removed_file_is_rejected(demo: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
