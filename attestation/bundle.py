@@ -7,7 +7,7 @@ A bundle ``exports/<run_id>/`` holds::
     config.json                       the resolved run configuration (canonical JSON)
     app-compose.json                  the dstack app-compose the CVM measured (raw bytes)
     README.md                         model card
-    report/report.json, report/loss.png   run report: metrics and counts, no data (bundles since 0.1 service)
+    report/report.json, report/loss.png   run report: metrics and counts, no data (absent from older bundles)
     audit.jsonl                       this run's slice of the hash-chained audit log
     manifest.json                     hashes of all of the above + provenance (schema below)
     quote.bin, quote.hex              TDX quote whose report_data = manifest_report_data(manifest.json)

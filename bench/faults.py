@@ -3,8 +3,8 @@
     python bench/faults.py [--kills N] [--seed S] [--steps 24] [--save-steps 4] [--out bench/results/faults-cpu.json]
 
 Each trial gets a fresh output volume and is killed once with SIGKILL, either from outside at a
-random moment of training (after a random step, plus a random fraction of a step: like a host
-reset) or at a random named point inside the process (mid checkpoint seal, between the seal and
+random moment of training (after a random step, plus a random delay up to one mean step time: like a
+host reset) or at a random named point inside the process (mid checkpoint seal, between the seal and
 the LATEST pointer, mid audit append, mid export staging: see ``KILL_POINTS``). Then ``serve --once`` runs again until the slot is done. Reported
 per trial: whether the run resumed, the step it resumed from, the work lost (last step logged
 before the kill minus the resume step; target <= one checkpoint interval, ``--save-steps``), the
@@ -125,12 +125,12 @@ def trial(root: Path, rng: random.Random, *, steps: int, save_steps: int, ref: P
     cfg = write_config(root, steps=steps, save_steps=save_steps)
     log = root / "log.txt"
     if rng.random() < 0.5:  # from outside, at a random moment of training (robust to a slow machine)
-        after, frac = rng.randint(1, steps), rng.random()
-        point, proc = f"SIGKILL {frac:.2f} of a step after step {after} was logged", start(cfg, log)
+        after, delay = rng.randint(1, steps), rng.random() * train_seconds / steps
+        point, proc = f"SIGKILL {delay:.2f} s after step {after} was logged", start(cfg, log)
         while proc.poll() is None and last_step(log) < after:
             time.sleep(0.005)
         try:
-            proc.wait(timeout=frac * train_seconds / steps)
+            proc.wait(timeout=delay)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGKILL)
             proc.wait()

@@ -361,6 +361,18 @@ def test_restore_refuses_other_key_and_inputs(tmp_path: Path) -> None:
         ("checkpoint-3", "sealed for other inputs (base_model, config differ)")]
 
 
+def test_complete_checkpoint_newer_than_latest_is_resumed(tmp_path: Path) -> None:
+    """Case 34: killed after checkpoint-4's rename but before LATEST moved: checkpoint-4 is complete and used."""
+    src = tmp_path / "plain"
+    src.mkdir()
+    for name in ("trainer_state.json", "adapter_model.safetensors"):
+        (src / name).write_bytes(b"y" * 10)
+    for step in (2, 4):
+        seal_checkpoint(src, tmp_path / "c", key=CKPT_KEY, fingerprint=FP, inputs=INPUTS, step=step, keep=3)
+    (tmp_path / "c" / LATEST).write_text("checkpoint-2\n")
+    assert _restore(tmp_path / "c", tmp_path).step == 4 and latest_name(tmp_path / "c") == "checkpoint-4"
+
+
 def test_disk_full_while_sealing_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Case 35: ENOSPC mid-seal: StateError, no partial directory, LATEST not moved, previous intact."""
     import errno

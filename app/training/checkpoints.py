@@ -20,8 +20,8 @@ SHA-256 and the run's ``inputs`` (config, dataset and base-model hashes). Order:
 manifest, fsync, rename ``.tmp-…`` → ``checkpoint-N``, fsync the parent, then ``LATEST``. A kill
 at any point leaves either the previous state or the complete new checkpoint.
 
-:func:`restore_checkpoint` tries ``LATEST`` then every other ``checkpoint-N`` newest first,
-decrypts into the scratch directory and checks everything; a candidate that fails (no manifest =
+:func:`restore_checkpoint` tries every ``checkpoint-N`` newest first (``LATEST`` is repaired to
+name the one resumed), decrypts into the scratch directory and checks everything; a candidate that fails (no manifest =
 interrupted save, wrong key, a changed byte, other inputs) is skipped with a reason naming no data.
 
 The final adapter (:func:`export_adapter`) is staged next to ``run_dir/"adapter"`` and renamed
@@ -259,9 +259,10 @@ def restore_checkpoint(checkpoints_dir: Path, *, key: bytes, fingerprint: str, i
     for leftover in checkpoints_dir.glob(".tmp-*") if checkpoints_dir.is_dir() else []:
         shutil.rmtree(leftover, ignore_errors=True)
         logger.info("removed interrupted save %s", leftover.name)
+    # Newest first, not LATEST first: a kill between a checkpoint's rename and the LATEST update leaves a
+    # complete newer checkpoint, and LATEST is then repaired to name what was resumed.
     candidates = checkpoint_dirs(checkpoints_dir)
     latest = latest_name(checkpoints_dir)
-    candidates.sort(key=lambda c: (c[1].name != latest, -c[0]))
     rejected: list[tuple[str, str]] = []
     for step, path in candidates:
         try:
