@@ -5,11 +5,12 @@
 Each trial gets a fresh output volume and is killed once with SIGKILL, either from outside at a
 random moment of training (after a random step, plus a random delay up to one mean step time: like a
 host reset) or at a random named point inside the process (mid checkpoint seal, between the seal and
-the LATEST pointer, mid audit append, mid export staging: see ``KILL_POINTS``). Then ``serve --once`` runs again until the slot is done. Reported
-per trial: whether the run resumed, the step it resumed from, the work lost (last step logged
-before the kill minus the resume step; target <= one checkpoint interval, ``--save-steps``), the
-max |difference| between the resumed adapter and an uninterrupted run's (target: identical within
-1e-5), and the verifier's verdict on the resumed bundle.
+the LATEST pointer, mid audit append, mid export staging: see ``KILL_POINTS``). Then ``serve
+--once`` runs again until the slot is done. Reported per trial: whether the run resumed, the step it
+resumed from, the work lost (last step logged before the kill minus the resume step; target <= one
+checkpoint interval, ``--save-steps``), the max |difference| between the resumed adapter and an
+uninterrupted run's (target: identical within 1e-5), and the verifier's verdict on the resumed
+bundle.
 """
 
 from __future__ import annotations

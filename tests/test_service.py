@@ -459,3 +459,27 @@ def test_disk_full_during_export_fails_cleanly(tmp_path: Path, monkeypatch: pyte
     assert main(["run", "--config", str(cfg), "--run-id", "r1"]) == 0  # space freed: resumes and exports
     manifest = json.loads((tmp_path / "out" / "exports" / "r1" / "manifest.json").read_text())
     assert manifest["training"]["resumed_from_step"] == 4
+
+
+def test_status_command_prints_a_table_and_health(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli import main
+
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg_file.write_text(json.dumps({"output": {"dir": str(tmp_path / "out")}}))
+    assert main(["status", "--health", "--config", str(cfg_file)]) == 1
+    assert "no heartbeat" in capsys.readouterr().out
+    clock = FakeClock(datetime(2026, 11, 20, 3, 0, tzinfo=UTC))
+    svc = Service(Config.model_validate({"output": {"dir": str(tmp_path / "out")}}), clock=clock, runner=Runner(clock))
+    svc.tick()
+    clock.advance(days=2)
+    svc.tick()
+    assert main(["status", "--config", str(cfg_file)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("cvm-tune service on ") and out[1].startswith("heartbeat: ") and out[2].startswith("next slot: ")
+    assert out[4].split() == ["RUN", "ID", "SLOT", "(UTC)", "STATUS", "TRY", "FINISHED", "(UTC)", "STEPS", "LOSS", "REASON", "/", "BUNDLE"]
+    assert out[5].split()[:4] == ["nightly-2026-11-22", "2026-11-22", "02:00:00", "succeeded"]
+    assert out[5].split()[-3:] == ["3", "1.2500", "/exports/nightly-2026-11-22"]
+    assert "skipped" in out[6] and "missed (service not running)" in out[6]
+    assert main(["status", "--health", "--config", str(cfg_file)]) == 0
+    doc = json.loads((main(["status", "--json", "--config", str(cfg_file)]), capsys.readouterr().out)[1].split("\n", 1)[1])
+    assert doc["schema"] == "cvm-tune/status/v1" and [r["status"] for r in doc["runs"]] == ["succeeded", "skipped", "succeeded"]

@@ -307,6 +307,7 @@ def test_interrupted_save_is_skipped_and_cleaned(baseline: Baseline, tiny_model:
 
 
 def test_finished_checkpoint_resumes_without_steps(baseline: Baseline, tiny_model: Path, tmp_path: Path) -> None:
+    """Case 39: the adapter after a resume equals the checkpoint's tensors exactly (PEFT is wrapped once)."""
     _copy_checkpoints(baseline.run_dir, tmp_path)
     (tmp_path / "adapter").mkdir()
     (tmp_path / "adapter" / "stale.bin").write_bytes(b"old")
