@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +68,8 @@ class TrainRequest:
             "epoch"}`` (metrics only, never data).
         stop_after_step: Test/bench hook: raise :class:`TrainingInterrupted` once this optimizer
             step has been checkpointed (simulates a crash right after a checkpoint).
+        on_batch_change: Called with each micro-batch change (OOM back-off, auto batch size):
+            ``{"phase", "reason", "at_step", "from", "to"}`` (``app.training.batch``).
     """
 
     base_model_dir: Path
@@ -78,6 +80,7 @@ class TrainRequest:
     fingerprint: str
     on_log: Callable[[dict[str, Any]], None] | None = None
     stop_after_step: int | None = None
+    on_batch_change: Callable[[dict[str, Any]], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,10 @@ class TrainResult:
         train_runtime_s: Wall seconds inside ``trainer.train()`` in this process.
         tokens_seen: Non-padding input tokens over the whole run (restored across resumes).
         library_versions: torch, transformers, peft, trl, datasets, accelerate (+ unsloth,
-            unsloth_zoo, bitsandbytes when used).
+            unsloth_zoo, bitsandbytes, triton when used), as imported.
+        batch: Configured and final micro-batch / accumulation, processes, effective batch and
+            every adjustment (``app.training.batch.summary``).
+        eval_losses: ``(step, eval loss)`` when ``training.eval_fraction`` > 0.
     """
 
     adapter_dir: Path
@@ -107,6 +113,8 @@ class TrainResult:
     train_runtime_s: float
     tokens_seen: int | None
     library_versions: dict[str, str]
+    batch: dict[str, Any] = field(default_factory=dict)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
 
 
 class TrainingInterrupted(TrainingError):
@@ -147,6 +155,11 @@ def train(req: TrainRequest) -> TrainResult:
         TrainingError: anything else that stops training (wrapped, message without data).
         StateError: the adapter cannot be written to ``run_dir``.
     """
+    from app.training import launch
+
+    launch.refuse_foreign_launcher()
+    if req.settings.gpu.devices > 1 and not launch.in_worker():
+        return launch.train_distributed(req)  # N worker processes; this one keeps attesting
     from app.training.backend import train as _train
 
     return _train(req)

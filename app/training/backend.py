@@ -20,7 +20,6 @@ Both backends share everything except step 2 (``_load_hf`` / ``_load_unsloth``).
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import logging
 import re
@@ -33,13 +32,26 @@ from typing import Any
 
 from app.errors import BaseModelError, CvmTuneError, StateError, TrainingError
 
-from . import TrainingInterrupted, TrainRequest, TrainResult, set_offline_env
+from . import TrainingInterrupted, TrainRequest, TrainResult, launch, set_offline_env
+from .batch import BatchPlan, OutOfMemory, guard_eval, initial_plan, is_oom, retry_budget, run_with_backoff, step_watch
+from .batch import summary as batch_summary
 from .checkpoints import discard_rejected, export_adapter, select_checkpoint, write_marker
+from .options import (
+    BASE_LIBS,
+    UNSLOTH_LIBS,
+    apply_unsloth_env,
+    check_options,
+    gradient_checkpointing,
+    hf_load_kwargs,
+    imported_versions,
+    sft_batch_kwargs,
+    split_eval,
+    unsloth_load_kwargs,
+    unsloth_peft_kwargs,
+)
 
 logger = logging.getLogger(__name__)
 
-_BASE_LIBS = ("torch", "transformers", "peft", "trl", "datasets", "accelerate")
-_UNSLOTH_LIBS = ("unsloth", "unsloth_zoo", "bitsandbytes")
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
@@ -48,14 +60,16 @@ def _first_line(exc: BaseException, limit: int = 200) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0][:limit] if text else ''}".rstrip(": ")
 
 
-def select_backend(preference: str) -> str:
+def select_backend(preference: str, *, devices: int = 1) -> str:
     """Resolve the configured backend; imports torch (to look for CUDA) but never unsloth.
 
     Args:
         preference: ``"auto"``, ``"hf"`` or ``"unsloth"``.
+        devices: ``training.gpu.devices``; multi-process training runs the HF backend.
 
     Returns:
-        ``"unsloth"`` for ``auto`` when a CUDA GPU is visible and unsloth is installed, else ``"hf"``.
+        ``"unsloth"`` for ``auto`` when a CUDA GPU is visible, unsloth is installed and one device
+        is used, else ``"hf"``.
 
     Raises:
         TrainingError: ``unsloth`` requested without a GPU or without the package; unknown name.
@@ -72,7 +86,7 @@ def select_backend(preference: str) -> str:
     except (ImportError, ValueError):
         has_unsloth = False
     if preference == "auto":
-        return "unsloth" if cuda and has_unsloth else "hf"
+        return "unsloth" if cuda and has_unsloth and devices == 1 else "hf"
     if not cuda:
         raise TrainingError("training.backend is 'unsloth' but no CUDA GPU is visible (Unsloth is GPU-only)",
                             fix="set training.backend to 'auto' or 'hf' (transformers+PEFT), or run on an NVIDIA GPU")
@@ -82,15 +96,24 @@ def select_backend(preference: str) -> str:
     return "unsloth"
 
 
-def train(req: TrainRequest) -> TrainResult:
-    """Run the recipe described in the module docstring (see :func:`app.training.train`)."""
+def train(req: TrainRequest, *, plan: BatchPlan | None = None) -> TrainResult:
+    """Run the recipe described in the module docstring (see :func:`app.training.train`).
+
+    Args:
+        req: The job.
+        plan: Batch sizes chosen by the multi-GPU launcher (``app.training.launch``), which owns the
+            OOM back-off across processes; ``None`` in a single process, which backs off here
+            (``app.training.batch``).
+    """
     set_offline_env()
     if not re.fullmatch(r"[0-9a-f]{64}", req.fingerprint):
         raise TrainingError("the run fingerprint must be 64 lowercase hex characters (a sha256)")
     if not req.base_model_name or Path(req.base_model_name).is_absolute():
         raise TrainingError("base_model_name must be a model name, not empty or an absolute path (it is exported)")
-    backend = select_backend(req.settings.backend)
+    s = req.settings
+    backend = select_backend(s.backend, devices=s.gpu.devices)
     if backend == "unsloth":
+        apply_unsloth_env()
         _import_unsloth()  # must precede every trl/transformers/peft import below
     import datasets
     import torch
@@ -100,62 +123,86 @@ def train(req: TrainRequest) -> TrainResult:
     # Progress bars would interleave with the CLI's own progress lines (metrics only go to on_log).
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    s = req.settings
     _check_base_dir(Path(req.base_model_dir))
     cuda = torch.cuda.is_available()
-    transformers.set_seed(s.seed)  # before loading: LoRA init (and everything after) reproducible
-    try:
-        model, tok, peft_config = (_load_unsloth if backend == "unsloth" else _load_hf)(req, cuda)
-    except CvmTuneError:
-        raise
-    except Exception as exc:
-        raise BaseModelError(f"cannot load base model from {req.base_model_dir}: {_first_line(exc)}",
-                             fix="restore the base model directory (config.json, weights, tokenizer files)") from exc
-
-    dataset = build_dataset(req.rows, tok, assistant_only_loss=s.assistant_only_loss)
+    check_options(backend, s, cuda=cuda)
+    world, rank = launch.world_size(), launch.rank()
     ckpt_root = Path(req.run_dir) / "checkpoints"
     choice = select_checkpoint(ckpt_root, req.fingerprint)
-    discard_rejected(ckpt_root, choice)
+    if rank == 0:
+        discard_rejected(ckpt_root, choice)  # several processes: the launcher already did this
+    splits: list[Any] = []
+    eval_records: list[dict[str, Any]] = []
 
-    try:
-        # CPU: checkpointing only slows tiny models down. Unsloth: get_peft_model already set up its
-        # offloaded checkpointing. GPU + HF: trade compute for memory, as TRL does by default.
-        trainer = _make_trainer(req, model, tok, peft_config, dataset, ckpt_root, cuda=cuda,
-                                gradient_checkpointing=cuda and backend == "hf")
-    except CvmTuneError:
-        raise
-    except Exception as exc:
-        raise TrainingError(f"training setup failed: {_first_line(exc)}") from exc
-    for cb in (PrinterCallback, ProgressCallback):  # they print metrics to stdout/stderr
-        trainer.remove_callback(cb)
-    if len(trainer.train_dataset) == 0:
-        raise TrainingError("no trainable examples: every row has zero trainable tokens after masking and truncation",
-                            fix="check training.max_length and training.assistant_only_loss against the dataset")
+    def attempt(p: BatchPlan) -> tuple[Any, float, list[BatchPlan]]:
+        """Load, build the trainer and train with plan ``p`` (called again after an OOM back-off)."""
+        transformers.set_seed(s.seed)  # before loading: LoRA init (and everything after) reproducible
+        try:
+            model, tok, peft_config = (_load_unsloth if backend == "unsloth" else _load_hf)(req, cuda)
+        except CvmTuneError:
+            raise
+        except Exception as exc:
+            raise BaseModelError(f"cannot load base model from {req.base_model_dir}: {_first_line(exc)}",
+                                 fix="restore the base model directory (config.json, weights, tokenizer files)") from exc
+        if not splits:
+            splits.extend(split_eval(build_dataset(req.rows, tok, assistant_only_loss=s.assistant_only_loss),
+                                     s.eval_fraction, s.seed))
+        try:
+            trainer = _make_trainer(req, model, tok, peft_config, splits[0], splits[1], ckpt_root, cuda=cuda,
+                                    backend=backend, plan=p, world=world)
+        except CvmTuneError:
+            raise
+        except Exception as exc:
+            raise TrainingError(f"training setup failed: {_first_line(exc)}") from exc
+        for cb in (PrinterCallback, ProgressCallback):  # they print metrics to stdout/stderr
+            trainer.remove_callback(cb)
+        if len(trainer.train_dataset) == 0:
+            raise TrainingError("no trainable examples: every row has zero trainable tokens after masking and truncation",
+                                fix="check training.max_length and training.assistant_only_loss against the dataset")
+        watch = step_watch()
+        trainer.add_callback(watch)
+        current = [p]
+        guard_eval(trainer, current, eval_records, req.on_batch_change, retry=world == 1)
+        start = time.perf_counter()
+        try:
+            if choice.path is not None and choice.step is not None and choice.step >= s.max_steps:
+                _restore_finished(trainer, choice.path)  # HF would run one extra step past max_steps
+            else:
+                trainer.train(resume_from_checkpoint=str(choice.path) if choice.path is not None else None)
+        except CvmTuneError:  # TrainingInterrupted and OutOfMemory included: propagate as is
+            raise
+        except Exception as exc:
+            if is_oom(exc):
+                raise OutOfMemory(f"CUDA out of memory in training: {_first_line(exc)}", phase="train",
+                                  first_step=watch.steps == 0, at_step=watch.last_step) from exc
+            raise TrainingError(f"training failed: {_first_line(exc)}") from exc
+        return trainer, time.perf_counter() - start, current
 
-    start = time.perf_counter()
-    try:
-        if choice.path is not None and choice.step is not None and choice.step >= s.max_steps:
-            _restore_finished(trainer, choice.path)  # HF would run one extra step past max_steps
-        else:
-            trainer.train(resume_from_checkpoint=str(choice.path) if choice.path is not None else None)
-    except CvmTuneError:  # TrainingInterrupted included: propagates as is
-        raise
-    except Exception as exc:
-        raise TrainingError(f"training failed: {_first_line(exc)}") from exc
-    runtime = time.perf_counter() - start
+    if plan is not None:  # a worker of a multi-process run: the launcher retries
+        (trainer, runtime, current), records = attempt(plan), []
+    else:
+        (trainer, runtime, current), _, records = run_with_backoff(
+            initial_plan(s), attempt, retries=retry_budget(s), probing=s.gpu.auto_batch_size,
+            on_change=req.on_batch_change)
 
-    try:
-        adapter_dir = export_adapter(trainer.model, Path(req.run_dir) / "adapter", req.base_model_name)
-    except OSError as exc:
-        raise StateError(f"cannot write the adapter under {req.run_dir}: {_first_line(exc)}") from exc
+    adapter_dir = Path(req.run_dir) / "adapter"
+    if rank == 0:
+        try:
+            adapter_dir = export_adapter(trainer.model, adapter_dir, req.base_model_name)
+        except OSError as exc:
+            raise StateError(f"cannot write the adapter under {req.run_dir}: {_first_line(exc)}") from exc
     state = trainer.state
     losses = [(int(h["step"]), float(h["loss"])) for h in state.log_history if "loss" in h and "step" in h]
+    eval_losses = [(int(h["step"]), float(h["eval_loss"])) for h in state.log_history if "eval_loss" in h]
     device = f"cuda:{torch.cuda.current_device()} {torch.cuda.get_device_name()}" if cuda else "cpu"
+    if world > 1:
+        device = f"{world} x {device}"
     return TrainResult(
         adapter_dir=adapter_dir, backend=backend, device=device, losses=losses, global_step=int(state.global_step),
         resumed_from_step=choice.step, train_runtime_s=runtime,
         tokens_seen=int(state.num_input_tokens_seen) if state.num_input_tokens_seen else None,
-        library_versions=_library_versions(_BASE_LIBS + (_UNSLOTH_LIBS if backend == "unsloth" else ())),
+        library_versions=imported_versions(BASE_LIBS + (UNSLOTH_LIBS if backend == "unsloth" else ())),
+        batch=batch_summary(current[0], s, world, records + eval_records), eval_losses=eval_losses,
     )
 
 
@@ -204,12 +251,15 @@ def _check_base_dir(base: Path) -> None:
 def _load_hf(req: TrainRequest, cuda: bool) -> tuple[Any, Any, Any]:
     import torch
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-    lora = req.settings.lora
-    dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+    s, lora = req.settings, req.settings.lora
+    kw = hf_load_kwargs(s, cuda=cuda, bf16=cuda and torch.cuda.is_bf16_supported(), local_rank=launch.local_rank())
+    kw["dtype"] = getattr(torch, kw["dtype"])
+    if "quantization_config" in kw:
+        kw["quantization_config"] = BitsAndBytesConfig(**kw["quantization_config"])
     tok = AutoTokenizer.from_pretrained(str(req.base_model_dir), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(req.base_model_dir), local_files_only=True, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(req.base_model_dir), **kw)
     # The SFTTrainer wraps the model with this config exactly once; on resume it loads the
     # checkpoint's adapter weights into that wrapper (wrapping twice would silently restart).
     peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
@@ -220,13 +270,11 @@ def _load_hf(req: TrainRequest, cuda: bool) -> tuple[Any, Any, Any]:
 def _load_unsloth(req: TrainRequest, cuda: bool) -> tuple[Any, Any, Any]:
     from unsloth import FastLanguageModel
 
-    s, lora = req.settings, req.settings.lora
-    model, tok = FastLanguageModel.from_pretrained(model_name=str(req.base_model_dir), max_seq_length=s.max_length,
-                                                   dtype=None, load_in_4bit=False, local_files_only=True)
+    s = req.settings
+    ckpt = gradient_checkpointing("unsloth", s, cuda=cuda)
+    model, tok = FastLanguageModel.from_pretrained(**unsloth_load_kwargs(req.base_model_dir, s, ckpt))
     # Wrapped once per process; on resume the trainer loads the checkpoint's adapter into it.
-    model = FastLanguageModel.get_peft_model(model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                             target_modules=list(lora.target_modules), bias="none",
-                                             use_gradient_checkpointing="unsloth", random_state=s.seed)
+    model = FastLanguageModel.get_peft_model(model, **unsloth_peft_kwargs(s, ckpt))
     return model, tok, None
 
 
@@ -325,28 +373,36 @@ def _callback_class() -> type:
 
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             step = int(state.global_step)
-            write_marker(Path(args.output_dir) / f"checkpoint-{step}", fingerprint=self.req.fingerprint, global_step=step)
+            launch.barrier()  # several processes: every rank's rng_state_<rank>.pth is written before the seal
+            if state.is_world_process_zero:
+                write_marker(Path(args.output_dir) / f"checkpoint-{step}", fingerprint=self.req.fingerprint, global_step=step)
+            launch.barrier()
             if self.req.stop_after_step is not None and step >= self.req.stop_after_step:
                 raise TrainingInterrupted(f"training stopped by stop_after_step after sealing checkpoint-{step}")
 
     return _CvmTuneCallback
 
 
-def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dataset: Any, ckpt_root: Path, *,
-                  cuda: bool, gradient_checkpointing: bool) -> Any:
+def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dataset: Any, eval_dataset: Any,
+                  ckpt_root: Path, *, cuda: bool, backend: str, plan: BatchPlan, world: int) -> Any:
     import torch
     from trl import SFTConfig, SFTTrainer
 
     s = req.settings
     bf16 = cuda and torch.cuda.is_bf16_supported()
+    # Unsloth: get_peft_model already set up its (offloaded) checkpointing. HF: on a GPU, trade compute for memory.
+    ckpt = backend == "hf" and gradient_checkpointing(backend, s, cuda=cuda) is True
+    extra: dict[str, Any] = sft_batch_kwargs(s, plan, has_eval=eval_dataset is not None)
+    if ckpt:
+        extra["gradient_checkpointing_kwargs"] = {"use_reentrant": False}  # DDP + PEFT safe
+    if world > 1:
+        extra["ddp_find_unused_parameters"] = False  # frozen base weights never get gradients
     with warnings.catch_warnings():
         # transformers 5.2x renames gradient_checkpointing; the old name also works on 5.17 (GPU lock).
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
         args = SFTConfig(
             output_dir=str(ckpt_root),
             max_steps=s.max_steps,
-            per_device_train_batch_size=s.per_device_batch_size,
-            gradient_accumulation_steps=s.gradient_accumulation_steps,
             learning_rate=s.learning_rate,
             lr_scheduler_type="constant",  # no warmup/decay state to get wrong across a resume
             logging_steps=s.logging_steps,
@@ -354,7 +410,6 @@ def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dat
             save_steps=s.save_steps,
             save_total_limit=3,  # >= 2 complete checkpoints survive while a new one is written
             max_length=s.max_length,
-            packing=False,
             assistant_only_loss=s.assistant_only_loss,
             report_to="none",
             seed=s.seed,
@@ -365,18 +420,9 @@ def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dat
             use_cpu=not cuda,
             bf16=bf16,
             fp16=cuda and not bf16,
-            gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing=ckpt,
             include_num_input_tokens_seen="non_padding",  # kept in trainer_state: survives a resume
+            **extra,
         )
-        return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok,
+        return SFTTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tok,
                           peft_config=peft_config, callbacks=[_callback_class()(req)])
-
-
-def _library_versions(names: Sequence[str]) -> dict[str, str]:
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return versions
