@@ -12,6 +12,7 @@ A bundle ``exports/<run_id>/`` holds::
     quote.bin, quote.hex              TDX quote whose report_data = manifest_report_data(manifest.json)
     event_log.json                    the event log returned with the quote (RTMR0-3 replay)
     collateral.json                   Intel (or test-CA) collateral for offline verification, when available
+    gpu-evidence.json                 raw GPU captures (nvidia-smi CC state, NVIDIA report): ``attestation.gpu``
 
 **report_data** (64 bytes) = ``SHA-512(b"cvm-tune-manifest-v1:" || manifest.json bytes)`` — dstack's
 typed-content convention ``hash(tag ":" content)`` with a cvm-tune tag, over the exact file bytes.
@@ -23,6 +24,9 @@ import hashlib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from attestation.gpu import FILE as GPU_EVIDENCE
+from attestation.gpu import GpuInfo
 
 MANIFEST_SCHEMA = "cvm-tune/manifest/v1"
 REPORT_DATA_TAG = b"cvm-tune-manifest-v1"
@@ -42,6 +46,11 @@ ADAPTER_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetenso
 HASHED_FILES = (*ADAPTER_FILES, CONFIG, APP_COMPOSE, MODEL_CARD, AUDIT)
 ARTIFACT_FILES = tuple(f for f in HASHED_FILES if f != AUDIT)  # what the audit `export` entry commits to
 ATTESTATION_FILES = (MANIFEST, QUOTE_BIN, QUOTE_HEX, EVENT_LOG)
+
+
+def hashed_files(manifest: Manifest | None) -> tuple[str, ...]:
+    """The files a manifest must list: HASHED_FILES, plus gpu-evidence.json when it records a ``gpu``."""
+    return HASHED_FILES + ((GPU_EVIDENCE,) if manifest is not None and manifest.gpu is not None else ())
 OPTIONAL_FILES = (COLLATERAL,)
 
 Hex64 = str
@@ -97,6 +106,36 @@ class TeeInfo(_Closed):
     agent_rev: str
 
 
+class BatchSizes(_Closed):
+    micro: int
+    accumulation: int
+    eval_micro: int
+
+
+class BatchAdjustment(_Closed):
+    phase: Literal["train", "eval"]
+    reason: Literal["oom", "auto"]
+    at_step: int
+    from_: BatchSizes = Field(alias="from")
+    to: BatchSizes
+
+
+class BatchConfigured(_Closed):
+    micro: int
+    accumulation: int
+    auto: bool
+
+
+class BatchInfo(_Closed):
+    """Micro-batch sizes: configured, what ran, and every OOM back-off / auto-size change (also audit ``train.batch``)."""
+
+    configured: BatchConfigured
+    final: BatchSizes
+    processes: int
+    effective: int
+    adjustments: list[BatchAdjustment]
+
+
 class TrainingInfo(_Closed):
     seed: int
     global_step: int
@@ -105,6 +144,8 @@ class TrainingInfo(_Closed):
     train_runtime_s: float
     tokens_seen: int | None
     effective_batch_size: int
+    batch: BatchInfo | None = None
+    eval_losses: list[tuple[int, float]] | None = None
 
 
 class AuditInfo(_Closed):
@@ -130,3 +171,4 @@ class Manifest(_Closed):
     training: TrainingInfo
     audit: AuditInfo
     files: dict[str, Hex64]
+    gpu: GpuInfo | None = None  # absent only in bundles from before GPU evidence was recorded

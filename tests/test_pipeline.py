@@ -52,7 +52,7 @@ def test_resume_after_crash_continues_the_run_and_its_audit(tmp_path: Path, monk
     assert manifest["training"]["resumed_from_step"] == 4
     assert manifest["training"]["global_step"] == 8
     types = [json.loads(line)["type"] for line in (bundle / "audit.jsonl").read_text().splitlines()]
-    assert types == ["run.start", "run.resume", "train.done", "export"]
+    assert types == ["run.start", "gpu.evidence", "run.resume", "gpu.evidence", "train.done", "export"]
     assert main(["verify", str(bundle), *_policy_args(tmp_path)]) == 0
 
 
