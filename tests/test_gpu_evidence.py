@@ -321,3 +321,19 @@ def test_required_gpu_evidence_refuses_to_train_without_a_cc_gpu(tmp_path: Path,
     audit = [json.loads(line) for line in (tmp_path / "out" / "state" / "audit.jsonl").read_text().splitlines()]
     assert [e["type"] for e in audit] == ["run.start", "gpu.evidence"]  # the refusal is on the record
     assert audit[1]["data"]["present"] is False
+
+
+def test_bundles_from_before_gpu_evidence_are_a_skip_not_a_failure(tmp_path: Path) -> None:
+    from attestation import bundle as B
+    from attestation.bundle_verify import _gpu
+    from attestation.verify import QuoteFindings
+
+    old = B.Manifest.model_construct(gpu=None)
+    assert B.hashed_files(old) == B.HASHED_FILES and B.Manifest.model_fields["gpu"].default is None
+    f = QuoteFindings()
+    _gpu(f, tmp_path, old)
+    assert [(c.name, c.status) for c in f.checks] == [("gpu.evidence", "skip")]
+    new = B.Manifest.model_construct(gpu=G.summarize(_evidence(_h100())))
+    assert B.hashed_files(new) == (*B.HASHED_FILES, "gpu-evidence.json")
+    _gpu(f, tmp_path, new)  # the manifest records GPU evidence but the file is gone
+    assert (f.checks[-1].status, f.checks[-1].detail) == ("fail", "gpu-evidence.json missing or unreadable")
