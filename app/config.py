@@ -179,6 +179,18 @@ class TrainingSettings(_Closed):
     lora: LoraSettings = LoraSettings()
     gpu: GpuTrainingSettings = GpuTrainingSettings()
 
+    @model_validator(mode="after")
+    def _gpu_combinations(self) -> TrainingSettings:
+        # What the backend alone decides; the rest (CUDA present, Unsloth importable) is checked at run time.
+        g = self.gpu
+        if self.backend == "hf" and g.batching != "padded":
+            raise ValueError(f"training.gpu.batching '{g.batching}' needs the Unsloth backend (set padded for hf)")
+        if self.backend == "hf" and g.gradient_checkpointing == "unsloth":
+            raise ValueError("training.gpu.gradient_checkpointing 'unsloth' needs the Unsloth backend")
+        if self.backend == "unsloth" and g.devices > 1:
+            raise ValueError("training.gpu.devices > 1 runs the hf backend only")
+        return self
+
 
 class OutputSettings(_Closed):
     """The output volume: runs, checkpoints, audit chain and export bundles."""

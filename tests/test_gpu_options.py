@@ -137,3 +137,24 @@ def test_defaults_change_nothing_and_light_imports() -> None:
     out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("training", "message"), [
+    ({"backend": "hf", "gpu": {"batching": "padding_free"}}, "needs the Unsloth backend"),
+    ({"backend": "hf", "gpu": {"gradient_checkpointing": "unsloth"}}, "needs the Unsloth backend"),
+    ({"backend": "unsloth", "gpu": {"devices": 2}}, "hf backend only"),
+    ({"gpu": {"oom_retries": 11}}, "less than or equal to 10"),
+    ({"gpu": {"quantization": "8bit"}}, "training.gpu.quantization"),
+])
+def test_config_refuses_what_the_backend_alone_rules_out(tmp_path: Path, training: dict, message: str) -> None:
+    import yaml
+
+    from app.config import load_config
+    from app.errors import ConfigError
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"training": training}))
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+    path.write_text(yaml.safe_dump({"training": {"backend": "auto", "gpu": {"batching": "packed", "devices": 2}}}))
+    assert load_config(path).training.gpu.batching == "packed"  # auto: decided at run time
