@@ -11,11 +11,14 @@ Top to bottom, :func:`train`:
 3. Build an in-memory ``datasets.Dataset`` (never a cache file: plaintext stays in RAM).
 4. Pick the newest complete checkpoint of this fingerprint (``checkpoints.py``), drop unusable ones.
 5. ``SFTTrainer.train(resume_from_checkpoint=<that path or None>)``; every save is sealed with a
-   completeness marker by a callback.
+   completeness marker by a callback. Steps 2-5 are one attempt: a CUDA OOM before the first
+   optimizer step reloads and retries with a smaller micro-batch at the same effective batch
+   (``batch.run_with_backoff``); an eval OOM only shrinks the eval batch.
 6. Export exactly ``adapter_config.json`` + ``adapter_model.safetensors`` atomically, with a
-   normalised ``base_model_name_or_path``.
+   normalised ``base_model_name_or_path`` (rank 0 only when ``launch`` runs several processes).
 
-Both backends share everything except step 2 (``_load_hf`` / ``_load_unsloth``).
+Both backends share everything except step 2 (``_load_hf`` / ``_load_unsloth``); the arguments
+of both are built in ``options.py``.
 """
 
 from __future__ import annotations
