@@ -195,6 +195,8 @@ def _verify(args: argparse.Namespace) -> int:
         for c in verdict.checks:
             if c.status != "pass":
                 print(f"{c.status.upper():4} {c.name}: {c.detail}")
+            elif c.name == "gpu.evidence":
+                print(f"GPU: {c.detail}")  # shown even when intact: CC off / no GPU is for the reader to judge
         if verdict.accepted:
             passed = sum(c.status == "pass" for c in verdict.checks)
             print(f"{passed} checks passed; TCB {verdict.findings.tcb_status}")

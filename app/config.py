@@ -49,6 +49,12 @@ class TeeSettings(_Closed):
         "in simulator mode, the PCCS in dstack mode. none: export without collateral.",
     )
     pccs_url: str = Field("https://pccs.phala.network", description="PCCS used when collateral is fetched.")
+    gpu_evidence: Literal["auto", "required"] = Field(
+        "auto",
+        description="auto: record what attests the GPU (nvidia-smi CC state, driver/VBIOS, NVIDIA local-verifier report "
+        "if nvattest is installed), or that there is no GPU. required: also refuse to train unless every GPU is in CC "
+        "mode ON (not DevTools), ready, and any NVIDIA report passed.",
+    )
 
 
 class KeySettings(_Closed):
@@ -124,6 +130,39 @@ class LossWatchdogSettings(_Closed):
     window: int = Field(10, ge=1, le=1000, description="Losses the spike median is taken over.")
     patience: int = Field(3, ge=1, le=1000, description="Consecutive spikes that abort the run (NaN/Inf abort at once). "
                           "No checkpoint is sealed while a spike lasts.")
+class GpuTrainingSettings(_Closed):
+    """GPU-path settings (Unsloth, QLoRA, multi-GPU, OOM back-off); the defaults change nothing on a CPU."""
+
+    devices: int = Field(
+        1, ge=1, le=8,
+        description="Training processes (one per GPU, DDP). >1: the HF backend only; on a machine without CUDA the "
+        "processes run on the CPU with gloo (for testing). Hopper CC mode: DDP traffic between GPUs is slow and, "
+        "over NVLink, not encrypted (see README).",
+    )
+    quantization: Literal["none", "4bit"] = Field(
+        "none", description="4bit: QLoRA (NF4 base weights via bitsandbytes; CUDA only). none: bf16/fp32 base weights."
+    )
+    gradient_checkpointing: Literal["auto", "off", "on", "unsloth"] = Field(
+        "auto",
+        description="auto: off on CPU, on for HF on a GPU, Unsloth's offloaded checkpointing for Unsloth. unsloth: "
+        "activations offloaded to CPU RAM (in CC mode every copy crosses the encrypted bounce buffer).",
+    )
+    batching: Literal["padded", "padding_free", "packed"] = Field(
+        "padded",
+        description="padded: one padded row per example (any backend; resumable and reproducible). padding_free: "
+        "examples of a micro-batch concatenated, same examples per step (Unsloth only). packed: examples packed "
+        "into max_length rows, which changes what a step is (Unsloth only).",
+    )
+    auto_batch_size: bool = Field(
+        False,
+        description="Start at the largest micro-batch (micro-batch = effective batch) and halve it on CUDA OOM until it "
+        "fits; gradient accumulation grows so the effective batch stays per_device_batch_size x gradient_accumulation_steps.",
+    )
+    oom_retries: int = Field(
+        3, ge=0, le=10,
+        description="CUDA OOM before the first optimizer step: halve the micro-batch and double gradient accumulation, "
+        "at most this many times (each change is an audit event and in the manifest). Eval OOM halves only the eval batch.",
+    )
 
 
 class TrainingSettings(_Closed):
@@ -141,8 +180,26 @@ class TrainingSettings(_Closed):
     save_steps: int = Field(10, ge=1, description="Checkpoint interval (optimizer steps) on the output volume.")
     logging_steps: int = Field(1, ge=1)
     assistant_only_loss: bool = False
+    eval_fraction: float = Field(
+        0.0, ge=0.0, le=0.5,
+        description="Share of rows held out (seeded) for an eval loss every save_steps and at the end; 0: no eval.",
+    )
+    per_device_eval_batch_size: int | None = Field(None, ge=1, description="Eval micro-batch; unset: per_device_batch_size.")
     lora: LoraSettings = LoraSettings()
     loss_watchdog: LossWatchdogSettings = LossWatchdogSettings()
+    gpu: GpuTrainingSettings = GpuTrainingSettings()
+
+    @model_validator(mode="after")
+    def _gpu_combinations(self) -> TrainingSettings:
+        # What the backend alone decides; the rest (CUDA present, Unsloth importable) is checked at run time.
+        g = self.gpu
+        if self.backend == "hf" and g.batching != "padded":
+            raise ValueError(f"training.gpu.batching '{g.batching}' needs the Unsloth backend (set padded for hf)")
+        if self.backend == "hf" and g.gradient_checkpointing == "unsloth":
+            raise ValueError("training.gpu.gradient_checkpointing 'unsloth' needs the Unsloth backend")
+        if self.backend == "unsloth" and g.devices > 1:
+            raise ValueError("training.gpu.devices > 1 runs the hf backend only")
+        return self
 
 
 class OutputSettings(_Closed):

@@ -26,11 +26,13 @@ from typing import Any
 
 from attestation import DEFAULT_POLICY, Verdict, verify_bundle
 from attestation import bundle as B
+from attestation.gpu import describe as describe_gpu
 from attestation.hashing import files_digest, sha256_file, sha256_hex, tree_digest
 from attestation.policy import policy_file_text, simulator_policy
 
 import app
 from app import export, report
+from app import gpu as gpu_evidence
 from app.audit import AuditLog, AuditRecorder, utc_now
 from app.config import Config
 from app.dataset import DerivedKeySource, KeyFileSource, KeySource, encrypt_file, open_encrypted, parse_jsonl
@@ -179,6 +181,14 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         progress(f"run {run_id}: {'resuming' if resuming else 'started'}; audit events "
                  f"{'measured into RTMR3' if recorder.rtmr3 == 'emit_event' else 'NOT measured (' + str(recorder.note) + ')'}")
 
+        # 6b. GPU evidence, fresh for this run: its nonce is the chain head (the entry just recorded).
+        with timer.phase("gpu_evidence"):
+            gpu = gpu_evidence.collect(log.head)
+            recorder.record(run_id, "gpu.evidence", gpu.audit_data())
+        progress(f"gpu: {describe_gpu(gpu.info)}")
+        if cfg.tee.gpu_evidence == "required":
+            gpu_evidence.require_confidential(gpu.info)
+
         # 7. Train (checkpoints under runs/<id>/checkpoints; resumes from the newest complete one).
         ts = cfg.training
         if (reason := hooks.should_stop()) is not None:
@@ -188,13 +198,18 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             hooks.on_step(step)
             return hooks.should_stop()
 
+        def batch_changed(change: dict[str, Any]) -> None:  # OOM back-off / auto batch size: audited, in the manifest
+            recorder.record(run_id, "train.batch", change)
+            progress(f"  CUDA OOM in {change['phase']}: batch {change['from']} -> {change['to']}")
+
         with timer.phase("train"):
             result = train(TrainRequest(
                 base_model_dir=base_dir, base_model_name=base_name, rows=rows, run_dir=run_dir, settings=ts,
                 fingerprint=fingerprint, checkpoint_key=ckpt_key, inputs=inputs,
                 scratch_dir=_scratch_dir(cfg, out), keep_checkpoints=cfg.output.keep_checkpoints,
                 on_step_end=step_end, on_event=lambda t, d: recorder.record(run_id, t, d),
-                on_log=lambda m: progress(f"  step {m['step']}/{ts.max_steps}  loss {m['loss']:.4f}")))
+                on_log=lambda m: progress(f"  step {m['step']}/{ts.max_steps}  loss {m['loss']:.4f}"),
+                on_batch_change=batch_changed))
         if result.resumed_from_step:
             progress(f"training resumed from checkpoint step {result.resumed_from_step}")
         adapter_hashes = {f"adapter/{p.name}": sha256_file(p) for p in sorted(result.adapter_dir.iterdir())}
@@ -219,12 +234,14 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
                 shutil.copyfile(p, stage / "adapter" / p.name)
             (stage / B.CONFIG).write_bytes(config_bytes)
             (stage / B.APP_COMPOSE).write_bytes(compose_bytes)
+            (stage / B.GPU_EVIDENCE).write_bytes(gpu.data)
             last_loss = result.losses[-1][1] if result.losses else None
             (stage / B.MODEL_CARD).write_bytes(export.model_card(
                 run_id=run_id, base_model=base_name, base_tree=base_tree, dataset=dataset, backend=result.backend,
                 steps=result.global_step, last_loss=last_loss, simulated=simulated))
+            effective_batch = result.batch.get("effective", ts.per_device_batch_size * ts.gradient_accumulation_steps)
             run_report = report.build(run_id=run_id, slot=hooks.slot, timings=timer.t, train=result,
-                                      effective_batch_size=ts.per_device_batch_size * ts.gradient_accumulation_steps,
+                                      effective_batch_size=effective_batch,
                                       rows=report_rows, checks=checks)
             report_files = report.write(stage, run_report)
             artifacts = {rel: sha256_file(stage / rel) for rel in B.ARTIFACT_FILES}
@@ -244,11 +261,13 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
                 "training": {"seed": ts.seed, "global_step": result.global_step, "resumed_from_step": result.resumed_from_step,
                              "losses": result.losses, "train_runtime_s": round(result.train_runtime_s, 3),
                              "tokens_seen": result.tokens_seen,
-                             "effective_batch_size": ts.per_device_batch_size * ts.gradient_accumulation_steps},
+                             "effective_batch_size": effective_batch,
+                             "batch": result.batch or None, "eval_losses": result.eval_losses or None},
                 "audit": {"head": entries[-1].hash, "start_prev": entries[0].prev, "first_seq": entries[0].seq,
                           "entries": len(entries), "rtmr3": recorder.rtmr3 or "unsupported"},
-                "files": {**artifacts, B.AUDIT: sha256_file(stage / B.AUDIT),
+                "files": {**artifacts, B.AUDIT: sha256_file(stage / B.AUDIT), B.GPU_EVIDENCE: gpu.info.evidence_sha256,
                           **{rel: sha256_file(p) for rel, p in report_files.items()}},
+                "gpu": gpu.info.model_dump(mode="json"),
             })
             (stage / B.MANIFEST).write_bytes(manifest)
             with timer.phase("quote"):

@@ -20,7 +20,7 @@ from attestation.hashing import canonical_json, sha256_hex
 
 GENESIS = "0" * 64
 EVENT_PREFIX = "cvm-tune."
-ENTRY_TYPES = ("run.start", "run.resume", "train.done", "export",
+ENTRY_TYPES = ("run.start", "run.resume", "gpu.evidence", "train.batch", "train.done", "export",
                "checkpoint", "checkpoint.rejected", "run.abort")  # the last three: metadata only
 _KEYS = {"v", "seq", "run_id", "type", "time", "data", "prev"}
 

@@ -13,6 +13,7 @@ A bundle ``exports/<run_id>/`` holds::
     quote.bin, quote.hex              TDX quote whose report_data = manifest_report_data(manifest.json)
     event_log.json                    the event log returned with the quote (RTMR0-3 replay)
     collateral.json                   Intel (or test-CA) collateral for offline verification, when available
+    gpu-evidence.json                 raw GPU captures (nvidia-smi CC state, NVIDIA report): ``attestation.gpu``
 
 **report_data** (64 bytes) = ``SHA-512(b"cvm-tune-manifest-v1:" || manifest.json bytes)`` — dstack's
 typed-content convention ``hash(tag ":" content)`` with a cvm-tune tag, over the exact file bytes.
@@ -24,6 +25,9 @@ import hashlib
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from attestation.gpu import FILE as GPU_EVIDENCE
+from attestation.gpu import GpuInfo
 
 MANIFEST_SCHEMA = "cvm-tune/manifest/v1"
 REPORT_DATA_TAG = b"cvm-tune-manifest-v1"
@@ -46,6 +50,17 @@ ATTESTATION_FILES = (MANIFEST, QUOTE_BIN, QUOTE_HEX, EVENT_LOG)
 # The run report: hashed in `files` like the rest (all or none: bundles made before reports lack both).
 REPORT_FILES = ("report/report.json", "report/loss.png")
 OPTIONAL_FILES = (COLLATERAL,)
+
+
+def hashed_files(manifest: Manifest | None) -> tuple[str, ...]:
+    """The files a manifest must list: HASHED_FILES, plus gpu-evidence.json when it records a ``gpu``,
+    plus the run report when it lists any report file (bundles made before reports have neither)."""
+    if manifest is None:
+        return HASHED_FILES
+    gpu = (GPU_EVIDENCE,) if manifest.gpu is not None else ()
+    report = REPORT_FILES if set(REPORT_FILES) & set(manifest.files) else ()
+    return HASHED_FILES + gpu + report
+
 
 Hex64 = str
 _H64 = Field(pattern=r"^[0-9a-f]{64}$")
@@ -100,6 +115,36 @@ class TeeInfo(_Closed):
     agent_rev: str
 
 
+class BatchSizes(_Closed):
+    micro: int
+    accumulation: int
+    eval_micro: int
+
+
+class BatchAdjustment(_Closed):
+    phase: Literal["train", "eval"]
+    reason: Literal["oom", "auto"]
+    at_step: int
+    from_: BatchSizes = Field(alias="from")
+    to: BatchSizes
+
+
+class BatchConfigured(_Closed):
+    micro: int
+    accumulation: int
+    auto: bool
+
+
+class BatchInfo(_Closed):
+    """Micro-batch sizes: configured, what ran, and every OOM back-off / auto-size change (also audit ``train.batch``)."""
+
+    configured: BatchConfigured
+    final: BatchSizes
+    processes: int
+    effective: int
+    adjustments: list[BatchAdjustment]
+
+
 class TrainingInfo(_Closed):
     seed: int
     global_step: int
@@ -108,6 +153,8 @@ class TrainingInfo(_Closed):
     train_runtime_s: float
     tokens_seen: int | None
     effective_batch_size: int
+    batch: BatchInfo | None = None
+    eval_losses: list[tuple[int, float]] | None = None
 
 
 class AuditInfo(_Closed):
@@ -133,3 +180,4 @@ class Manifest(_Closed):
     training: TrainingInfo
     audit: AuditInfo
     files: dict[str, Hex64]
+    gpu: GpuInfo | None = None  # absent only in bundles from before GPU evidence was recorded

@@ -12,6 +12,8 @@ Bundle steps (after ``attestation.verify``'s quote steps):
  B9 ``audit.rtmr3``      the measured RTMR3 app events are the audit entries (when EmitEvent was used)
  B10 ``base_model.tree`` the base-model tree hash is recomputed (and compared with a local copy if given)
  B11 ``dataset.file``    the encrypted dataset hash (only when the file is given)
+ B12 ``gpu.evidence``    gpu-evidence.json re-summarised = the manifest's ``gpu``, committed by the last
+                         ``gpu.evidence`` audit entry, nonce = that entry's prev (``attestation.gpu.check``)
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from attestation.audit import AuditEntry, AuditFormatError, chain_problems, pars
 from attestation.dcap import Collateral, parse_collateral
 from attestation.errors import AttestationError, BundleError
 from attestation.eventlog import Event, parse_event_log
+from attestation.gpu import check as gpu_check
 from attestation.hashing import files_digest, sha256_file, sha256_hex, tree_files
 from attestation.policy import Policy
 from attestation.verify import QuoteFindings, Verdict, verify_quote
@@ -69,6 +72,7 @@ def verify_bundle(
         _file_hashes(f, root, manifest)
         _compose_and_app_id(f, root, manifest)
         _audit(f, root, manifest, policy)
+        _gpu(f, root, manifest)
         _inputs(f, manifest, base_model_dir, dataset_file)
     return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
 
@@ -91,14 +95,13 @@ def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> 
     manifest = None
     try:
         manifest = B.Manifest.model_validate(json.loads(manifest_bytes))
-        if set(manifest.files) not in (set(B.HASHED_FILES), set(B.HASHED_FILES) | set(B.REPORT_FILES)):
-            raise ValueError(f"manifest lists {sorted(manifest.files)}, expected {sorted(B.HASHED_FILES)} "
-                             f"(+ {', '.join(B.REPORT_FILES)})")
+        if set(manifest.files) != set(B.hashed_files(manifest)):
+            raise ValueError(f"manifest lists {sorted(manifest.files)}, expected {sorted(B.hashed_files(manifest))}")
         f.add("manifest.schema", "pass", B.MANIFEST_SCHEMA)
     except (ValueError, ValidationError) as exc:
         f.add("manifest.schema", "fail", f"manifest.json is not a valid {B.MANIFEST_SCHEMA} manifest: {str(exc).splitlines()[0]}")
         manifest = None
-    expected = set(manifest.files if manifest else B.HASHED_FILES) | set(B.ATTESTATION_FILES)
+    expected = set(B.hashed_files(manifest)) | set(B.ATTESTATION_FILES)
     extra = sorted(present - expected - set(B.OPTIONAL_FILES))
     missing = sorted(expected - present)
     problems = [*(f"unexpected file {p}" for p in extra), *(f"missing {p}" for p in missing),
@@ -245,6 +248,22 @@ def _audit_rtmr3(f: QuoteFindings, entries: list[AuditEntry], m: B.Manifest, pol
         problems.append("the audit entries of this run are not the last events measured into RTMR3")
     f.add("audit.rtmr3", "fail" if problems else "pass",
           "; ".join(problems) or f"{len(lines) - (start or 0)} audit entries measured into RTMR3 and replayed")
+
+
+def _gpu(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
+    if m.gpu is None:
+        f.add("gpu.evidence", "skip", "the manifest records no GPU evidence (bundle from before cvm-tune collected it)")
+        return
+    try:
+        data: bytes | None = _read(root / B.GPU_EVIDENCE)
+    except OSError:
+        data = None
+    try:
+        entries = parse_lines(_read(root / B.AUDIT))
+    except (OSError, AuditFormatError):
+        entries = []
+    status, detail = gpu_check(data, m.gpu, entries)
+    f.add("gpu.evidence", status, detail)
 
 
 def _inputs(f: QuoteFindings, m: B.Manifest, base_model_dir: Path | None, dataset_file: Path | None) -> None:

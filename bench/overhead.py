@@ -19,8 +19,8 @@ from pathlib import Path
 from app.config import Config, OutputSettings, TrainingSettings
 from app.pipeline import run_once
 
-PHASES = ("agent", "key", "decrypt_validate", "base_model", "hashing", "audit", "train", "export", "quote",
-          "collateral", "self_verify")
+PHASES = ("agent", "key", "decrypt_validate", "base_model", "hashing", "audit", "gpu_evidence", "train", "export",
+          "quote", "collateral", "self_verify")
 
 
 def main() -> None:

@@ -52,9 +52,9 @@ def test_resume_after_crash_continues_the_run_and_its_audit(tmp_path: Path, monk
     assert manifest["training"]["resumed_from_step"] == 4
     assert manifest["training"]["global_step"] == 8
     types = [json.loads(line)["type"] for line in (bundle / "audit.jsonl").read_text().splitlines()]
-    assert types == ["run.start", "checkpoint", "run.abort", "run.resume", "checkpoint", "train.done", "export"]
+    assert types == ["run.start", "gpu.evidence", "checkpoint", "run.abort", "run.resume", "gpu.evidence", "checkpoint", "train.done", "export"]
     entries = [json.loads(line) for line in (bundle / "audit.jsonl").read_text().splitlines()]
-    assert entries[2]["data"] == {"category": "training", "error": "TrainingInterrupted"}
+    assert entries[3]["data"] == {"category": "training", "error": "TrainingInterrupted"}
     assert [e["data"]["global_step"] for e in entries if e["type"] == "checkpoint"] == [4, 8]
     assert main(["verify", str(bundle), *_policy_args(tmp_path)]) == 0
 

@@ -63,8 +63,8 @@ def test_bundle_layout(demo: dict) -> None:
     files = sorted(p.relative_to(demo["bundle"]).as_posix() for p in demo["bundle"].rglob("*") if p.is_file())
     assert files == sorted([
         "README.md", "adapter/adapter_config.json", "adapter/adapter_model.safetensors", "app-compose.json",
-        "audit.jsonl", "collateral.json", "config.json", "event_log.json", "manifest.json", "quote.bin", "quote.hex",
-        "report/loss.png", "report/report.json"])
+        "audit.jsonl", "collateral.json", "config.json", "event_log.json", "gpu-evidence.json", "manifest.json",
+        "quote.bin", "quote.hex", "report/loss.png", "report/report.json"])
     manifest = json.loads((demo["bundle"] / "manifest.json").read_text())
     assert manifest["schema"] == "cvm-tune/manifest/v1"
     assert manifest["backend"]["name"] == "hf"
@@ -144,6 +144,7 @@ TAMPER = {
     "app-compose.json": {"manifest.files", "compose.hash"},
     "README.md": {"manifest.files"},
     "audit.jsonl": {"manifest.files", "audit.chain"},
+    "gpu-evidence.json": {"manifest.files", "gpu.evidence"},
     "manifest.json": {"report_data", "manifest.schema"},
     "quote.bin": {"quote.signature", "quote.parse", "quote.padding"},
     "quote.hex": {"quote.hex"},

@@ -82,6 +82,8 @@ class TrainRequest:
         on_event: Called with ``("checkpoint", {"global_step", "manifest_sha256"})`` for every
             sealed checkpoint and ``("checkpoint.rejected", {"checkpoint", "reason"})`` for every
             one skipped on resume (audit entries; no data).
+        on_batch_change: Called with each micro-batch change (OOM back-off, auto batch size):
+            ``{"phase", "reason", "at_step", "from", "to"}`` (``app.training.batch``).
     """
 
     base_model_dir: Path
@@ -98,6 +100,7 @@ class TrainRequest:
     keep_checkpoints: int = 3
     on_step_end: Callable[[int], str | None] | None = None
     on_event: Callable[[str, dict[str, Any]], None] | None = None
+    on_batch_change: Callable[[dict[str, Any]], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,10 @@ class TrainResult:
             unsloth_zoo, bitsandbytes when used).
         rejected_checkpoints: ``(name, reason)`` of sealed checkpoints skipped on resume.
         peak_gpu_memory_bytes: ``torch.cuda.max_memory_allocated`` (``None`` on CPU).
+            unsloth_zoo, bitsandbytes, triton when used), as imported.
+        batch: Configured and final micro-batch / accumulation, processes, effective batch and
+            every adjustment (``app.training.batch.summary``).
+        eval_losses: ``(step, eval loss)`` when ``training.eval_fraction`` > 0.
     """
 
     adapter_dir: Path
@@ -131,6 +138,8 @@ class TrainResult:
     library_versions: dict[str, str]
     rejected_checkpoints: list[tuple[str, str]] = field(default_factory=list)
     peak_gpu_memory_bytes: int | None = None
+    batch: dict[str, Any] = field(default_factory=dict)
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
 
 
 class TrainingInterrupted(TrainingError):
@@ -184,6 +193,11 @@ def train(req: TrainRequest) -> TrainResult:
         TrainingError: anything else that stops training (wrapped, message without data).
         StateError: the adapter cannot be written to ``run_dir``.
     """
+    from app.training import launch
+
+    launch.refuse_foreign_launcher()
+    if req.settings.gpu.devices > 1 and not launch.in_worker():
+        return launch.train_distributed(req)  # N worker processes; this one keeps attesting
     from app.training.backend import train as _train
 
     return _train(req)

@@ -14,24 +14,27 @@ Top to bottom, :func:`train`:
 5. ``SFTTrainer.train(resume_from_checkpoint=<that path or None>)`` with ``output_dir`` = scratch;
    a callback seals (encrypts) every save onto the output volume and deletes the plaintext, stops
    at a step boundary with a sealed checkpoint when asked (SIGTERM, watchdog), and runs the loss
-   watchdog (``watchdog.py``).
+   watchdog (``watchdog.py``). Steps 2-5 are one attempt: a CUDA OOM before the first optimizer
+   step reloads and retries with a smaller micro-batch at the same effective batch
+   (``batch.run_with_backoff``); an eval OOM only shrinks the eval batch.
 6. Export exactly ``adapter_config.json`` + ``adapter_model.safetensors`` atomically, with a
-   normalised ``base_model_name_or_path``.
+   normalised ``base_model_name_or_path`` (rank 0 only when ``launch`` runs several processes).
 
-Both backends share everything except step 2 (``_load_hf`` / ``_load_unsloth``).
+Both backends share everything except step 2 (``_load_hf`` / ``_load_unsloth``); the arguments
+of both are built in ``options.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
+import dataclasses
 import importlib.util
 import logging
 import os
 import re
 import shutil
-import tempfile
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -40,14 +43,27 @@ from typing import Any
 
 from app.errors import BaseModelError, CvmTuneError, StateError, TrainingError
 
-from . import LossDiverged, TrainingInterrupted, TrainingStopped, TrainRequest, TrainResult, set_offline_env
-from .checkpoints import export_adapter, restore_checkpoint, seal_checkpoint
+from . import LossDiverged, TrainingInterrupted, TrainingStopped, TrainRequest, TrainResult, launch, set_offline_env
+from .batch import BatchPlan, OutOfMemory, guard_eval, initial_plan, is_oom, retry_budget, run_with_backoff, step_watch
+from .batch import summary as batch_summary
+from .checkpoints import ResumeChoice, export_adapter, restore_checkpoint, seal_checkpoint
+from .options import (
+    BASE_LIBS,
+    UNSLOTH_LIBS,
+    apply_unsloth_env,
+    check_options,
+    gradient_checkpointing,
+    hf_load_kwargs,
+    imported_versions,
+    sft_batch_kwargs,
+    split_eval,
+    unsloth_load_kwargs,
+    unsloth_peft_kwargs,
+)
 from .watchdog import LossWatchdog
 
 logger = logging.getLogger(__name__)
 
-_BASE_LIBS = ("torch", "transformers", "peft", "trl", "datasets", "accelerate")
-_UNSLOTH_LIBS = ("unsloth", "unsloth_zoo", "bitsandbytes")
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
 
@@ -56,14 +72,16 @@ def _first_line(exc: BaseException, limit: int = 200) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0][:limit] if text else ''}".rstrip(": ")
 
 
-def select_backend(preference: str) -> str:
+def select_backend(preference: str, *, devices: int = 1) -> str:
     """Resolve the configured backend; imports torch (to look for CUDA) but never unsloth.
 
     Args:
         preference: ``"auto"``, ``"hf"`` or ``"unsloth"``.
+        devices: ``training.gpu.devices``; multi-process training runs the HF backend.
 
     Returns:
-        ``"unsloth"`` for ``auto`` when a CUDA GPU is visible and unsloth is installed, else ``"hf"``.
+        ``"unsloth"`` for ``auto`` when a CUDA GPU is visible, unsloth is installed and one device
+        is used, else ``"hf"``.
 
     Raises:
         TrainingError: ``unsloth`` requested without a GPU or without the package; unknown name.
@@ -80,7 +98,7 @@ def select_backend(preference: str) -> str:
     except (ImportError, ValueError):
         has_unsloth = False
     if preference == "auto":
-        return "unsloth" if cuda and has_unsloth else "hf"
+        return "unsloth" if cuda and has_unsloth and devices == 1 else "hf"
     if not cuda:
         raise TrainingError("training.backend is 'unsloth' but no CUDA GPU is visible (Unsloth is GPU-only)",
                             fix="set training.backend to 'auto' or 'hf' (transformers+PEFT), or run on an NVIDIA GPU")
@@ -91,7 +109,7 @@ def select_backend(preference: str) -> str:
 
 
 @contextlib.contextmanager
-def _scratch(requested: Path | None) -> Iterator[Path]:
+def scratch_dir(requested: Path | None) -> Iterator[Path]:
     """The private plaintext-checkpoint directory: emptied first (a crash may have left one), removed after."""
     if requested is None:
         path = Path(tempfile.mkdtemp(prefix="cvm-tune-scratch-"))
@@ -105,20 +123,52 @@ def _scratch(requested: Path | None) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def train(req: TrainRequest) -> TrainResult:
-    """Run the recipe described in the module docstring (see :func:`app.training.train`)."""
-    with _scratch(req.scratch_dir) as scratch:
-        return _train(req, scratch)
+def checkpoint_key(req: TrainRequest) -> bytes:
+    """The key that seals this run's checkpoints (``None`` in the request: random, nothing resumable later)."""
+    return req.checkpoint_key if req.checkpoint_key is not None else os.urandom(32)
 
 
-def _train(req: TrainRequest, scratch: Path) -> TrainResult:
+def restore(req: TrainRequest, key: bytes, scratch: Path) -> ResumeChoice:
+    """Decrypt the newest usable sealed checkpoint into ``scratch``; report the ones skipped."""
+    choice = restore_checkpoint(Path(req.run_dir) / "checkpoints", key=key, fingerprint=req.fingerprint,
+                                inputs=dict(req.inputs or {"fingerprint": req.fingerprint}), scratch=scratch)
+    for name, reason in choice.rejected:
+        if req.on_event is not None:
+            req.on_event("checkpoint.rejected", {"checkpoint": name, "reason": reason})
+    return choice
+
+
+def train(req: TrainRequest, *, plan: BatchPlan | None = None, scratch: Path | None = None,
+          choice: ResumeChoice | None = None) -> TrainResult:
+    """Run the recipe described in the module docstring (see :func:`app.training.train`).
+
+    Args:
+        req: The job.
+        plan: Batch sizes chosen by the multi-GPU launcher (``app.training.launch``), which owns the
+            OOM back-off across processes; ``None`` in a single process, which backs off here
+            (``app.training.batch``).
+        scratch: The launcher's shared scratch directory, into which it already restored ``choice``
+            (with ``req.checkpoint_key``); ``None`` in a single process, which does both here.
+        choice: See ``scratch``.
+    """
+    if scratch is not None and choice is not None:
+        return _train(req, scratch, choice, plan=plan)
+    key = checkpoint_key(req)
+    with scratch_dir(req.scratch_dir) as own:
+        req = dataclasses.replace(req, checkpoint_key=key)
+        return _train(req, own, None, plan=plan)
+
+
+def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, plan: BatchPlan | None) -> TrainResult:
     set_offline_env()
     if not re.fullmatch(r"[0-9a-f]{64}", req.fingerprint):
         raise TrainingError("the run fingerprint must be 64 lowercase hex characters (a sha256)")
     if not req.base_model_name or Path(req.base_model_name).is_absolute():
         raise TrainingError("base_model_name must be a model name, not empty or an absolute path (it is exported)")
-    backend = select_backend(req.settings.backend)
+    s = req.settings
+    backend = select_backend(s.backend, devices=s.gpu.devices)
     if backend == "unsloth":
+        apply_unsloth_env()
         _import_unsloth()  # must precede every trl/transformers/peft import below
     import datasets
     import torch
@@ -128,67 +178,87 @@ def _train(req: TrainRequest, scratch: Path) -> TrainResult:
     # Progress bars would interleave with the CLI's own progress lines (metrics only go to on_log).
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    s = req.settings
     _check_base_dir(Path(req.base_model_dir))
     cuda = torch.cuda.is_available()
-    transformers.set_seed(s.seed)  # before loading: LoRA init (and everything after) reproducible
-    try:
-        model, tok, peft_config = (_load_unsloth if backend == "unsloth" else _load_hf)(req, cuda)
-    except CvmTuneError:
-        raise
-    except Exception as exc:
-        raise BaseModelError(f"cannot load base model from {req.base_model_dir}: {_first_line(exc)}",
-                             fix="restore the base model directory (config.json, weights, tokenizer files)") from exc
+    check_options(backend, s, cuda=cuda)
+    world, rank = launch.world_size(), launch.rank()
+    if choice is None:
+        choice = restore(req, checkpoint_key(req), scratch)
+    resume = choice
+    sealing = {"key": checkpoint_key(req), "inputs": dict(req.inputs or {"fingerprint": req.fingerprint}),
+               "root": Path(req.run_dir) / "checkpoints"}
+    splits: list[Any] = []
+    eval_records: list[dict[str, Any]] = []
 
-    dataset = build_dataset(req.rows, tok, assistant_only_loss=s.assistant_only_loss)
-    ckpt_root = Path(req.run_dir) / "checkpoints"
-    key = req.checkpoint_key if req.checkpoint_key is not None else os.urandom(32)
-    inputs = dict(req.inputs or {"fingerprint": req.fingerprint})
-    choice = restore_checkpoint(ckpt_root, key=key, fingerprint=req.fingerprint, inputs=inputs, scratch=scratch)
-    for name, reason in choice.rejected:
-        if req.on_event is not None:
-            req.on_event("checkpoint.rejected", {"checkpoint": name, "reason": reason})
+    def attempt(p: BatchPlan) -> tuple[Any, float, list[BatchPlan]]:
+        """Load, build the trainer and train with plan ``p`` (called again after an OOM back-off)."""
+        transformers.set_seed(s.seed)  # before loading: LoRA init (and everything after) reproducible
+        try:
+            model, tok, peft_config = (_load_unsloth if backend == "unsloth" else _load_hf)(req, cuda)
+        except CvmTuneError:
+            raise
+        except Exception as exc:
+            raise BaseModelError(f"cannot load base model from {req.base_model_dir}: {_first_line(exc)}",
+                                 fix="restore the base model directory (config.json, weights, tokenizer files)") from exc
+        if not splits:
+            splits.extend(split_eval(build_dataset(req.rows, tok, assistant_only_loss=s.assistant_only_loss),
+                                     s.eval_fraction, s.seed))
+        try:
+            trainer = _make_trainer(req, model, tok, peft_config, splits[0], splits[1], scratch, cuda=cuda,
+                                    backend=backend, plan=p, world=world, sealing=sealing)
+        except CvmTuneError:
+            raise
+        except Exception as exc:
+            raise TrainingError(f"training setup failed: {_first_line(exc)}") from exc
+        for cb in (PrinterCallback, ProgressCallback):  # they print metrics to stdout/stderr
+            trainer.remove_callback(cb)
+        if len(trainer.train_dataset) == 0:
+            raise TrainingError("no trainable examples: every row has zero trainable tokens after masking and truncation",
+                                fix="check training.max_length and training.assistant_only_loss against the dataset")
+        watch = step_watch()
+        trainer.add_callback(watch)
+        current = [p]
+        guard_eval(trainer, current, eval_records, req.on_batch_change, retry=world == 1)
+        start = time.perf_counter()
+        try:
+            if resume.path is not None and resume.step is not None and resume.step >= s.max_steps:
+                _restore_finished(trainer, resume.path)  # HF would run one extra step past max_steps
+            else:
+                trainer.train(resume_from_checkpoint=str(resume.path) if resume.path is not None else None)
+        except CvmTuneError:  # TrainingInterrupted, TrainingStopped, LossDiverged, OutOfMemory: propagate as is
+            raise
+        except Exception as exc:
+            if is_oom(exc):
+                raise OutOfMemory(f"CUDA out of memory in training: {_first_line(exc)}", phase="train",
+                                  first_step=watch.steps == 0, at_step=watch.last_step) from exc
+            raise TrainingError(f"training failed: {_first_line(exc)}") from exc
+        return trainer, time.perf_counter() - start, current
 
-    try:
-        # CPU: checkpointing only slows tiny models down. Unsloth: get_peft_model already set up its
-        # offloaded checkpointing. GPU + HF: trade compute for memory, as TRL does by default.
-        trainer = _make_trainer(req, model, tok, peft_config, dataset, scratch, cuda=cuda,
-                                gradient_checkpointing=cuda and backend == "hf",
-                                sealing={"key": key, "inputs": inputs, "root": ckpt_root})
-    except CvmTuneError:
-        raise
-    except Exception as exc:
-        raise TrainingError(f"training setup failed: {_first_line(exc)}") from exc
-    for cb in (PrinterCallback, ProgressCallback):  # they print metrics to stdout/stderr
-        trainer.remove_callback(cb)
-    if len(trainer.train_dataset) == 0:
-        raise TrainingError("no trainable examples: every row has zero trainable tokens after masking and truncation",
-                            fix="check training.max_length and training.assistant_only_loss against the dataset")
+    if plan is not None:  # a worker of a multi-process run: the launcher retries
+        (trainer, runtime, current), records = attempt(plan), []
+    else:
+        (trainer, runtime, current), _, records = run_with_backoff(
+            initial_plan(s), attempt, retries=retry_budget(s), probing=s.gpu.auto_batch_size,
+            on_change=req.on_batch_change)
 
-    start = time.perf_counter()
-    try:
-        if choice.path is not None and choice.step is not None and choice.step >= s.max_steps:
-            _restore_finished(trainer, choice.path)  # HF would run one extra step past max_steps
-        else:
-            trainer.train(resume_from_checkpoint=str(choice.path) if choice.path is not None else None)
-    except CvmTuneError:  # TrainingInterrupted included: propagates as is
-        raise
-    except Exception as exc:
-        raise TrainingError(f"training failed: {_first_line(exc)}") from exc
-    runtime = time.perf_counter() - start
-
-    try:
-        adapter_dir = export_adapter(trainer.model, Path(req.run_dir) / "adapter", req.base_model_name)
-    except OSError as exc:
-        raise StateError(f"cannot write the adapter under {req.run_dir}: {_first_line(exc)}") from exc
+    adapter_dir = Path(req.run_dir) / "adapter"
+    if rank == 0:
+        try:
+            adapter_dir = export_adapter(trainer.model, adapter_dir, req.base_model_name)
+        except OSError as exc:
+            raise StateError(f"cannot write the adapter under {req.run_dir}: {_first_line(exc)}") from exc
     state = trainer.state
     losses = [(int(h["step"]), float(h["loss"])) for h in state.log_history if "loss" in h and "step" in h]
+    eval_losses = [(int(h["step"]), float(h["eval_loss"])) for h in state.log_history if "eval_loss" in h]
     device = f"cuda:{torch.cuda.current_device()} {torch.cuda.get_device_name()}" if cuda else "cpu"
+    if world > 1:
+        device = f"{world} x {device}"
     return TrainResult(
         adapter_dir=adapter_dir, backend=backend, device=device, losses=losses, global_step=int(state.global_step),
         resumed_from_step=choice.step, train_runtime_s=runtime,
         tokens_seen=int(state.num_input_tokens_seen) if state.num_input_tokens_seen else None,
-        library_versions=_library_versions(_BASE_LIBS + (_UNSLOTH_LIBS if backend == "unsloth" else ())),
+        library_versions=imported_versions(BASE_LIBS + (UNSLOTH_LIBS if backend == "unsloth" else ())),
+        batch=batch_summary(current[0], s, world, records + eval_records), eval_losses=eval_losses,
         rejected_checkpoints=choice.rejected,
         peak_gpu_memory_bytes=int(torch.cuda.max_memory_allocated()) if cuda else None,
     )
@@ -239,12 +309,15 @@ def _check_base_dir(base: Path) -> None:
 def _load_hf(req: TrainRequest, cuda: bool) -> tuple[Any, Any, Any]:
     import torch
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-    lora = req.settings.lora
-    dtype = torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+    s, lora = req.settings, req.settings.lora
+    kw = hf_load_kwargs(s, cuda=cuda, bf16=cuda and torch.cuda.is_bf16_supported(), local_rank=launch.local_rank())
+    kw["dtype"] = getattr(torch, kw["dtype"])
+    if "quantization_config" in kw:
+        kw["quantization_config"] = BitsAndBytesConfig(**kw["quantization_config"])
     tok = AutoTokenizer.from_pretrained(str(req.base_model_dir), local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(str(req.base_model_dir), local_files_only=True, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(req.base_model_dir), **kw)
     # The SFTTrainer wraps the model with this config exactly once; on resume it loads the
     # checkpoint's adapter weights into that wrapper (wrapping twice would silently restart).
     peft_config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
@@ -255,13 +328,11 @@ def _load_hf(req: TrainRequest, cuda: bool) -> tuple[Any, Any, Any]:
 def _load_unsloth(req: TrainRequest, cuda: bool) -> tuple[Any, Any, Any]:
     from unsloth import FastLanguageModel
 
-    s, lora = req.settings, req.settings.lora
-    model, tok = FastLanguageModel.from_pretrained(model_name=str(req.base_model_dir), max_seq_length=s.max_length,
-                                                   dtype=None, load_in_4bit=False, local_files_only=True)
+    s = req.settings
+    ckpt = gradient_checkpointing("unsloth", s, cuda=cuda)
+    model, tok = FastLanguageModel.from_pretrained(**unsloth_load_kwargs(req.base_model_dir, s, ckpt))
     # Wrapped once per process; on resume the trainer loads the checkpoint's adapter into it.
-    model = FastLanguageModel.get_peft_model(model, r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                             target_modules=list(lora.target_modules), bias="none",
-                                             use_gradient_checkpointing="unsloth", random_state=s.seed)
+    model = FastLanguageModel.get_peft_model(model, **unsloth_peft_kwargs(s, ckpt))
     return model, tok, None
 
 
@@ -336,7 +407,7 @@ def _callback_class() -> type:
     from transformers import TrainerCallback
 
     class _CvmTuneCallback(TrainerCallback):  # type: ignore[misc]
-        """Seals checkpoints, forwards metrics, runs the loss watchdog, stops on request."""
+        """Seals checkpoints (rank 0), runs the loss watchdog, forwards metrics, stops on request."""
 
         def __init__(self, req: TrainRequest, sealing: dict[str, Any]) -> None:
             self.req = req
@@ -347,6 +418,7 @@ def _callback_class() -> type:
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
             if not logs or "loss" not in logs:
                 return
+            # Every rank logs the same (all-reduced) loss, so every rank reaches the same verdict.
             diverged = self.watchdog.check(int(state.global_step), float(logs["loss"]), logs.get("grad_norm"))
             if diverged is not None:  # raised before this step's save: no diverged checkpoint is sealed
                 raise LossDiverged(f"loss watchdog: {diverged}; aborted, nothing exported")
@@ -366,22 +438,27 @@ def _callback_class() -> type:
                 control.should_save = True  # the hook promises a checkpoint at that step
             if self.req.on_step_end is not None and self.stop_reason is None:
                 self.stop_reason = self.req.on_step_end(int(state.global_step))
-                if self.stop_reason is not None:  # SIGTERM / watchdog: checkpoint at this step boundary
-                    control.should_save = True
-                    control.should_training_stop = True
+            if launch.any_rank(self.stop_reason is not None, args.device) and self.stop_reason is None:
+                self.stop_reason = "stop requested"  # several processes stop at the same step boundary
+            if self.stop_reason is not None:  # SIGTERM / watchdog: checkpoint at this step boundary
+                control.should_save = True
+                control.should_training_stop = True
             return control
 
         def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             step = int(state.global_step)
             plain = Path(args.output_dir) / f"checkpoint-{step}"
             sealed = not self.watchdog.suspicious  # never seal weights from inside a loss spike
-            if sealed:
-                digest = seal_checkpoint(plain, self.sealing["root"], key=self.sealing["key"],
-                                         fingerprint=self.req.fingerprint, inputs=self.sealing["inputs"], step=step,
-                                         keep=self.req.keep_checkpoints)
-                if self.req.on_event is not None:
-                    self.req.on_event("checkpoint", {"global_step": step, "manifest_sha256": digest})
-            shutil.rmtree(plain, ignore_errors=True)  # the plaintext copy lives only until it is sealed
+            launch.barrier()  # several processes: every rank's rng_state_<rank>.pth is written before the seal
+            if state.is_world_process_zero:
+                if sealed:
+                    digest = seal_checkpoint(plain, self.sealing["root"], key=self.sealing["key"],
+                                             fingerprint=self.req.fingerprint, inputs=self.sealing["inputs"], step=step,
+                                             keep=self.req.keep_checkpoints)
+                    if self.req.on_event is not None:
+                        self.req.on_event("checkpoint", {"global_step": step, "manifest_sha256": digest})
+                shutil.rmtree(plain, ignore_errors=True)  # the plaintext copy lives only until it is sealed
+            launch.barrier()
             if self.stop_reason is not None:
                 raise TrainingStopped(f"{self.stop_reason}: stopped at step {step}"
                                       + (f" after sealing checkpoint-{step}" if sealed else " (loss spike: not sealed)"))
@@ -391,21 +468,26 @@ def _callback_class() -> type:
     return _CvmTuneCallback
 
 
-def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dataset: Any, ckpt_root: Path, *,
-                  cuda: bool, gradient_checkpointing: bool, sealing: dict[str, Any]) -> Any:
+def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dataset: Any, eval_dataset: Any,
+                  scratch: Path, *, cuda: bool, backend: str, plan: BatchPlan, world: int, sealing: dict[str, Any]) -> Any:
     import torch
     from trl import SFTConfig, SFTTrainer
 
     s = req.settings
     bf16 = cuda and torch.cuda.is_bf16_supported()
+    # Unsloth: get_peft_model already set up its (offloaded) checkpointing. HF: on a GPU, trade compute for memory.
+    ckpt = backend == "hf" and gradient_checkpointing(backend, s, cuda=cuda) is True
+    extra: dict[str, Any] = sft_batch_kwargs(s, plan, has_eval=eval_dataset is not None)
+    if ckpt:
+        extra["gradient_checkpointing_kwargs"] = {"use_reentrant": False}  # DDP + PEFT safe
+    if world > 1:
+        extra["ddp_find_unused_parameters"] = False  # frozen base weights never get gradients
     with warnings.catch_warnings():
         # transformers 5.2x renames gradient_checkpointing; the old name also works on 5.17 (GPU lock).
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
         args = SFTConfig(
-            output_dir=str(ckpt_root),
+            output_dir=str(scratch),  # plaintext saves stay in RAM; the callback seals them onto the volume
             max_steps=s.max_steps,
-            per_device_train_batch_size=s.per_device_batch_size,
-            gradient_accumulation_steps=s.gradient_accumulation_steps,
             learning_rate=s.learning_rate,
             lr_scheduler_type="constant",  # no warmup/decay state to get wrong across a resume
             logging_steps=s.logging_steps,
@@ -413,7 +495,6 @@ def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dat
             save_steps=s.save_steps,
             save_total_limit=3,  # >= 2 complete checkpoints survive while a new one is written
             max_length=s.max_length,
-            packing=False,
             assistant_only_loss=s.assistant_only_loss,
             report_to="none",
             seed=s.seed,
@@ -424,19 +505,10 @@ def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dat
             use_cpu=not cuda,
             bf16=bf16,
             fp16=cuda and not bf16,
-            gradient_checkpointing=gradient_checkpointing,
+            gradient_checkpointing=ckpt,
             include_num_input_tokens_seen="non_padding",  # kept in trainer_state: survives a resume
             logging_nan_inf_filter=False,  # HF would log a NaN/Inf loss as the running mean: hide it from the watchdog
+            **extra,
         )
-        return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok,
+        return SFTTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tok,
                           peft_config=peft_config, callbacks=[_callback_class()(req, sealing)])
-
-
-def _library_versions(names: Sequence[str]) -> dict[str, str]:
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return versions

@@ -1,0 +1,185 @@
+"""Settings -> library arguments for both backends (pure: no torch/transformers/unsloth import here).
+
+Everything the GPU path decides that is ours, and so testable on a CPU without Unsloth: which
+combinations are allowed, the ``FastLanguageModel.from_pretrained`` / ``get_peft_model`` arguments,
+the transformers load arguments (bf16, QLoRA), the SFTConfig batching arguments, the environment
+Unsloth is imported under, and the library versions actually imported.
+
+Why ``padding_free`` and ``packed`` are Unsloth-only: both flatten several examples into one row and
+rely on the attention kernel to keep examples apart. Unsloth builds a block mask for SDPA (and uses
+varlen kernels); plain transformers SDPA does not (measured: the second example's logits change when
+it follows another in the same row), and flash-attention is in neither locked stack.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from app.errors import TrainingError
+
+if TYPE_CHECKING:
+    from app.config import TrainingSettings
+    from app.training.batch import BatchPlan
+
+BASE_LIBS = ("torch", "transformers", "peft", "trl", "datasets", "accelerate")
+UNSLOTH_LIBS = ("unsloth", "unsloth_zoo", "bitsandbytes", "triton")
+
+# Set before unsloth is imported. Besides the offline switches (app.training.OFFLINE_ENV): Unsloth's
+# from_pretrained calls huggingface_hub.login() whenever get_token() finds a token (a network call),
+# so no token may be visible; this app never downloads anything.
+UNSLOTH_ENV_SET = {"UNSLOTH_DISABLE_STATISTICS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                   "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN_PATH": os.devnull}
+UNSLOTH_ENV_UNSET = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "UNSLOTH_USE_MODELSCOPE")
+
+
+def check_options(backend: str, s: TrainingSettings, *, cuda: bool) -> None:
+    """Refuse combinations that would train wrongly or cannot run here (before anything is loaded).
+
+    Raises:
+        TrainingError: naming the setting and what to change.
+    """
+    g = s.gpu
+    if g.quantization == "4bit" and not cuda:
+        raise TrainingError("training.gpu.quantization is '4bit' but no CUDA GPU is visible (bitsandbytes QLoRA is CUDA-only)",
+                            fix="set training.gpu.quantization: none, or run on an NVIDIA GPU")
+    if g.batching != "padded" and backend != "unsloth":
+        raise TrainingError(f"training.gpu.batching '{g.batching}' needs the Unsloth backend: transformers' SDPA attention "
+                            "would let packed examples attend to each other",
+                            fix="set training.gpu.batching: padded, or use training.backend: unsloth on a GPU")
+    if g.gradient_checkpointing == "unsloth" and backend != "unsloth":
+        raise TrainingError("training.gpu.gradient_checkpointing 'unsloth' needs the Unsloth backend",
+                            fix="set training.gpu.gradient_checkpointing to auto, on or off")
+    if g.devices > 1 and backend == "unsloth":
+        raise TrainingError("multi-GPU training (training.gpu.devices > 1) runs the HF backend only in cvm-tune",
+                            fix="set training.backend: hf (or auto) with devices > 1, or devices: 1 for Unsloth")
+
+
+def gradient_checkpointing(backend: str, s: TrainingSettings, *, cuda: bool) -> bool | str:
+    """The checkpointing mode: False, True, or ``"unsloth"`` (Unsloth's offloaded variant)."""
+    mode = s.gpu.gradient_checkpointing
+    if mode == "auto":
+        if not cuda:
+            return False  # tiny CPU models only slow down
+        return "unsloth" if backend == "unsloth" else True
+    return {"off": False, "on": True, "unsloth": "unsloth"}[mode]
+
+
+def unsloth_load_kwargs(base_model_dir: Path, s: TrainingSettings, ckpt: bool | str) -> dict[str, Any]:
+    """``FastLanguageModel.from_pretrained`` arguments.
+
+    The model name is the directory's absolute path: for a string of the form ``org/name`` and no
+    offline switch, Unsloth fetches a model-name mapper from GitHub and executes it.
+    """
+    return {
+        "model_name": str(Path(base_model_dir).resolve()),
+        "max_seq_length": s.max_length,
+        "dtype": None,  # bf16 where supported (Hopper), else fp16
+        "load_in_4bit": s.gpu.quantization == "4bit",
+        "load_in_8bit": False,
+        "full_finetuning": False,
+        "use_gradient_checkpointing": ckpt,
+        "random_state": s.seed,
+        "local_files_only": True,
+        "token": None,
+    }
+
+
+def unsloth_peft_kwargs(s: TrainingSettings, ckpt: bool | str) -> dict[str, Any]:
+    """``FastLanguageModel.get_peft_model`` arguments (same LoRA shape as the HF backend's LoraConfig)."""
+    lora = s.lora
+    return {
+        "r": lora.r,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": list(lora.target_modules),
+        "bias": "none",
+        "use_gradient_checkpointing": ckpt,
+        "random_state": s.seed,
+        "use_rslora": False,
+    }
+
+
+def hf_load_kwargs(s: TrainingSettings, *, cuda: bool, bf16: bool, local_rank: int = 0) -> dict[str, Any]:
+    """``AutoModelForCausalLM.from_pretrained`` arguments; dtype as a name, QLoRA as BitsAndBytesConfig kwargs.
+
+    The caller turns ``dtype`` into ``getattr(torch, name)`` and ``quantization_config`` into
+    ``transformers.BitsAndBytesConfig(**kwargs)``.
+    """
+    dtype = "bfloat16" if cuda and bf16 else "float32"  # fp16 weights would make AMP refuse the fp16 LoRA grads
+    out: dict[str, Any] = {"local_files_only": True, "dtype": dtype}
+    if s.gpu.quantization == "4bit":
+        out["quantization_config"] = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                                      "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": dtype}
+        out["device_map"] = {"": local_rank}  # quantized weights cannot be moved after loading
+    return out
+
+
+def sft_batch_kwargs(s: TrainingSettings, plan: BatchPlan, *, has_eval: bool) -> dict[str, Any]:
+    """SFTConfig arguments for batch sizes, batching mode and evaluation.
+
+    ``padding_free`` is always explicit: Unsloth turns padding-free on by itself when it is left unset.
+    """
+    out: dict[str, Any] = {
+        "per_device_train_batch_size": plan.micro,
+        "gradient_accumulation_steps": plan.accumulation,
+        "per_device_eval_batch_size": plan.eval_micro,
+    }
+    batching = s.gpu.batching
+    if batching == "packed":
+        out["packing"] = True
+    else:
+        out.update(packing=False, padding_free=batching == "padding_free")
+    if has_eval:
+        out.update(eval_strategy="steps", eval_steps=s.save_steps)
+    else:
+        out["eval_strategy"] = "no"
+    return out
+
+
+def apply_unsloth_env(env: dict[str, str] | None = None) -> None:
+    """Set the environment Unsloth must be imported under (``os.environ`` unless ``env`` is given)."""
+    target = os.environ if env is None else env
+    target.update(UNSLOTH_ENV_SET)
+    for name in UNSLOTH_ENV_UNSET:
+        target.pop(name, None)
+
+
+def imported_versions(names: Iterable[str]) -> dict[str, str]:
+    """Versions of the libraries this process imported: ``module.__version__`` when imported, else metadata.
+
+    The GPU bundle puts its own unsloth (2026.10.9) first on ``PYTHONPATH`` while the ``[gpu]`` extra pins
+    2026.10.7: the manifest records what was imported, not what an installer was asked for.
+    """
+    out: dict[str, str] = {}
+    for name in names:
+        module = sys.modules.get(name)
+        version = getattr(module, "__version__", None) if module is not None else None
+        if not isinstance(version, str):
+            try:
+                version = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        out[name] = version
+    return out
+
+
+def split_eval(dataset: Any, fraction: float, seed: int) -> tuple[Any, Any]:
+    """``(train, eval)``: a seeded held-out share of the rows, or ``(dataset, None)`` when fraction is 0.
+
+    Raises:
+        TrainingError: the split would leave no train or no eval row.
+    """
+    if fraction <= 0:
+        return dataset, None
+    n = len(dataset)
+    n_eval = max(1, round(n * fraction))
+    if n_eval >= n:
+        raise TrainingError(f"training.eval_fraction {fraction} leaves no train row out of {n}",
+                            fix="lower training.eval_fraction or add rows")
+    parts = dataset.train_test_split(test_size=n_eval, seed=seed, shuffle=True)
+    return parts["train"], parts["test"]
