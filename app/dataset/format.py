@@ -133,12 +133,14 @@ import re
 import secrets
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes, hmac
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -148,17 +150,22 @@ from app.errors import (
     CvmTuneError,
     DataError,
     DatasetFormatError,
+    DatasetSignatureError,
     HeaderIntegrityError,
     KeySourceError,
     TrailingDataError,
     TruncatedDatasetError,
+    UnsignedDatasetError,
     WrongKeyError,
 )
 from app.fsutil import fsync_dir
+from attestation.dataset_sig import TRAILER_LEN, TRAILER_MAGIC, OwnerSignature, TrailerError, make_trailer, parse_trailer
 from attestation.hashing import canonical_json
 
-FORMAT_MAGIC = b"CVMTDS\x00\x01"
+FORMAT_MAGIC = b"CVMTDS\x00\x01"  # version 1: unsigned
+FORMAT_MAGIC_V2 = b"CVMTDS\x00\x02"  # version 2: version 1 + the owner-signature trailer
 FORMAT_VERSION = FORMAT_MAGIC[-1]
+FORMAT_VERSIONS = (1, 2)
 ALG = "AES-256-GCM/HKDF-SHA256/STREAM-v1"
 CONTENT_TYPE = "application/jsonl"
 DEFAULT_CHUNK_SIZE = 1 << 20
@@ -172,6 +179,9 @@ KEY_CHECK_MESSAGE = b"cvm-tune key check"
 # Bytes after a short final chunk that are still recognised as trailing data. Each candidate costs
 # one AES-GCM pass over the chunk, and only on the error path (~70 ms in all for 1 MiB chunks).
 TRAILING_SEARCH = 1024
+# Chunks at least this large are hashed on worker threads (hashlib releases the GIL), overlapping
+# the ciphertext hash, the plaintext hash and AES-GCM; smaller ones are hashed inline.
+THREADED_HASH_MIN_CHUNK = 64 << 10
 
 _MAX_INT = (1 << 53) - 1  # largest int every JSON implementation reads exactly
 _REQUIRED = frozenset({"alg", "chunk_size", "salt", "content_type", "dataset_id", "dataset_version"})
@@ -194,6 +204,7 @@ class DatasetHeader:
     content_type: str
     metadata: dict
     raw: bytes  # the exact header JSON bytes as stored in the file
+    format_version: int = 1  # the magic's last byte: 1 unsigned, 2 owner-signed
 
 
 @dataclass(frozen=True)
@@ -206,6 +217,7 @@ class EncryptResult:
     ciphertext_size: int
     ciphertext_sha256: str
     chunks: int
+    signature: OwnerSignature | None = None  # version 2: the owner's signed statement
 
 
 def _check_key(key: bytes) -> None:
@@ -213,8 +225,9 @@ def _check_key(key: bytes) -> None:
         raise KeySourceError(f"the dataset key must be exactly {KEY_LEN} bytes")
 
 
-def _derive(key: bytes, salt: bytes, label: bytes) -> bytes:
-    hkdf = HKDF(algorithm=hashes.SHA256(), length=KEY_LEN, salt=salt, info=b"cvm-tune/dataset/v1/" + label)
+def _derive(key: bytes, salt: bytes, label: bytes, version: int = 1) -> bytes:
+    info = f"cvm-tune/dataset/v{version}/".encode() + label  # per version: no cross-version key reuse
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=KEY_LEN, salt=salt, info=info)
     return hkdf.derive(bytes(key))
 
 
@@ -339,8 +352,8 @@ def _read_prefix(src: BinaryIO) -> bytes:
         raise DatasetFormatError("not a cvm-tune encrypted dataset (the file is empty)")
     if magic[:7] != FORMAT_MAGIC[:7][: len(magic)]:
         raise DatasetFormatError("not a cvm-tune encrypted dataset (bad magic bytes)")
-    if len(magic) == 8 and magic[7] != FORMAT_VERSION:
-        raise DatasetFormatError(f"unsupported version {magic[7]} of the cvm-tune dataset format (this reads {FORMAT_VERSION})",
+    if len(magic) == 8 and magic[7] not in FORMAT_VERSIONS:
+        raise DatasetFormatError(f"unsupported version {magic[7]} of the cvm-tune dataset format (this reads 1 and 2)",
                                  fix="upgrade cvm-tune, or re-encrypt the dataset with this version")
     length = _read_upto(src, 4) if len(magic) == 8 else b""
     if len(length) < 4:
@@ -367,12 +380,33 @@ def read_header(src: BinaryIO) -> DatasetHeader:
         DatasetFormatError: not a version-1 dataset, or a malformed header.
     """
     prefix = _read_prefix(src)
-    return _parse_header(prefix[12:])
+    return dataclasses.replace(_parse_header(prefix[12:]), format_version=prefix[7])
+
+
+def read_signature(src: BinaryIO) -> OwnerSignature | None:
+    """The owner signature of a dataset file (``None`` for version 1), without a key.
+
+    The trailer's signature is verified under the key it names; whether that key is the expected
+    owner, and whether the content matches the statement, is the caller's (or decryption's) job.
+
+    Raises:
+        DatasetFormatError: not a dataset, or a malformed header.
+        TruncatedDatasetError, TrailingDataError, DatasetSignatureError: as in :func:`open_encrypted`.
+    """
+    prefix = _read_prefix(src)
+    _parse_header(prefix[12:])
+    if prefix[7] == 1:
+        return None
+    return _read_trailer(src, len(prefix))[0]
 
 
 def encrypt_stream(src: BinaryIO, dst: BinaryIO, key: bytes, *, dataset_id: str, dataset_version: int = 0,
-                   chunk_size: int = DEFAULT_CHUNK_SIZE, metadata: dict | None = None) -> EncryptResult:
-    """Encrypt ``src`` to ``dst`` in the version-1 format, holding about two chunks in memory.
+                   chunk_size: int = DEFAULT_CHUNK_SIZE, metadata: dict | None = None,
+                   owner_key: Ed25519PrivateKey | None = None) -> EncryptResult:
+    """Encrypt ``src`` to ``dst``, holding about two chunks in memory.
+
+    Without ``owner_key`` the file is format version 1 (unsigned); with it, version 2: the same
+    layout with per-version keys and the owner-signature trailer after the last chunk.
 
     Args:
         src: plaintext JSONL, read to end-of-file.
@@ -382,9 +416,11 @@ def encrypt_stream(src: BinaryIO, dst: BinaryIO, key: bytes, *, dataset_id: str,
         dataset_version: the owner's version number (stored in the clear).
         chunk_size: plaintext bytes per chunk (4096..16 MiB).
         metadata: extra ``{str: str | int}`` stored in the clear header.
+        owner_key: the data owner's Ed25519 signing key (format version 2).
 
     Returns:
-        Sizes, SHA-256 digests and the chunk count of what was written.
+        Sizes, SHA-256 digests (the whole file, trailer included) and the chunk count of what
+        was written, and the signature (version 2).
 
     Raises:
         KeySourceError: the key is not 32 bytes.
@@ -400,11 +436,12 @@ def encrypt_stream(src: BinaryIO, dst: BinaryIO, key: bytes, *, dataset_id: str,
     raw = canonical_json(obj)
     if len(raw) > MAX_HEADER_LEN:
         raise ConfigError(f"the dataset header would be {len(raw)} bytes (max {MAX_HEADER_LEN}): shorten metadata")
-    header = dataclasses.replace(header, raw=raw)
-    prefix = FORMAT_MAGIC + len(raw).to_bytes(4, "big") + raw
-    key_check = _hmac(_derive(key, salt, b"check"), KEY_CHECK_MESSAGE).finalize()
-    header_mac = _hmac(_derive(key, salt, b"header"), prefix + key_check).finalize()
-    aead = AESGCM(_derive(key, salt, b"payload"))
+    version = 1 if owner_key is None else 2
+    header = dataclasses.replace(header, raw=raw, format_version=version)
+    prefix = (FORMAT_MAGIC if version == 1 else FORMAT_MAGIC_V2) + len(raw).to_bytes(4, "big") + raw
+    key_check = _hmac(_derive(key, salt, b"check", version), KEY_CHECK_MESSAGE).finalize()
+    header_mac = _hmac(_derive(key, salt, b"header", version), prefix + key_check).finalize()
+    aead = AESGCM(_derive(key, salt, b"payload", version))
 
     ct_hash, pt_hash = hashlib.sha256(), hashlib.sha256()
     written = 0
@@ -433,8 +470,15 @@ def encrypt_stream(src: BinaryIO, dst: BinaryIO, key: bytes, *, dataset_id: str,
         if final:
             break
         cur = nxt
+    signature = None
+    if owner_key is not None:
+        trailer = make_trailer(owner_key, plaintext_size=plain_size, plaintext_sha256=pt_hash.digest(),
+                               body_sha256=ct_hash.digest())
+        signature = parse_trailer(trailer)
+        emit(trailer)
     return EncryptResult(header=header, plaintext_size=plain_size, plaintext_sha256=pt_hash.hexdigest(),
-                         ciphertext_size=written, ciphertext_sha256=ct_hash.hexdigest(), chunks=index)
+                         ciphertext_size=written, ciphertext_sha256=ct_hash.hexdigest(), chunks=index,
+                         signature=signature)
 
 
 def encrypt_file(src: Path, dst: Path, key: bytes, **kw: Any) -> EncryptResult:
@@ -481,6 +525,69 @@ def encrypt_file(src: Path, dst: Path, key: bytes, **kw: Any) -> EncryptResult:
     return result
 
 
+class _Hasher:
+    """SHA-256 whose updates may run on one worker thread, in order, one at a time.
+
+    hashlib releases the GIL on large buffers, so the ciphertext hash, the plaintext hash and
+    AES-GCM (which holds the GIL) proceed in parallel on separate cores. The caller must not
+    modify a buffer until :meth:`wait` returned after its update.
+    """
+
+    def __init__(self, prefix: bytes, threaded: bool) -> None:
+        self._h = hashlib.sha256(prefix)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cvm-tune-hash") if threaded else None
+        self._pending: Future[None] | None = None
+
+    def update(self, data: bytes | memoryview) -> None:
+        self.wait()
+        if self._pool is None:
+            self._h.update(data)
+        else:
+            self._pending = self._pool.submit(self._h.update, data)
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def hexdigest(self) -> str:
+        self.wait()
+        return self._h.hexdigest()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)  # finishes a pending update: no thread outlives the stream
+            self._pool = None
+
+
+class _Bounded:
+    """A read-only view of ``src`` that ends ``limit`` bytes after its current position."""
+
+    def __init__(self, src: BinaryIO, limit: int) -> None:
+        self._src = src
+        self.left = limit
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n < 0 else min(n, self.left)
+        data = self._src.read(n) if n else b""
+        self.left -= len(data)
+        return data
+
+    def readinto(self, b: memoryview | bytearray) -> int:
+        view = memoryview(b)[: self.left]
+        if not view:
+            return 0
+        readinto = getattr(self._src, "readinto", None)
+        if readinto is not None:
+            n = readinto(view) or 0
+        else:
+            data = self._src.read(len(view))
+            n = len(data)
+            view[:n] = data
+        self.left -= n
+        return n
+
+
 class DecryptedStream:
     """Authenticated plaintext chunks of one dataset file; iterate once.
 
@@ -488,17 +595,22 @@ class DecryptedStream:
     own tag, but the stream as a whole is authentic only when iteration ends without an error:
     callers that must not act on partial data consume the whole stream first. The totals
     (``plaintext_size``, ``plaintext_sha256``, ``ciphertext_size``, ``ciphertext_sha256`` over all
-    bytes read, header included, and ``chunks``) exist only after a complete iteration.
+    bytes of the file, header and trailer included, and ``chunks``) exist only after a complete
+    iteration. For a version-2 file, ``signature`` is the owner's statement; the final chunk is
+    released only after the body and plaintext matched it.
     """
 
-    def __init__(self, src: BinaryIO, header: DatasetHeader, payload_key: bytes, aad: bytes, prefix: bytes) -> None:
+    def __init__(self, src: BinaryIO, header: DatasetHeader, payload_key: bytes, aad: bytes, prefix: bytes,
+                 signature: OwnerSignature | None = None) -> None:
         self.header = header
+        self.signature = signature
         self._src = src
         self._aead = AESGCM(payload_key)
         self._aad = aad
-        self._ct_hash = hashlib.sha256(prefix)
+        threaded = header.chunk_size >= THREADED_HASH_MIN_CHUNK
+        self._ct_hash = _Hasher(prefix, threaded)
         self._ct_size = len(prefix)
-        self._pt_hash = hashlib.sha256()
+        self._pt_hash = _Hasher(b"", threaded)
         self._pt_size = 0
         self._chunks = 0
         self._started = False
@@ -540,8 +652,15 @@ class DecryptedStream:
         return self._chunks
 
     def _run(self) -> Iterator[bytes]:
+        try:
+            yield from self._chunks_of()
+        finally:
+            self._ct_hash.close()
+            self._pt_hash.close()
+
+    def _chunks_of(self) -> Iterator[bytes]:
         size = self.header.chunk_size + TAG_LEN
-        buf = bytearray(size)  # reused: memory stays at one ciphertext block plus one plaintext chunk
+        buf = bytearray(size)  # reused: memory stays at one ciphertext block plus two plaintext chunks
         view = memoryview(buf)
         n = _fill(self._src, view)
         if n == 0:
@@ -550,13 +669,16 @@ class DecryptedStream:
         while True:
             peek = self._src.read(1) if n == size else b""  # look ahead: is this block the last one?
             block = view[:n]
-            self._ct_hash.update(block)
+            self._ct_hash.update(block)  # on the worker thread, while this thread decrypts
             offset = self._ct_size
             self._ct_size += n
             plain = self._open_inner(block, index, offset) if peek else self._open_last(block, index, offset)
             self._pt_hash.update(plain)
             self._pt_size += len(plain)
             self._chunks += 1
+            if not peek:
+                self._check_signed_statement()
+            self._ct_hash.wait()  # ``buf`` is refilled below
             self.complete = not peek  # the final chunk verified and end-of-file follows it
             yield plain
             if self.complete:
@@ -564,6 +686,18 @@ class DecryptedStream:
             index += 1
             buf[0] = peek[0]
             n = 1 + _fill(self._src, view[1:])
+
+    def _check_signed_statement(self) -> None:
+        """Version 2: the body and plaintext must be exactly what the owner signed; then hash the trailer."""
+        sig = self.signature
+        if sig is None:
+            return
+        if (self._ct_hash.hexdigest() != sig.body_sha256 or self._pt_size != sig.plaintext_size
+                or self._pt_hash.hexdigest() != sig.plaintext_sha256):
+            raise DatasetSignatureError("the dataset content differs from what the owner signed "
+                                        "(body or plaintext hash mismatch): it was re-encrypted or replaced")
+        self._ct_hash.update(sig.trailer)
+        self._ct_size += TRAILER_LEN
 
     def _try(self, block: memoryview, index: int, final: bool) -> bytes | None:
         try:
@@ -605,37 +739,93 @@ class DecryptedStream:
         raise cut
 
 
-def open_encrypted(src: BinaryIO, key: bytes) -> DecryptedStream:
-    """Authenticate the header of an encrypted dataset and return its chunk stream.
+def _read_trailer(src: BinaryIO, pos: int) -> tuple[OwnerSignature, BinaryIO]:
+    """Version 2, decoding step 2: the owner-signature trailer at end-of-file.
+
+    Returns the verified signature and ``src`` positioned at ``pos``, bounded to end before the
+    trailer (the chunks are then decoded exactly as in version 1).
+    """
+    try:
+        size = src.seek(0, os.SEEK_END)
+    except (AttributeError, OSError, ValueError):
+        raise DatasetFormatError("a signed (version 2) dataset must be read from a seekable file") from None
+    if size < pos + 2 * MAC_LEN:
+        raise DatasetFormatError("the file ends inside the dataset header (key check / MAC)")
+    if size < pos + 2 * MAC_LEN + TRAILER_LEN:
+        raise TruncatedDatasetError("the file ends without chunks and owner-signature trailer: it was cut short")
+    search = min(size - pos - 2 * MAC_LEN, TRAILER_LEN + TRAILING_SEARCH)
+    src.seek(size - search)
+    end = _read_upto(src, search)
+    try:
+        signature = parse_trailer(end[-TRAILER_LEN:])
+    except TrailerError as exc:
+        if end[-TRAILER_LEN:].startswith(TRAILER_MAGIC):  # a trailer whose signature fails
+            raise DatasetSignatureError(str(exc)) from None
+        at = end.rfind(TRAILER_MAGIC, 0, len(end) - TRAILER_LEN)
+        if at >= 0 and _is_trailer(end[at : at + TRAILER_LEN]):
+            raise TrailingDataError(f"{len(end) - at - TRAILER_LEN} bytes follow the owner-signature trailer") from None
+        raise TruncatedDatasetError("the file ends without an owner-signature trailer: it was cut short") from None
+    src.seek(pos)
+    return signature, _Bounded(src, size - TRAILER_LEN - pos)  # type: ignore[return-value]  # file-like
+
+
+def _is_trailer(raw: bytes) -> bool:
+    try:
+        parse_trailer(raw)
+    except TrailerError:
+        return False
+    return True
+
+
+def open_encrypted(src: BinaryIO, key: bytes, *, owner_public_key: bytes | None = None) -> DecryptedStream:
+    """Authenticate the header (and, version 2, the owner signature) and return the chunk stream.
 
     Args:
-        src: the encrypted file, positioned at its start; read sequentially, never whole.
+        src: the encrypted file, positioned at its start; read sequentially, never whole (a
+            version-2 file must be seekable: its trailer is read first).
         key: the 32-byte dataset key.
+        owner_public_key: the pinned owner's raw Ed25519 public key. When given, the file must be
+            version 2 and signed by exactly this key, checked before the key is used.
 
     Returns:
         A :class:`DecryptedStream` whose ``header`` is authenticated. Chunk errors
         (:class:`ChunkIntegrityError`, :class:`TruncatedDatasetError`,
-        :class:`TrailingDataError`) are raised while iterating it.
+        :class:`TrailingDataError`, and for version 2 :class:`DatasetSignatureError` when the
+        content differs from the signed statement) are raised while iterating it.
 
     Raises:
         KeySourceError: the key is not 32 bytes.
-        DatasetFormatError: not a version-1 dataset, or a malformed header.
+        DatasetFormatError: not a version-1 or -2 dataset, or a malformed header.
+        UnsignedDatasetError: ``owner_public_key`` given and the file is version 1.
+        DatasetSignatureError: the trailer's signature fails, or it names another owner key.
+        TruncatedDatasetError, TrailingDataError: version 2 without a trailer at end-of-file.
         WrongKeyError: the key does not open this file (nothing was decrypted).
         HeaderIntegrityError: the header or its MAC was modified.
     """
     _check_key(key)
     prefix = _read_prefix(src)
-    header = _parse_header(prefix[12:])
+    version = prefix[7]
+    header = dataclasses.replace(_parse_header(prefix[12:]), format_version=version)
+    signature = None
+    if version == 1 and owner_public_key is not None:
+        raise UnsignedDatasetError("the dataset carries no owner signature (format version 1), but the configuration "
+                                   "pins an owner key (dataset.owner_public_key)")
+    if version == 2:
+        signature, src = _read_trailer(src, len(prefix))
+        if owner_public_key is not None and signature.owner_public_key != bytes(owner_public_key):
+            raise DatasetSignatureError(f"the dataset is signed by owner key {signature.owner_key_id[:16]}…, not by the "
+                                        f"pinned key {hashlib.sha256(bytes(owner_public_key)).hexdigest()[:16]}…")
     tail = _read_upto(src, 2 * MAC_LEN)
     if len(tail) < 2 * MAC_LEN:
         raise DatasetFormatError("the file ends inside the dataset header (key check / MAC)")
     key_check, header_mac = tail[:MAC_LEN], tail[MAC_LEN:]
-    try:  # step 2, before anything else uses the key
-        _hmac(_derive(key, header.salt, b"check"), KEY_CHECK_MESSAGE).verify(key_check)
+    try:  # before anything else uses the key
+        _hmac(_derive(key, header.salt, b"check", version), KEY_CHECK_MESSAGE).verify(key_check)
     except InvalidSignature:
         raise WrongKeyError("the key does not open this dataset (key check failed; nothing was decrypted)") from None
-    try:  # step 3
-        _hmac(_derive(key, header.salt, b"header"), prefix + key_check).verify(header_mac)
+    try:
+        _hmac(_derive(key, header.salt, b"header", version), prefix + key_check).verify(header_mac)
     except InvalidSignature:
         raise HeaderIntegrityError("the dataset header was modified (header MAC mismatch)") from None
-    return DecryptedStream(src, header, _derive(key, header.salt, b"payload"), header_mac, prefix + tail)
+    return DecryptedStream(src, header, _derive(key, header.salt, b"payload", version), header_mac, prefix + tail,
+                           signature)
