@@ -210,7 +210,7 @@ def _decode(line: bytes, where: _Where) -> Any:
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
-        problem = f"invalid JSON ({exc.msg} at column {exc.colno})"
+        problem = f"invalid JSON ({exc.msg} at column {exc.colno}, byte offset {where.offset + len(text[:exc.pos].encode())})"
     except _RowValueError as exc:
         problem = f"invalid JSON ({exc.args[0]})"
     except (ValueError, RecursionError) as exc:  # e.g. an integer with too many digits

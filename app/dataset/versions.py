@@ -69,6 +69,7 @@ def record_version(state_dir: Path, dataset_id: str, version: int, plaintext_sha
     datasets[dataset_id] = {"version": version, "plaintext_sha256": plaintext_sha256}
     data = json.dumps({"schema": SCHEMA, "datasets": dict(sorted(datasets.items()))}, indent=2, sort_keys=True).encode()
     try:
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(Path(state_dir) / FILE, data + b"\n")
     except OSError as exc:
         raise StateError(f"cannot record the dataset version in {state_dir}: {exc.strerror}") from exc
