@@ -32,7 +32,7 @@ from app.audit import AuditLog, AuditRecorder, utc_now
 from app.config import Config
 from app.dataset import DerivedKeySource, KeyFileSource, KeySource, encrypt_file, open_encrypted, parse_jsonl
 from app.dataset.keys import EnvKeySource
-from app.dataset.release import CvmIdentity, ReleasedKeySource
+from app.dataset.key_request import CvmIdentity, ReleasedKeySource
 from app.dataset.versions import check_version, record_version
 from app.errors import BaseModelError, ConfigError, StateError, TeeError
 from app.fsutil import atomic_write_bytes, remove_stale_temps, staged_dir

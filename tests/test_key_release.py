@@ -16,7 +16,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import yaml
 
 import app.training
 from app.cli import main
@@ -24,7 +23,8 @@ from app.config import Config, TeeSettings
 from app.dataset import open_encrypted, parse_jsonl
 from app.dataset.keys import EnvKeySource
 from app.dataset.owner import load_owner_key, new_owner_key
-from app.dataset.release import CvmIdentity, ReleasedKeySource, release_key
+from app.dataset.key_request import CvmIdentity, ReleasedKeySource
+from app.dataset.release import release_key
 from app.errors import (
     ConfigError,
     DatasetRollbackError,
@@ -343,4 +343,3 @@ def test_keys_new_never_overwrites_and_the_private_key_is_0600(tmp_path: Path) -
     assert not (tmp_path / "x").exists() and not (tmp_path / "dk").exists()
 
 
-_ = yaml  # policies are written with attestation.policy_file_text

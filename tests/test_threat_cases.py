@@ -334,6 +334,7 @@ def test_case_13_streaming_decrypt_of_a_file_larger_than_the_process_memory(tmp_
     assert got["error"] == "DatasetTooLargeError"
     assert (got["plaintext_size"], got["sha"]) == (size_mib << 20, src.sha.hexdigest())  # authenticated to the end
     assert got["maxrss_mib"] < 0.75 * limit_mib, got  # a few chunks over the interpreter (~53 MiB at 160 MiB)
+    assert CANARY not in proc.stdout + proc.stderr and files_containing(tmp_path, CANARY.encode()) == []
 
 
 _NO_WRITE_CHILD = textwrap.dedent("""
