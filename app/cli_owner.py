@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from app.errors import ConfigError, KeySourceError
+from app.errors import ConfigError
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -101,11 +101,10 @@ def _encrypt(args: argparse.Namespace) -> int:
                        chunk_size=args.chunk_size, metadata=meta or None, owner_key=owner)
     if created:
         print(f"new dataset key: {args.key_file} (0600; needed to release the key to a CVM)")
-    sig = res.signature
-    assert sig is not None  # owner_key given: always signed
-    print(f"encrypted: {args.out} ({res.ciphertext_size} bytes, {res.chunks} chunks, format version 2)")
+    print(f"encrypted: {args.out} ({res.ciphertext_size} bytes, {res.chunks} chunks, format version {res.header.format_version})")
     print(f"dataset {args.dataset_id!r} v{args.dataset_version}; ciphertext sha256 {res.ciphertext_sha256}")
-    print(f"signed by owner key {sig.owner_key_id}; commitment {sig.commitment}")
+    if res.signature is not None:
+        print(f"signed by owner key {res.signature.owner_key_id}; commitment {res.signature.commitment}")
     return 0
 
 
@@ -163,7 +162,7 @@ def _release(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise ConfigError(f"cannot read {exc.filename}: {exc.strerror}", fix="check the path") from exc
     if args.out.exists():
-        raise KeySourceError(f"{args.out} exists: refusing to overwrite a grant", fix="choose another -o path")
+        raise ConfigError(f"{args.out} exists: refusing to overwrite a grant", fix="choose another -o path")
     policy = load_policy(args.policy)
     now = args.now if args.now is not None else int(time.time())
     rel = release_key(request, policy=policy, now=now, dataset=args.dataset, dataset_key=KeyFileSource(args.key_file).dataset_key(),

@@ -343,3 +343,18 @@ def test_keys_new_never_overwrites_and_the_private_key_is_0600(tmp_path: Path) -
     assert not (tmp_path / "x").exists() and not (tmp_path / "dk").exists()
 
 
+
+
+def test_inspect_shows_header_and_signer_but_no_plaintext(flow: SimpleNamespace, tmp_path: Path) -> None:
+    ds = flow.root / "volume" / "data.cvmds"
+    rc, out = _cli("dataset", "inspect", str(ds), "--owner-public-key", str(flow.root / "owner" / "acme.pub"))
+    assert rc == 0 and "dataset_id: acme-support" in out and f"owner_key_id: {owner_key_id(flow.pub)}" in out
+    assert CANARY not in out
+    bad = tmp_path / "bad.cvmds"
+    bad.write_bytes(ds.read_bytes()[:300] + bytes([ds.read_bytes()[300] ^ 1]) + ds.read_bytes()[301:])
+    rc, out = _cli("dataset", "inspect", str(bad))
+    assert rc == 3 and "differs from what the owner signed" in out
+    unsigned = tmp_path / "v1.cvmds"
+    encrypt_to(unsigned, jsonl([chat_row(1)]))
+    rc, out = _cli("dataset", "inspect", str(unsigned), "--owner-public-key", flow.pub.hex())
+    assert rc == 3 and "no owner signature" in out
