@@ -129,7 +129,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         signer = f", signed by owner key {sig.owner_key_id[:16]}…" if sig else ", not owner-signed"
         progress(f"dataset: {ds_path.name} v{dataset['dataset_version']} decrypted in memory and authenticated "
                  f"({stream.chunks} chunks{signer}), {report.rows_kept} rows {dict(report.by_kind)}, "
-                 f"{report.duplicates_dropped} duplicates dropped")
+                 f"{report.duplicates_dropped} duplicates dropped{_lines(report.duplicate_lines)}")
 
         # 4. Base model: built or found locally, hashed, checked against the pin.
         with timer.phase("base_model"):
@@ -143,11 +143,13 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         # 4b. Token budget: too-long policy, rows without a trainable token; counted, before training.
         with timer.phase("decrypt_validate"):
             rows, tokens = apply_token_policy(rows, base_model_dir=base_dir, max_length=cfg.training.max_length,
-                                              assistant_only_loss=cfg.training.assistant_only_loss, too_long=dcfg.too_long)
+                                              assistant_only_loss=cfg.training.assistant_only_loss, too_long=dcfg.too_long,
+                                              lines=report.lines)
         dataset["rows"] = tokens.rows_out
         dataset["validation"].update(tokens.counts())
         progress(f"tokens: {tokens.rows_out} rows, {tokens.trainable_tokens} trainable tokens; {tokens.too_long} longer "
-                 f"than {tokens.max_length} tokens ({dcfg.too_long}), {tokens.dropped_no_trainable} without trainable tokens dropped")
+                 f"than {tokens.max_length} tokens ({dcfg.too_long}{_lines(tokens.too_long_lines)}), "
+                 f"{tokens.dropped_no_trainable} without trainable tokens dropped{_lines(tokens.no_trainable_lines)}")
 
         # 5. Run identity: resume the newest unfinished run with the same inputs, else start one.
         config_bytes = cfg.canonical_json()
@@ -245,6 +247,14 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
     timer.t["total"] = time.perf_counter() - t0
     return RunResult(run_id, final, verdicts, policy_file, result.losses, timer.t, result.train_runtime_s,
                      result.resumed_from_step)
+
+
+def _lines(numbers: tuple[int, ...], most: int = 10) -> str:
+    """`` (lines 3, 9, …)`` for a progress line: positions, never content."""
+    if not numbers:
+        return ""
+    more = ", …" if len(numbers) > most else ""
+    return f" (line{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers[:most]))}{more})"
 
 
 def _describe_agent(ident: Identity, simulated: bool) -> str:

@@ -124,7 +124,9 @@ def test_released_key_trains_and_the_manifest_names_commitment_and_owner(flow: S
     long_rows = LONG + 1  # the injection row is over 128 tokens too
     assert (v["too_long"], v["truncated"], v["dropped_too_long"], v["max_length"]) == (long_rows, long_rows, 0, 128)  # case 19
     assert ds["rows"] == v["rows_out"] == 40 + LONG + 1 and v["trainable_tokens"] > 0
-    assert any(f"{long_rows} longer than 128 tokens (truncate)" in line for line in flow.progress)
+    said = "\n".join(flow.progress)  # positions of the policy decisions, by line number (never content)
+    assert f"{long_rows} longer than 128 tokens (truncate (lines 41, 42, 43, 44, 45, 46, 57))" in said
+    assert f"{DUPES} duplicates dropped (lines 47, 48, 49, 50, 51, 52, 53, 54, 55, 56)" in said
 
 
 def test_verify_rechecks_the_dataset_signature_without_the_key(flow: SimpleNamespace) -> None:

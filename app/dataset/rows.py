@@ -48,6 +48,8 @@ class RowReport:
     rows_kept: int  # after dropping duplicates
     by_kind: dict[str, int]  # of the kept rows
     duplicates_dropped: int = 0
+    lines: tuple[int, ...] = ()  # the line number of each kept row (positions for later policy decisions)
+    duplicate_lines: tuple[int, ...] = ()  # the line numbers of the dropped duplicates
 
 
 def parse_jsonl(chunks: Iterable[bytes], *, source: str, max_row_bytes: int, dedup: Dedup = "off",
@@ -79,10 +81,12 @@ def parse_jsonl(chunks: Iterable[bytes], *, source: str, max_row_bytes: int, ded
     if dedup not in ("exact", "normalized", "off"):
         raise ConfigError(f"unknown dedup policy {dedup!r}")
     stream = iter(chunks)
-    lines = _Lines(source, max_row_bytes)
+    splitter = _Lines(source, max_row_bytes)
     rows: list[dict] = []
     by_kind = {"messages": 0, "text": 0}
     seen: set[bytes] | None = None if dedup == "off" else set()
+    kept_at: list[int] = []
+    dup_lines: list[int] = []
     total = fed = 0
     try:
         for chunk in stream:
@@ -91,17 +95,18 @@ def parse_jsonl(chunks: Iterable[bytes], *, source: str, max_row_bytes: int, ded
                 rows.clear()  # nothing more is kept while the rest is authenticated
                 raise DatasetTooLargeError(f"{source} holds more than max_plaintext_bytes ({max_plaintext_bytes}) of "
                                            "plaintext; training keeps every row in memory")
-            for where, line in lines.feed(chunk):
-                total += _take(line, where, max_row_bytes, rows, by_kind, seen, dedup)
-        for where, line in lines.finish():
-            total += _take(line, where, max_row_bytes, rows, by_kind, seen, dedup)
+            for where, line in splitter.feed(chunk):
+                total += _take(line, where, max_row_bytes, rows, by_kind, seen, dedup, kept_at, dup_lines)
+        for where, line in splitter.finish():
+            total += _take(line, where, max_row_bytes, rows, by_kind, seen, dedup, kept_at, dup_lines)
     except (RowError, DatasetTooLargeError):
         for _ in stream:  # authenticate the rest: tampering or truncation is the real error then
             pass
         raise
     if not rows:
         raise EmptyDatasetError(f"{source} has no rows", fix="the dataset must hold at least one JSONL row")
-    return rows, RowReport(rows_total=total, rows_kept=len(rows), by_kind=by_kind, duplicates_dropped=total - len(rows))
+    return rows, RowReport(rows_total=total, rows_kept=len(rows), by_kind=by_kind, duplicates_dropped=total - len(rows),
+                           lines=tuple(kept_at), duplicate_lines=tuple(dup_lines))
 
 
 def row_digest(row: Any, dedup: Dedup) -> bytes:
@@ -172,7 +177,7 @@ class _Where:
 
 
 def _take(line: bytes, where: _Where, max_row_bytes: int, rows: list[dict], by_kind: dict[str, int],
-          seen: set[bytes] | None, dedup: Dedup) -> int:
+          seen: set[bytes] | None, dedup: Dedup, kept_at: list[int], dup_lines: list[int]) -> int:
     """Validate one line; keep it unless it duplicates an earlier row. Returns 1 for a row, 0 for a blank line."""
     if line.endswith(b"\r"):
         line = line[:-1]
@@ -185,10 +190,12 @@ def _take(line: bytes, where: _Where, max_row_bytes: int, rows: list[dict], by_k
     if seen is not None:
         digest = row_digest(row, dedup)
         if digest in seen:
+            dup_lines.append(where.line)
             return 1
         seen.add(digest)
     by_kind[kind] += 1
     rows.append(row)
+    kept_at.append(where.line)
     return 1
 
 

@@ -40,14 +40,20 @@ class TokenReport:
     rows_out: int
     tokens: int  # tokens of the kept rows after truncation
     trainable_tokens: int
+    too_long_lines: tuple[int, ...] = ()  # line numbers (when given) of the rows over max_length
+    no_trainable_lines: tuple[int, ...] = ()  # ... and of the rows dropped without a trainable token
 
     def counts(self) -> dict[str, int]:
-        return asdict(self)
+        """The counts (for the manifest), without the line lists."""
+        return {k: v for k, v in asdict(self).items() if isinstance(v, int)}
 
 
 def apply_token_policy(rows: Sequence[Mapping[str, Any]], *, base_model_dir: Path, max_length: int,
-                       assistant_only_loss: bool, too_long: TooLong) -> tuple[list[Mapping[str, Any]], TokenReport]:
+                       assistant_only_loss: bool, too_long: TooLong,
+                       lines: Sequence[int] | None = None) -> tuple[list[Mapping[str, Any]], TokenReport]:
     """Apply the policy (module docstring) and return the rows to train on, in their order.
+
+    ``lines`` (the source line of each row) only labels the report.
 
     Raises:
         BaseModelError: the tokenizer cannot be loaded from ``base_model_dir``.
@@ -67,26 +73,31 @@ def apply_token_policy(rows: Sequence[Mapping[str, Any]], *, base_model_dir: Pat
     except Exception as exc:  # noqa: BLE001 - any loader failure: the message names the type only
         raise BaseModelError(f"cannot load the tokenizer from {base_model_dir}: {type(exc).__name__}") from None
     keep: list[Mapping[str, Any]] = []
-    too_long_n = truncated = dropped_long = dropped_zero = tokens = trainable = 0
-    for row, rec in zip(rows, build_dataset(rows, tok, assistant_only_loss=assistant_only_loss), strict=True):
+    long_at: list[int] = []
+    zero_at: list[int] = []
+    truncated = tokens = trainable = 0
+    records = build_dataset(rows, tok, assistant_only_loss=assistant_only_loss)
+    for i, (row, rec) in enumerate(zip(rows, records, strict=True)):
         ids, mask = _tokenize(tok, rec, assistant_only_loss)
+        line = lines[i] if lines is not None else i + 1
         if len(ids) > max_length:
-            too_long_n += 1
+            long_at.append(line)
             if too_long == "drop":
-                dropped_long += 1
                 continue
         kept = min(len(ids), max_length)
         row_trainable = sum(mask[:max_length]) if mask is not None else kept
         if row_trainable == 0:
-            dropped_zero += 1
+            zero_at.append(line)
             continue
         truncated += len(ids) > max_length
         tokens += kept
         trainable += row_trainable
         keep.append(row)
-    report = TokenReport(max_length=max_length, rows_in=len(rows), too_long=too_long_n, truncated=truncated,
+    dropped_long, dropped_zero = (len(long_at) if too_long == "drop" else 0), len(zero_at)
+    report = TokenReport(max_length=max_length, rows_in=len(rows), too_long=len(long_at), truncated=truncated,
                          dropped_too_long=dropped_long, dropped_no_trainable=dropped_zero, rows_out=len(keep),
-                         tokens=tokens, trainable_tokens=trainable)
+                         tokens=tokens, trainable_tokens=trainable, too_long_lines=tuple(long_at),
+                         no_trainable_lines=tuple(zero_at))
     if not keep:
         cls = ZeroTrainableTokensError if dropped_zero == len(rows) else AllRowsFilteredError
         raise cls(f"no row left to train on: of {len(rows)} rows, {dropped_long} longer than max_length "
