@@ -443,12 +443,14 @@ def test_case_19_too_long_truncate_and_drop_are_counted(case: Case) -> None:
 
     rows = [chat_row(i, words=80 if i % 4 == 0 else 2) for i in range(12)]
     kw = {"base_model_dir": tiny_model_dir(), "max_length": 128, "assistant_only_loss": False}
-    kept, rep = apply_token_policy(rows, too_long="truncate", **kw)
-    assert (rep.rows_in, rep.too_long, rep.truncated, rep.dropped_too_long, rep.rows_out) == (12, 3, 3, 0, 12)
-    assert kept == rows and rep.tokens <= 12 * 128
-    kept, rep = apply_token_policy(rows, too_long="drop", **kw)
-    assert (rep.too_long, rep.truncated, rep.dropped_too_long, rep.rows_out) == (3, 0, 3, 9)
-    assert kept == [r for i, r in enumerate(rows) if i % 4]
+    with all_logs() as logs:
+        kept, rep = apply_token_policy(rows, too_long="truncate", **kw)
+        assert (rep.rows_in, rep.too_long, rep.truncated, rep.dropped_too_long, rep.rows_out) == (12, 3, 3, 0, 12)
+        assert kept == rows and rep.tokens <= 12 * 128 and rep.too_long_lines == (1, 5, 9)
+        kept, rep = apply_token_policy(rows, too_long="drop", lines=[10 * i for i in range(12)], **kw)
+        assert (rep.too_long, rep.truncated, rep.dropped_too_long, rep.rows_out) == (3, 0, 3, 9)
+        assert kept == [r for i, r in enumerate(rows) if i % 4] and rep.too_long_lines == (0, 40, 80)
+    assert CANARY not in "\n".join(logs)
 
 
 def test_case_20_pathological_rows_rejected_before_parsing(case: Case) -> None:
@@ -465,12 +467,15 @@ def test_case_21_duplicates_are_dropped_deterministically_and_counted() -> None:
     respaced = json.dumps(a, indent=1).replace("\n", "").encode()  # same JSON value, other bytes
     shouty = json.loads(json.dumps(b).replace("answer", "ANSWER  "))  # equal only after normalisation
     data = jsonl([a, b, respaced, a, shouty])
-    for policy, kept, dropped in (("exact", [a, b, shouty], 2), ("normalized", [a, b], 3), ("off", None, 0)):
-        rows, rep = parse_jsonl([data], source="d", max_row_bytes=1 << 20, dedup=policy)  # type: ignore[arg-type]
-        assert (rep.rows_total, rep.duplicates_dropped, rep.rows_kept) == (5, dropped, 5 - dropped)
-        if kept is not None:
-            assert rows == kept  # first occurrences, in file order: the same on every run
-        assert parse_jsonl([data[:7], data[7:]], source="d", max_row_bytes=1 << 20, dedup=policy)[0] == rows  # type: ignore[arg-type]
+    with all_logs() as logs:
+        for policy, kept, dropped, lines in (("exact", [a, b, shouty], 2, (3, 4)), ("normalized", [a, b], 3, (3, 4, 5)),
+                                             ("off", None, 0, ())):
+            rows, rep = parse_jsonl([data], source="d", max_row_bytes=1 << 20, dedup=policy)  # type: ignore[arg-type]
+            assert (rep.rows_total, rep.duplicates_dropped, rep.rows_kept, rep.duplicate_lines) == (5, dropped, 5 - dropped, lines)
+            if kept is not None:
+                assert rows == kept  # first occurrences, in file order: the same on every run
+            assert parse_jsonl([data[:7], data[7:]], source="d", max_row_bytes=1 << 20, dedup=policy)[0] == rows  # type: ignore[arg-type]
+    assert CANARY not in "\n".join(logs)
 
 
 def test_case_22_injected_or_secret_looking_content_never_printed(case: Case) -> None:
