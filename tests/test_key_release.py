@@ -360,3 +360,22 @@ def test_inspect_shows_header_and_signer_but_no_plaintext(flow: SimpleNamespace,
     encrypt_to(unsigned, jsonl([chat_row(1)]))
     rc, out = _cli("dataset", "inspect", str(unsigned), "--owner-public-key", flow.pub.hex())
     assert rc == 3 and "no owner signature" in out
+
+
+def test_a_new_dataset_key_needs_a_new_release(pending: SimpleNamespace, tmp_path: Path) -> None:
+    """A grant for v3 does not unlock v4 encrypted under another key: a new request is written for v4."""
+    f = pending.flow
+    grant = _release(pending)
+    newer = tmp_path / "v4.cvmds"
+    encrypt_to(newer, jsonl([chat_row(i) for i in range(5)]), hashlib.sha256(b"new key").digest(), dataset_id="acme-support",
+               dataset_version=4, signer=load_owner_key(f.root / "owner" / "acme.key"))
+    (pending.out / "grant.json").write_bytes(grant)
+    with open_guest_agent(TeeSettings()) as agent:
+        ident = agent.identity()
+        src = ReleasedKeySource(agent=agent, identity=CvmIdentity(ident.app_id, ident.compose_hash, ident.instance_id),
+                                out_dir=pending.out, dataset=newer, grant_file=pending.out / "grant.json",
+                                owner_public_key=f.pub)
+        with pytest.raises(KeyReleasePendingError, match="for 'acme-support' v4"):
+            src.dataset_key()
+    request = json.loads((pending.out / "key-release" / "request.json").read_text())["request"]
+    assert request["dataset_version"] == 4

@@ -107,6 +107,9 @@ class ReleasedKeySource:
             self._how = "owner-release (sealed)"
             return key
         pending = self._load_pending(seal)
+        if pending is not None and (pending[0]["dataset_id"], pending[0]["dataset_version"]) != (
+                header.dataset_id, header.dataset_version):
+            pending = None  # that request was for another dataset (version): ask again for this one
         if pending is not None and self._grant_file.is_file():
             request, private_key = pending
             try:
@@ -126,8 +129,7 @@ class ReleasedKeySource:
             raise KeyGrantError(f"{self._grant_file.name} is for another key request (the pending one is "
                                 f"{request_sha256(request)[:16]}…)", fix=f"send {self.request_file} to the data owner "
                                 "and replace the grant with the one they return")
-        if pending is None or (pending[0]["dataset_id"], pending[0]["dataset_version"]) != (
-                header.dataset_id, header.dataset_version):
+        if pending is None:
             pending = self._new_request(header, seal)
         raise KeyReleasePendingError(
             f"no dataset key yet: key request {request_sha256(pending[0])[:16]}… for {header.dataset_id!r} "
