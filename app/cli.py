@@ -1,4 +1,4 @@
-"""``cvm-tune`` command line. The only module that prints.
+"""``cvm-tune`` command line. The only module that prints (with ``app.cli_owner``, the data owner's commands).
 
 Exit codes (also in the README):
   0  success / bundle or quote accepted
@@ -24,6 +24,7 @@ from pathlib import Path
 from attestation import AttestationError
 
 import app
+from app import cli_owner
 from app.errors import CvmTuneError
 
 EXIT_REJECTED = 1
@@ -87,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("schema", help="print the configuration JSON schema")
     c = sub.add_parser("validate-config", help="check a configuration file and print the resolved config")
     c.add_argument("config", type=Path, metavar="FILE")
+    cli_owner.add_parsers(sub)
     return p
 
 
@@ -241,4 +243,5 @@ def _validate_config(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"run": _run, "serve": _serve, "status": _status, "verify": _verify, "simulator": _simulator, "schema": _schema, "validate-config": _validate_config}
+_COMMANDS = {"run": _run, "serve": _serve, "status": _status, "verify": _verify, "simulator": _simulator, "schema": _schema,
+             "validate-config": _validate_config, **cli_owner.COMMANDS}

@@ -58,13 +58,24 @@ class TeeSettings(_Closed):
 
 
 class KeySettings(_Closed):
-    """Where the dataset key comes from (the owner key-release flow plugs in here later)."""
+    """Where the dataset key comes from (README "Dataset keys": what each source does NOT protect)."""
 
-    source: Literal["getkey", "file"] = Field(
-        "getkey", description="getkey: dstack GetKey at `getkey_path` (bound to the app id). file: a 32-byte key file."
+    source: Literal["getkey", "file", "release", "env"] = Field(
+        "getkey",
+        description="getkey: dstack GetKey at `getkey_path` (the owner trusts whatever code holds the app id). "
+        "file: a 32-byte key file (demo/tests: protects nothing against whoever reads the file). "
+        "release: attested key release: the owner verifies this CVM's quote and sends a grant (needs "
+        "dataset.owner_public_key). env: 64 hex characters in the env var `env_var`, e.g. a dstack encrypted env "
+        "var: confidential but forgeable by the host, so only with dataset.owner_public_key.",
     )
     getkey_path: str = Field("cvm-tune/dataset/v1", min_length=1, description="GetKey path for the dataset key.")
     file: Path | None = Field(None, description="Key file (32 raw bytes or 64 hex characters) when source is file.")
+    env_var: str = Field("CVM_TUNE_DATASET_KEY", pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,254}$",
+                         description="source env: the environment variable holding the key (list it in allowed_envs).")
+    grant_file: Path | None = Field(
+        None, description="source release: where the owner's key grant is placed. Unset: "
+        "<output.dir>/key-release/grant.json. The key request is written to <output.dir>/key-release/request.json."
+    )
 
     @model_validator(mode="after")
     def _file_needs_path(self) -> KeySettings:
@@ -83,12 +94,35 @@ class DatasetSettings(_Closed):
     )
     path: Path | None = Field(None, description="Encrypted dataset file (on the read-only data volume).")
     key: KeySettings = KeySettings()
+    owner_public_key: str | None = Field(
+        None, pattern=HEX64,
+        description="The data owner's Ed25519 public key (64 hex, the .pub file of `cvm-tune keys new`). Set: the "
+        "dataset must be format version 2 signed by this key, checked before training. Required by key sources "
+        "release and env.",
+    )
     max_row_bytes: int = Field(1 << 20, gt=0, le=64 << 20, description="Rows longer than this are rejected before parsing.")
+    max_plaintext_bytes: int = Field(
+        1 << 30, gt=0, description="Refuse a larger plaintext (training holds every row in memory; about 5-10x the "
+        "JSONL size in Python objects): a clear error instead of running out of memory."
+    )
+    dedup: Literal["exact", "normalized", "off"] = Field(
+        "exact", description="Duplicate rows are dropped (first kept, file order) and counted. exact: same JSON "
+        "value. normalized: also equal after Unicode NFKC, case folding and whitespace collapsing. off: keep all."
+    )
+    too_long: Literal["truncate", "drop"] = Field(
+        "truncate", description="Rows longer than training.max_length tokens: truncate (keep the first max_length "
+        "tokens) or drop; counted either way. Rows left with no trainable token are always dropped and counted."
+    )
 
     @model_validator(mode="after")
     def _file_needs_path(self) -> DatasetSettings:
         if self.source == "encrypted-file" and self.path is None:
             raise ValueError("dataset.path is required when dataset.source is 'encrypted-file'")
+        if self.key.source in ("release", "env") and (self.owner_public_key is None or self.source != "encrypted-file"):
+            raise ValueError(f"dataset.key.source {self.key.source!r} needs dataset.source 'encrypted-file' and "
+                             "dataset.owner_public_key (the owner's signature is what makes such a key trustworthy)")
+        if self.owner_public_key is not None and self.source != "encrypted-file":
+            raise ValueError("dataset.owner_public_key needs dataset.source 'encrypted-file' (the bundled sample is unsigned)")
         return self
 
 

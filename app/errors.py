@@ -72,6 +72,40 @@ class EmptyDatasetError(DataError):
     """No trainable rows are left."""
 
 
+class AllRowsFilteredError(EmptyDatasetError):
+    """Rows were read, but the row policies (too long, duplicates, nothing to learn) left none."""
+
+    default_fix = "check dataset.too_long, dataset.dedup and training.max_length against the dataset"
+
+
+class ZeroTrainableTokensError(DataError):
+    """Rows remain, but none has a token that contributes to the loss (all labels masked)."""
+
+    default_fix = "raise training.max_length or set training.assistant_only_loss: false"
+
+
+class DatasetTooLargeError(DataError):
+    """The plaintext is larger than dataset.max_plaintext_bytes (training keeps rows in memory)."""
+
+    default_fix = "split the dataset or raise dataset.max_plaintext_bytes on a machine with enough memory"
+
+
+class DatasetSignatureError(DatasetIntegrityError):
+    """The data owner's signature is invalid, from another key, or does not match the content."""
+
+    default_fix = "ask the data owner for the dataset signed with the key pinned in dataset.owner_public_key"
+
+
+class UnsignedDatasetError(DatasetSignatureError):
+    """The configuration pins an owner key, but the dataset carries no owner signature (format v1)."""
+
+
+class DatasetRollbackError(DataError):
+    """The dataset is older than the last one trained on (or reuses its version for other content)."""
+
+    default_fix = "use the newest dataset version from the data owner (versions only move forward)"
+
+
 class KeySourceError(CvmTuneError):
     """The dataset key cannot be obtained or is the wrong key."""
 
@@ -84,6 +118,26 @@ class WrongKeyError(KeySourceError):
     """The key does not open this dataset (key check failed before any plaintext was released)."""
 
     default_fix = "use the key the data owner encrypted this dataset for (GetKey path or key file)"
+
+
+class KeyReleasePendingError(KeySourceError):
+    """Attested key release: a key request was written; the owner's grant has not arrived yet."""
+
+    default_fix = "send the key request to the data owner, place their grant where dataset.key.grant_file points, run again"
+
+
+class KeyGrantError(KeySourceError):
+    """The owner's key grant is malformed, not for this request, not signed by the pinned owner, or does not open."""
+
+    default_fix = "ask the data owner for a new grant for the current key request (cvm-tune dataset release)"
+
+
+class KeyReleaseRefusedError(CvmTuneError):
+    """Owner side: the CVM's quote or key request does not satisfy the owner's policy; no key was released."""
+
+    exit_code = 1
+    category = "rejected"
+    default_fix = "release only to a CVM running the code your policy allows (compose-hash, measurements, TCB)"
 
 
 class TeeError(CvmTuneError):

@@ -63,12 +63,13 @@ def model_card(*, run_id: str, base_model: str, base_tree: str, dataset: dict[st
         else ""
     )
     loss = f"{last_loss:.4f}" if last_loss is not None else "n/a"
+    owner = f"signed by owner key `{dataset['owner_key_id']}`" if dataset.get("owner_key_id") else "not owner-signed"
     return f"""# LoRA adapter `{run_id}`
 {warning}
 | | |
 |---|---|
 | base model | `{base_model}` (tree sha256 `{base_tree}`) |
-| dataset | `{dataset['dataset_id']}` v{dataset['dataset_version']}, {dataset['rows']} rows, ciphertext sha256 `{dataset['encrypted_sha256']}` |
+| dataset | `{dataset['dataset_id']}` v{dataset['dataset_version']}, {dataset['rows']} rows, ciphertext sha256 `{dataset['encrypted_sha256']}`, {owner} |
 | training | backend `{backend}`, {steps} optimizer steps, last logged loss {loss} |
 
 Files: `adapter/` (PEFT LoRA: load with `PeftModel.from_pretrained(base, "adapter")`), `manifest.json` (provenance and

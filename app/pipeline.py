@@ -36,6 +36,9 @@ from app import gpu as gpu_evidence
 from app.audit import AuditLog, AuditRecorder, utc_now
 from app.config import Config
 from app.dataset import DerivedKeySource, KeyFileSource, KeySource, encrypt_file, open_encrypted, parse_jsonl
+from app.dataset.key_request import CvmIdentity, ReleasedKeySource
+from app.dataset.keys import EnvKeySource
+from app.dataset.versions import check_version, record_version
 from app.errors import BaseModelError, ConfigError, CvmTuneError, ExportError, StateError, TeeError
 from app.fsutil import atomic_write_bytes, remove_stale_temps, staged_dir
 from app.tee import GuestAgent, Identity, open_guest_agent
@@ -100,6 +103,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
     """
     from app.training import TrainingStopped, TrainRequest, build_tiny_model, train  # heavy stack, imported lazily
     from app.training.checkpoints import CHECKPOINT_GETKEY_PATH
+    from app.training.tokens import apply_token_policy
 
     hooks = hooks or RunHooks()
 
@@ -122,27 +126,39 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         if sha256_hex(compose_bytes) != ident.compose_hash:
             raise TeeError("the agent's app-compose text does not hash to its compose-hash", fix="report this: the guest agent is inconsistent")
 
-        # 2. Dataset key (GetKey-derived, or a key file for the demo).
+        # 2. Dataset key (GetKey-derived, a key file for the demo, an env var, or released by the owner).
         with timer.phase("key"):
-            key_source = _key_source(cfg, agent)
+            key_source = _key_source(cfg, agent, ident, out)
             key = key_source.dataset_key()
             # Checkpoints are sealed under their own GetKey path (bound to the app id, never on disk).
             ckpt_key = DerivedKeySource(agent.get_key, CHECKPOINT_GETKEY_PATH, "cvm-tune-checkpoint-key").dataset_key()
 
-        # 3. Encrypted dataset: decrypt in memory, authenticate ALL of it, then validate rows.
+        # 3. Encrypted dataset: owner signature first (when pinned), then decrypt in memory,
+        #    authenticate ALL of it, validate rows, drop duplicates; refuse a rolled-back version.
+        dcfg = cfg.dataset
+        owner_pub = bytes.fromhex(dcfg.owner_public_key) if dcfg.owner_public_key else None
         with timer.phase("decrypt_validate"):
             ds_path = _dataset_file(cfg, out, key, progress)
             with open(ds_path, "rb") as fh:
-                stream = open_encrypted(fh, key)
-                rows, report_rows = parse_jsonl(stream, source=ds_path.name, max_row_bytes=cfg.dataset.max_row_bytes)
+                stream = open_encrypted(fh, key, owner_public_key=owner_pub)
+                rows, report_rows = parse_jsonl(stream, source=ds_path.name, max_row_bytes=dcfg.max_row_bytes,
+                                           dedup=dcfg.dedup, max_plaintext_bytes=dcfg.max_plaintext_bytes)
+            sig = stream.signature
             dataset = {
                 "dataset_id": stream.header.dataset_id, "dataset_version": stream.header.dataset_version,
-                "format": "cvm-tune encrypted dataset v1", "encrypted_sha256": stream.ciphertext_sha256,
+                "format": f"cvm-tune encrypted dataset v{stream.header.format_version}",
+                "encrypted_sha256": stream.ciphertext_sha256,
                 "encrypted_size": stream.ciphertext_size, "plaintext_sha256": stream.plaintext_sha256,
                 "plaintext_size": stream.plaintext_size, "rows": report_rows.rows_kept, "key_source": key_source.describe(),
+                "owner_public_key": sig.owner_public_key.hex() if sig else None,
+                "owner_key_id": sig.owner_key_id if sig else None, "commitment": sig.commitment if sig else None,
+                "validation": {"rows_read": report_rows.rows_total, "duplicates_dropped": report_rows.duplicates_dropped},
             }
-        progress(f"dataset: {ds_path.name} decrypted in memory and authenticated ({stream.chunks} chunks), "
-                 f"{report_rows.rows_kept} rows {dict(report_rows.by_kind)}")
+            check_version(out / "state", dataset["dataset_id"], dataset["dataset_version"], dataset["plaintext_sha256"])
+        signer = f", signed by owner key {sig.owner_key_id[:16]}…" if sig else ", not owner-signed"
+        progress(f"dataset: {ds_path.name} v{dataset['dataset_version']} decrypted in memory and authenticated "
+                 f"({stream.chunks} chunks{signer}), {report_rows.rows_kept} rows {dict(report_rows.by_kind)}, "
+                 f"{report_rows.duplicates_dropped} duplicates dropped{_lines(report_rows.duplicate_lines)}")
 
         # 4. Base model: built or found locally, hashed, checked against the pin.
         with timer.phase("base_model"):
@@ -153,6 +169,17 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
                                  fix="restore the pinned base model files (never download them at run time)")
         progress(f"base model: {base_name} tree sha256 {base_tree[:16]}…")
 
+        # 4b. Token budget: too-long policy, rows without a trainable token; counted, before training.
+        with timer.phase("decrypt_validate"):
+            rows, tokens = apply_token_policy(rows, base_model_dir=base_dir, max_length=cfg.training.max_length,
+                                              assistant_only_loss=cfg.training.assistant_only_loss, too_long=dcfg.too_long,
+                                              lines=report_rows.lines)
+        dataset["rows"] = tokens.rows_out
+        dataset["validation"].update(tokens.counts())
+        progress(f"tokens: {tokens.rows_out} rows, {tokens.trainable_tokens} trainable tokens; {tokens.too_long} longer "
+                 f"than {tokens.max_length} tokens ({dcfg.too_long}{_lines(tokens.too_long_lines)}), "
+                 f"{tokens.dropped_no_trainable} without trainable tokens dropped{_lines(tokens.no_trainable_lines)}")
+
         # 5. Run identity: resume the newest unfinished run with the same inputs, else start one.
         config_bytes = cfg.canonical_json()
         with timer.phase("hashing"):
@@ -162,6 +189,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         run_id, resuming = _pick_run(out, fingerprint, run_id)
         run_dir = out / "runs" / run_id
         started_at = json.loads((run_dir / "state.json").read_text())["started_at"] if resuming else utc_now()
+        record_version(out / "state", dataset["dataset_id"], dataset["dataset_version"], dataset["plaintext_sha256"])
         _write_state(run_dir, {"run_id": run_id, "fingerprint": fingerprint, "status": "running", "started_at": started_at})
 
         # 6. Audit: run.start (or run.resume) commits to every input hash before training.
@@ -242,7 +270,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             effective_batch = result.batch.get("effective", ts.per_device_batch_size * ts.gradient_accumulation_steps)
             run_report = report.build(run_id=run_id, slot=hooks.slot, timings=timer.t, train=result,
                                       effective_batch_size=effective_batch,
-                                      rows=report_rows, checks=checks)
+                                      rows=report_rows, checks=checks, validation=dataset["validation"])
             report_files = report.write(stage, run_report)
             artifacts = {rel: sha256_file(stage / rel) for rel in B.ARTIFACT_FILES}
             with timer.phase("audit"):
@@ -332,15 +360,31 @@ def _scratch_dir(cfg: Config, out: Path) -> Path:
     return path
 
 
+def _lines(numbers: tuple[int, ...], most: int = 10) -> str:
+    """`` (lines 3, 9, …)`` for a progress line: positions, never content."""
+    if not numbers:
+        return ""
+    more = ", …" if len(numbers) > most else ""
+    return f" (line{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers[:most]))}{more})"
+
+
 def _describe_agent(ident: Identity, simulated: bool) -> str:
     kind = "cvm-tune SIMULATOR (test CA, not a TEE)" if simulated else "dstack"
     return f"{kind} {ident.version} app_id {ident.app_id} compose_hash {ident.compose_hash[:16]}…"
 
 
-def _key_source(cfg: Config, agent: GuestAgent) -> KeySource:
+def _key_source(cfg: Config, agent: GuestAgent, ident: Identity, out: Path) -> KeySource:
     k = cfg.dataset.key
     if k.source == "file":
         return KeyFileSource(k.file)  # type: ignore[arg-type]  # validated: file is set
+    if k.source == "env":
+        return EnvKeySource(k.env_var)
+    if k.source == "release":  # validated: encrypted-file with a pinned owner key
+        return ReleasedKeySource(agent=agent, identity=CvmIdentity(ident.app_id, ident.compose_hash, ident.instance_id),
+                                 out_dir=out, dataset=Path(cfg.dataset.path),  # type: ignore[arg-type]
+                                 grant_file=k.grant_file or out / "key-release" / "grant.json",
+                                 owner_public_key=bytes.fromhex(cfg.dataset.owner_public_key),  # type: ignore[arg-type]
+                                 pccs_url=cfg.tee.pccs_url, timeout_s=cfg.tee.timeout_s)
     return DerivedKeySource(agent.get_key, k.getkey_path)
 
 

@@ -18,7 +18,7 @@ REPORT_SCHEMA = "cvm-tune/report/v1"
 
 
 def build(*, run_id: str, slot: str | None, timings: dict[str, float], train: Any, effective_batch_size: int,
-          rows: Any, checks: list[str]) -> dict[str, Any]:
+          rows: Any, checks: list[str], validation: dict[str, Any] | None = None) -> dict[str, Any]:
     """The report body.
 
     Args:
@@ -29,6 +29,8 @@ def build(*, run_id: str, slot: str | None, timings: dict[str, float], train: An
         effective_batch_size: Examples per optimizer step.
         rows: The ``RowReport`` from data validation.
         checks: What was checked during the run, one line each.
+        validation: Counted policy decisions (duplicates dropped, too-long rows, rows without a
+            trainable token: the manifest's ``dataset.validation``).
     """
     steps_here = train.global_step - (train.resumed_from_step or 0)
     runtime = max(train.train_runtime_s, 1e-9)
@@ -48,7 +50,8 @@ def build(*, run_id: str, slot: str | None, timings: dict[str, float], train: An
         },
         "memory": {"peak_rss_bytes": int(rss), "peak_gpu_bytes": train.peak_gpu_memory_bytes},
         "data_validation": {"rows_total": rows.rows_total, "rows_kept": rows.rows_kept,
-                            "rows_rejected": rows.rows_total - rows.rows_kept, "by_kind": dict(sorted(rows.by_kind.items()))},
+                            "rows_rejected": rows.rows_total - rows.rows_kept, "by_kind": dict(sorted(rows.by_kind.items())),
+                            **(validation or {})},
         "resume": {"from_step": train.resumed_from_step,
                    "rejected_checkpoints": [{"checkpoint": n, "reason": r} for n, r in train.rejected_checkpoints]},
         "losses": [[s, round(v, 6)] for s, v in train.losses],

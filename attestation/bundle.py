@@ -104,6 +104,12 @@ class DatasetInfo(_Closed):
     plaintext_size: int
     rows: int
     key_source: str
+    # Owner-signed datasets (format version 2; attestation.dataset_sig). None: the dataset was unsigned.
+    owner_public_key: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    owner_key_id: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    commitment: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the owner-signed statement")
+    # Counted row-policy decisions (duplicates, too long, no trainable token): counts only, never content.
+    validation: dict[str, int] | None = None
 
 
 class TeeInfo(_Closed):

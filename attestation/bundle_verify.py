@@ -14,6 +14,8 @@ Bundle steps (after ``attestation.verify``'s quote steps):
  B11 ``dataset.file``    the encrypted dataset hash (only when the file is given)
  B12 ``gpu.evidence``    gpu-evidence.json re-summarised = the manifest's ``gpu``, committed by the last
                          ``gpu.evidence`` audit entry, nonce = that entry's prev (``attestation.gpu.check``)
+ B13 ``dataset.owner``   owner key id = SHA-256(owner public key); with the file: its owner signature
+                         verifies under that key and its statement, header and hashes match the manifest
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pydantic import ValidationError
 
 from attestation import bundle as B
 from attestation.audit import AuditEntry, AuditFormatError, chain_problems, parse_entry, parse_lines
+from attestation.dataset_sig import TrailerError, owner_key_id, read_signed_file
 from attestation.dcap import Collateral, parse_collateral
 from attestation.errors import AttestationError, BundleError
 from attestation.eventlog import Event, parse_event_log
@@ -280,10 +283,38 @@ def _inputs(f: QuoteFindings, m: B.Manifest, base_model_dir: Path | None, datase
     f.add("base_model.tree", "fail" if problems else "pass", detail)
     if dataset_file is None:
         f.add("dataset.file", "skip", "no --dataset given: the encrypted dataset hash was not checked")
+    else:
+        try:
+            ok = sha256_file(dataset_file) == m.dataset.encrypted_sha256
+            f.add("dataset.file", "pass" if ok else "fail", "encrypted dataset matches" if ok else f"{dataset_file} is not the dataset trained on")
+        except (OSError, ValueError) as exc:
+            f.add("dataset.file", "fail", f"{dataset_file} unreadable: {exc}")
+    _dataset_owner(f, m.dataset, dataset_file)
+
+
+def _dataset_owner(f: QuoteFindings, d: B.DatasetInfo, dataset_file: Path | None) -> None:
+    if d.owner_public_key is None:
+        ok = d.owner_key_id is None and d.commitment is None
+        f.add("dataset.owner", "skip" if ok else "fail",
+              "the dataset was not owner-signed (format version 1)" if ok else "owner fields without an owner public key")
         return
-    try:
-        ok = sha256_file(dataset_file) == m.dataset.encrypted_sha256
-    except (OSError, ValueError) as exc:
-        f.add("dataset.file", "fail", f"{dataset_file} unreadable: {exc}")
-        return
-    f.add("dataset.file", "pass" if ok else "fail", "encrypted dataset matches" if ok else f"{dataset_file} is not the dataset trained on")
+    problems = []
+    if d.owner_key_id != owner_key_id(bytes.fromhex(d.owner_public_key)) or d.commitment is None:
+        problems.append("owner_key_id is not the SHA-256 of owner_public_key, or the commitment is missing")
+    if dataset_file is not None:
+        try:
+            signed = read_signed_file(dataset_file)
+        except (OSError, TrailerError) as exc:
+            problems.append(f"{dataset_file}: {exc}")
+        else:
+            sig = signed.signature
+            if sig.owner_public_key.hex() != d.owner_public_key or sig.commitment != d.commitment:
+                problems.append(f"{dataset_file} is signed by another owner key or carries another commitment")
+            if (sig.plaintext_sha256, sig.plaintext_size, signed.file_sha256) != (d.plaintext_sha256, d.plaintext_size, d.encrypted_sha256):
+                problems.append(f"{dataset_file}: signed plaintext/ciphertext hashes differ from the manifest")
+            if (signed.header.get("dataset_id"), signed.header.get("dataset_version")) != (d.dataset_id, d.dataset_version):
+                problems.append(f"{dataset_file}: dataset id/version differ from the manifest")
+    detail = "; ".join(problems) or (f"owner key {d.owner_key_id[:16]}…" + (
+        f"; {dataset_file} signature, commitment and hashes match" if dataset_file is not None else
+        " (pass --dataset to check the file's signature)"))
+    f.add("dataset.owner", "fail" if problems else "pass", detail)

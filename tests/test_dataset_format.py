@@ -466,7 +466,7 @@ def canon(obj) -> bytes:
         (b"PK\x03\x04" + bytes(200), "not a cvm-tune"),
         (b'{"text":"plain jsonl"}\n', "not a cvm-tune"),
         (b"CVMT", "ends inside"),
-        (craft(canon(GOOD_HEADER), magic=b"CVMTDS\x00\x02"), "unsupported version 2"),
+        (craft(canon(GOOD_HEADER), magic=b"CVMTDS\x00\x03"), "unsupported version 3"),
         (craft(canon(GOOD_HEADER), magic=b"CVMTDS\x00\x00"), "unsupported version 0"),
         (craft(b"", length=0), "outside 1..65536"),
         (craft(b"{}", length=65537), "outside 1..65536"),

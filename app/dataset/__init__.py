@@ -2,7 +2,8 @@
 
 Plaintext exists only in memory: :func:`open_encrypted` yields authenticated chunks and
 :func:`parse_jsonl` turns them into validated rows. The file format is specified in
-:mod:`app.dataset.format`.
+:mod:`app.dataset.format`; the owner's keys in :mod:`app.dataset.owner`, the attested key release
+in :mod:`app.dataset.release`, rollback protection in :mod:`app.dataset.versions`.
 """
 
 from app.dataset.format import (
@@ -15,8 +16,9 @@ from app.dataset.format import (
     encrypt_stream,
     open_encrypted,
     read_header,
+    read_signature,
 )
-from app.dataset.keys import DerivedKeySource, KeyFileSource, KeySource, write_key_file
+from app.dataset.keys import DerivedKeySource, EnvKeySource, KeyFileSource, KeySource, write_key_file
 from app.dataset.rows import RowReport, parse_jsonl
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "DecryptedStream",
     "DerivedKeySource",
     "EncryptResult",
+    "EnvKeySource",
     "KeyFileSource",
     "KeySource",
     "RowReport",
@@ -34,5 +37,6 @@ __all__ = [
     "open_encrypted",
     "parse_jsonl",
     "read_header",
+    "read_signature",
     "write_key_file",
 ]

@@ -1,20 +1,33 @@
-"""# cvm-tune encrypted dataset, format version 1
+"""# cvm-tune encrypted dataset, format versions 1 and 2
 
 A dataset file is a streaming authenticated encryption of one JSONL plaintext. The data owner
 encrypts it outside the CVM; cvm-tune decrypts it **in memory, chunk by chunk**, and no plaintext
 is ever written to disk. The design follows age's STREAM construction (counter nonce with a
 last-chunk flag) with AES-256-GCM, HKDF-SHA256 and HMAC-SHA256 from pyca/cryptography.
 
+**Version 2** (what `cvm-tune dataset encrypt` writes) is version 1 with per-version keys and the
+data owner's **Ed25519 signature** in a fixed 176-byte trailer after the last chunk: the owner
+signs the file's body hash (header, dataset id and version included) and the plaintext's size and
+SHA-256, which only exist once the stream has been written, so the signature goes at the end and
+encryption stays single-pass with bounded memory. **Version 1** (no trailer) remains for the demo
+and key-file use. A version-1-only reader rejects a version-2 file at the magic ("unsupported
+version 2"); this reader rejects every other version byte the same way.
+
 ## Layout
 
 | field        | size              | content |
 |--------------|-------------------|---------|
-| `magic`      | 8                 | `43 56 4d 54 44 53 00 01` (`b"CVMTDS\\x00\\x01"`; the last byte is the format version) |
+| `magic`      | 8                 | `43 56 4d 54 44 53 00 0V` (`b"CVMTDS\\x00"` ‖ the format version `V`, 1 or 2) |
 | `header_len` | 4                 | u32 big-endian, `1 ≤ header_len ≤ 65536` |
 | `header`     | `header_len`      | canonical JSON object (below) |
 | `key_check`  | 32                | `HMAC-SHA256(K_check, "cvm-tune key check")` |
 | `header_mac` | 32                | `HMAC-SHA256(K_header, magic ‖ header_len ‖ header ‖ key_check)` |
 | `chunk_0 … chunk_n` | rest       | `AES-256-GCM(K_payload, nonce_i, plaintext_i, aad = header_mac)`, ciphertext ‖ 16-byte tag |
+| `trailer`    | 176 (version 2)   | owner signature (`attestation.dataset_sig`): `"CVMTDSIG"` ‖ owner Ed25519 public key (32) ‖ plaintext size (u64 BE) ‖ plaintext SHA-256 ‖ body SHA-256 ‖ signature (64) |
+
+In version 2, *body* = every byte before the trailer, the *statement* = the trailer's first 112
+bytes, the signature = `Ed25519(owner key, "cvm-tune/dataset-signature/v2" ‖ 0x00 ‖ statement)`,
+the dataset *commitment* = SHA-256(statement) and the *owner key id* = SHA-256(public key).
 
 All chunks except the last hold exactly `chunk_size` plaintext bytes (`chunk_size + 16` on disk).
 The last chunk is the *final* chunk; it holds `1 … chunk_size` bytes, or 0 bytes only when the
@@ -25,10 +38,13 @@ the reader finds the end of the stream by reaching end-of-file.
 
 ## Keys
 
-`dataset_key` is 32 bytes (from a key file or derived from dstack `GetKey`). With `salt` from the
-header, for `label` in `check`, `header`, `payload`:
+`dataset_key` is 32 bytes (key file, dstack `GetKey`, env var or owner release). With `salt` from
+the header and `V` the format version digit, for `label` in `check`, `header`, `payload`:
 
-    K_label = HKDF-SHA256(ikm=dataset_key, salt=salt, info="cvm-tune/dataset/v1/" ‖ label, length=32)
+    K_label = HKDF-SHA256(ikm=dataset_key, salt=salt, info="cvm-tune/dataset/vV/" ‖ label, length=32)
+
+(`"cvm-tune/dataset/v1/"` or `"cvm-tune/dataset/v2/"`: a version-2 file relabelled as version 1,
+its signature stripped, fails the key check.)
 
 `salt` is 32 fresh random bytes per file, so every file has its own payload key and the chunk
 counter never repeats a (key, nonce) pair.
@@ -58,9 +74,15 @@ or `metadata`.
 ## Decoding (normative; stop at the first failure)
 
 1. `magic`: an empty file or other first 7 bytes → *format error* "not a cvm-tune encrypted
-   dataset"; another version byte → *format error* "unsupported version N". `header_len` out of
+   dataset"; a version byte other than 1 or 2 → *format error* "unsupported version N". `header_len` out of
    range, the file ending before the end of `header_mac`, a header that is not canonical JSON or breaks a
    rule above → *format error*. Nothing is trusted yet.
+   * Version 1 while the reader pins an owner key → *unsigned dataset*.
+   * Version 2: the file must be seekable. Read the last 176 bytes: trailer magic and a valid
+     signature under the public key it carries, else → *signature error* (magic present, signature
+     fails), *trailing data* (a valid trailer found at most 1024 bytes earlier), or *truncated*
+     (no trailer: cut short). A pinned owner key that differs from the trailer's → *signature
+     error*. From here on the file ends where the trailer begins.
 2. Derive the keys; compare `key_check` in constant time → *wrong key*. Editing the salt also
    lands here (it changes every derived key).
 3. Verify `header_mac` in constant time → *header integrity error*.
@@ -74,13 +96,19 @@ or `metadata`.
      as final with at most 1024 bytes after it → *trailing data*. An empty final chunk with
      `i > 0` → *format error*.
    * no chunk at all after the header → *truncated*.
-5. Release chunk `i`'s plaintext only after its tag verified.
+5. Release chunk `i`'s plaintext only after its tag verified. Version 2: before releasing the
+   final chunk, the body SHA-256, plaintext size and plaintext SHA-256 must equal the signed
+   statement → else *signature error* (content re-encrypted or replaced under the same key).
 
 What each damage looks like:
 
 | damage | error (`app.errors`) |
 |---|---|
 | empty file, bad magic/version, bad `header_len`, malformed header, cut inside the header | `DatasetFormatError` |
+| v1 file where an owner key is pinned | `UnsignedDatasetError` |
+| v2: trailer signature modified, statement edited, signed by another owner than the pinned one, body or plaintext differing from the statement | `DatasetSignatureError` |
+| v2: trailer cut or missing | `TruncatedDatasetError` |
+| v2: bytes appended after the trailer | `TrailingDataError` (at most 1024 bytes; more: `TruncatedDatasetError`) |
 | wrong key, edited `key_check` or `salt` | `WrongKeyError` |
 | other header edit, edited `header_mac` | `HeaderIntegrityError` (an edit that breaks the JSON or a rule: `DatasetFormatError`) |
 | bit flip in a chunk that is not the last; chunks swapped; a non-final chunk duplicated | `ChunkIntegrityError` (first bad index) |
@@ -100,8 +128,38 @@ final chunk), so both are reported as truncation, which is what `TruncatedDatase
 * **Streaming releases authenticated chunks before the end is known.** A caller that must not
   act on partial data (training) must consume the whole stream first and treat any error as "the
   dataset is invalid" (`parse_jsonl` does: it returns rows only after the final chunk verified).
-* Not covered by this format: rollback to an older valid file (pin `dataset_version` and the
-  ciphertext SHA-256 in a manifest) and owner signatures (a later format version).
+* Version 2 adds **authenticity independent of the key**: whoever holds the dataset key (a host
+  that forged a dstack encrypted env var, say) still cannot produce a file the pinned owner signed.
+* Rollback to an older *validly signed* file is not a format property: the app keeps the last
+  trained `dataset_version` per dataset id on its output volume (`app.dataset.versions`).
+* Streaming decryption overlaps AES-GCM with the ciphertext and plaintext SHA-256 on two worker
+  threads (chunks ≥ 64 KiB); memory stays at about one ciphertext block and two plaintext chunks.
+
+## Version 2 test vector
+
+As the version 1 vector below (same key, salt, chunk size, id, version and plaintext), signed by the
+owner key whose Ed25519 seed is `22 × 32` (public key `a09aa5f47a6759802ff955f8dc2d2a14a5c99d23be97f864127ff9383455a4f0`;
+Ed25519 signatures are deterministic). The file (hex, 494 bytes):
+
+      43564d5444530002000000d17b22616c67223a224145532d3235362d47434d2f
+      484b44462d5348413235362f53545245414d2d7631222c226368756e6b5f7369
+      7a65223a343039362c22636f6e74656e745f74797065223a226170706c696361
+      74696f6e2f6a736f6e6c222c22646174617365745f6964223a226b6174222c22
+      646174617365745f76657273696f6e223a312c2273616c74223a223131313131
+      3131313131313131313131313131313131313131313131313131313131313131
+      313131313131313131313131313131313131313131313131313131227d53e333
+      0d688450f2681b248f91f5f71d536abfb3f9924703b3237a295058b32523b8aa
+      9a8ad12034bd1124acea73e2c616dc1becee1385c0017d453315394ec2e72567
+      06cd0af2c8eb96c56892c21bdefe82a62c7fe9805b2b5ce3165089db60b34356
+      4d5444534947a09aa5f47a6759802ff955f8dc2d2a14a5c99d23be97f864127f
+      f9383455a4f0000000000000001161089649a563a525014d86b167cbe5fae69e
+      2fe431245d6bec5e65f298906b3ae8a76f34d8394cc0a516a096d9ad34b3d3b0
+      5124b0739043dabf6fdb67dc71692a309dac6fc03517280d8fd04249a1a2fa91
+      98320a54461d3386c4cd432927a9a80e5255ab0424e3778579e027b6667e3642
+      03c9a4c90fd9359476b88362be04
+
+File SHA-256: `c4dc0711c93911fd738f322ce62e4590c8b56d47c46a9389b7eddded07f0d688`; commitment
+`f15ad93ccddd29e8a0e0b5275de00b218ca941730f797fdcc7302c962a972d47`.
 
 ## Test vector
 
@@ -133,12 +191,14 @@ import re
 import secrets
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes, hmac
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -148,17 +208,22 @@ from app.errors import (
     CvmTuneError,
     DataError,
     DatasetFormatError,
+    DatasetSignatureError,
     HeaderIntegrityError,
     KeySourceError,
     TrailingDataError,
     TruncatedDatasetError,
+    UnsignedDatasetError,
     WrongKeyError,
 )
 from app.fsutil import fsync_dir
+from attestation.dataset_sig import TRAILER_LEN, TRAILER_MAGIC, OwnerSignature, TrailerError, make_trailer, parse_trailer
 from attestation.hashing import canonical_json
 
-FORMAT_MAGIC = b"CVMTDS\x00\x01"
+FORMAT_MAGIC = b"CVMTDS\x00\x01"  # version 1: unsigned
+FORMAT_MAGIC_V2 = b"CVMTDS\x00\x02"  # version 2: version 1 + the owner-signature trailer
 FORMAT_VERSION = FORMAT_MAGIC[-1]
+FORMAT_VERSIONS = (1, 2)
 ALG = "AES-256-GCM/HKDF-SHA256/STREAM-v1"
 CONTENT_TYPE = "application/jsonl"
 BLOB_CONTENT_TYPE = "application/octet-stream"  # sealed checkpoint files (app.training.checkpoints)
@@ -174,6 +239,9 @@ KEY_CHECK_MESSAGE = b"cvm-tune key check"
 # Bytes after a short final chunk that are still recognised as trailing data. Each candidate costs
 # one AES-GCM pass over the chunk, and only on the error path (~70 ms in all for 1 MiB chunks).
 TRAILING_SEARCH = 1024
+# Chunks at least this large are hashed on worker threads (hashlib releases the GIL), overlapping
+# the ciphertext hash, the plaintext hash and AES-GCM; smaller ones are hashed inline.
+THREADED_HASH_MIN_CHUNK = 64 << 10
 
 _MAX_INT = (1 << 53) - 1  # largest int every JSON implementation reads exactly
 _REQUIRED = frozenset({"alg", "chunk_size", "salt", "content_type", "dataset_id", "dataset_version"})
@@ -196,6 +264,7 @@ class DatasetHeader:
     content_type: str
     metadata: dict
     raw: bytes  # the exact header JSON bytes as stored in the file
+    format_version: int = 1  # the magic's last byte: 1 unsigned, 2 owner-signed
 
 
 @dataclass(frozen=True)
@@ -208,6 +277,7 @@ class EncryptResult:
     ciphertext_size: int
     ciphertext_sha256: str
     chunks: int
+    signature: OwnerSignature | None = None  # version 2: the owner's signed statement
 
 
 def _check_key(key: bytes) -> None:
@@ -215,8 +285,9 @@ def _check_key(key: bytes) -> None:
         raise KeySourceError(f"the dataset key must be exactly {KEY_LEN} bytes")
 
 
-def _derive(key: bytes, salt: bytes, label: bytes) -> bytes:
-    hkdf = HKDF(algorithm=hashes.SHA256(), length=KEY_LEN, salt=salt, info=b"cvm-tune/dataset/v1/" + label)
+def _derive(key: bytes, salt: bytes, label: bytes, version: int = 1) -> bytes:
+    info = f"cvm-tune/dataset/v{version}/".encode() + label  # per version: no cross-version key reuse
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=KEY_LEN, salt=salt, info=info)
     return hkdf.derive(bytes(key))
 
 
@@ -291,7 +362,7 @@ def _header_from_obj(obj: Any, raw: bytes, err: type[CvmTuneError]) -> DatasetHe
     if not isinstance(obj["salt"], str) or not _SALT.match(obj["salt"]):
         raise err("header salt must be 64 lowercase hex characters")
     if obj["content_type"] not in CONTENT_TYPES:
-        raise err(f"header content_type must be one of {', '.join(CONTENT_TYPES)} in format version 1")
+        raise err(f"header content_type must be one of {', '.join(CONTENT_TYPES)} in this format")
     if not _text(obj["dataset_id"], 256, 1):
         raise err("header dataset_id must be 1-256 characters without control characters")
     if not _int(obj["dataset_version"], 0, _MAX_INT):
@@ -341,8 +412,8 @@ def _read_prefix(src: BinaryIO) -> bytes:
         raise DatasetFormatError("not a cvm-tune encrypted dataset (the file is empty)")
     if magic[:7] != FORMAT_MAGIC[:7][: len(magic)]:
         raise DatasetFormatError("not a cvm-tune encrypted dataset (bad magic bytes)")
-    if len(magic) == 8 and magic[7] != FORMAT_VERSION:
-        raise DatasetFormatError(f"unsupported version {magic[7]} of the cvm-tune dataset format (this reads {FORMAT_VERSION})",
+    if len(magic) == 8 and magic[7] not in FORMAT_VERSIONS:
+        raise DatasetFormatError(f"unsupported version {magic[7]} of the cvm-tune dataset format (this reads 1 and 2)",
                                  fix="upgrade cvm-tune, or re-encrypt the dataset with this version")
     length = _read_upto(src, 4) if len(magic) == 8 else b""
     if len(length) < 4:
@@ -369,13 +440,33 @@ def read_header(src: BinaryIO) -> DatasetHeader:
         DatasetFormatError: not a version-1 dataset, or a malformed header.
     """
     prefix = _read_prefix(src)
-    return _parse_header(prefix[12:])
+    return dataclasses.replace(_parse_header(prefix[12:]), format_version=prefix[7])
+
+
+def read_signature(src: BinaryIO) -> OwnerSignature | None:
+    """The owner signature of a dataset file (``None`` for version 1), without a key.
+
+    The trailer's signature is verified under the key it names; whether that key is the expected
+    owner, and whether the content matches the statement, is the caller's (or decryption's) job.
+
+    Raises:
+        DatasetFormatError: not a dataset, or a malformed header.
+        TruncatedDatasetError, TrailingDataError, DatasetSignatureError: as in :func:`open_encrypted`.
+    """
+    prefix = _read_prefix(src)
+    _parse_header(prefix[12:])
+    if prefix[7] == 1:
+        return None
+    return _read_trailer(src, len(prefix))[0]
 
 
 def encrypt_stream(src: BinaryIO, dst: BinaryIO, key: bytes, *, dataset_id: str, dataset_version: int = 0,
                    chunk_size: int = DEFAULT_CHUNK_SIZE, metadata: dict | None = None,
-                   content_type: str = CONTENT_TYPE) -> EncryptResult:
-    """Encrypt ``src`` to ``dst`` in the version-1 format, holding about two chunks in memory.
+                   content_type: str = CONTENT_TYPE, owner_key: Ed25519PrivateKey | None = None) -> EncryptResult:
+    """Encrypt ``src`` to ``dst``, holding about two chunks in memory.
+
+    Without ``owner_key`` the file is format version 1 (unsigned); with it, version 2: the same
+    layout with per-version keys and the owner-signature trailer after the last chunk.
 
     Args:
         src: plaintext JSONL, read to end-of-file.
@@ -386,9 +477,11 @@ def encrypt_stream(src: BinaryIO, dst: BinaryIO, key: bytes, *, dataset_id: str,
         chunk_size: plaintext bytes per chunk (4096..16 MiB).
         metadata: extra ``{str: str | int}`` stored in the clear header.
         content_type: one of ``CONTENT_TYPES`` (default: a JSONL dataset).
+        owner_key: the data owner's Ed25519 signing key (format version 2).
 
     Returns:
-        Sizes, SHA-256 digests and the chunk count of what was written.
+        Sizes, SHA-256 digests (the whole file, trailer included) and the chunk count of what
+        was written, and the signature (version 2).
 
     Raises:
         KeySourceError: the key is not 32 bytes.
@@ -404,11 +497,12 @@ def encrypt_stream(src: BinaryIO, dst: BinaryIO, key: bytes, *, dataset_id: str,
     raw = canonical_json(obj)
     if len(raw) > MAX_HEADER_LEN:
         raise ConfigError(f"the dataset header would be {len(raw)} bytes (max {MAX_HEADER_LEN}): shorten metadata")
-    header = dataclasses.replace(header, raw=raw)
-    prefix = FORMAT_MAGIC + len(raw).to_bytes(4, "big") + raw
-    key_check = _hmac(_derive(key, salt, b"check"), KEY_CHECK_MESSAGE).finalize()
-    header_mac = _hmac(_derive(key, salt, b"header"), prefix + key_check).finalize()
-    aead = AESGCM(_derive(key, salt, b"payload"))
+    version = 1 if owner_key is None else 2
+    header = dataclasses.replace(header, raw=raw, format_version=version)
+    prefix = (FORMAT_MAGIC if version == 1 else FORMAT_MAGIC_V2) + len(raw).to_bytes(4, "big") + raw
+    key_check = _hmac(_derive(key, salt, b"check", version), KEY_CHECK_MESSAGE).finalize()
+    header_mac = _hmac(_derive(key, salt, b"header", version), prefix + key_check).finalize()
+    aead = AESGCM(_derive(key, salt, b"payload", version))
 
     ct_hash, pt_hash = hashlib.sha256(), hashlib.sha256()
     written = 0
@@ -437,8 +531,15 @@ def encrypt_stream(src: BinaryIO, dst: BinaryIO, key: bytes, *, dataset_id: str,
         if final:
             break
         cur = nxt
+    signature = None
+    if owner_key is not None:
+        trailer = make_trailer(owner_key, plaintext_size=plain_size, plaintext_sha256=pt_hash.digest(),
+                               body_sha256=ct_hash.digest())
+        signature = parse_trailer(trailer)
+        emit(trailer)
     return EncryptResult(header=header, plaintext_size=plain_size, plaintext_sha256=pt_hash.hexdigest(),
-                         ciphertext_size=written, ciphertext_sha256=ct_hash.hexdigest(), chunks=index)
+                         ciphertext_size=written, ciphertext_sha256=ct_hash.hexdigest(), chunks=index,
+                         signature=signature)
 
 
 def encrypt_file(src: Path, dst: Path, key: bytes, **kw: Any) -> EncryptResult:
@@ -485,6 +586,69 @@ def encrypt_file(src: Path, dst: Path, key: bytes, **kw: Any) -> EncryptResult:
     return result
 
 
+class _Hasher:
+    """SHA-256 whose updates may run on one worker thread, in order, one at a time.
+
+    hashlib releases the GIL on large buffers, so the ciphertext hash, the plaintext hash and
+    AES-GCM (which holds the GIL) proceed in parallel on separate cores. The caller must not
+    modify a buffer until :meth:`wait` returned after its update.
+    """
+
+    def __init__(self, prefix: bytes, threaded: bool) -> None:
+        self._h = hashlib.sha256(prefix)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cvm-tune-hash") if threaded else None
+        self._pending: Future[None] | None = None
+
+    def update(self, data: bytes | memoryview) -> None:
+        self.wait()
+        if self._pool is None:
+            self._h.update(data)
+        else:
+            self._pending = self._pool.submit(self._h.update, data)
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def hexdigest(self) -> str:
+        self.wait()
+        return self._h.hexdigest()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)  # finishes a pending update: no thread outlives the stream
+            self._pool = None
+
+
+class _Bounded:
+    """A read-only view of ``src`` that ends ``limit`` bytes after its current position."""
+
+    def __init__(self, src: BinaryIO, limit: int) -> None:
+        self._src = src
+        self.left = limit
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n < 0 else min(n, self.left)
+        data = self._src.read(n) if n else b""
+        self.left -= len(data)
+        return data
+
+    def readinto(self, b: memoryview | bytearray) -> int:
+        view = memoryview(b)[: self.left]
+        if not view:
+            return 0
+        readinto = getattr(self._src, "readinto", None)
+        if readinto is not None:
+            n = readinto(view) or 0
+        else:
+            data = self._src.read(len(view))
+            n = len(data)
+            view[:n] = data
+        self.left -= n
+        return n
+
+
 class DecryptedStream:
     """Authenticated plaintext chunks of one dataset file; iterate once.
 
@@ -492,17 +656,22 @@ class DecryptedStream:
     own tag, but the stream as a whole is authentic only when iteration ends without an error:
     callers that must not act on partial data consume the whole stream first. The totals
     (``plaintext_size``, ``plaintext_sha256``, ``ciphertext_size``, ``ciphertext_sha256`` over all
-    bytes read, header included, and ``chunks``) exist only after a complete iteration.
+    bytes of the file, header and trailer included, and ``chunks``) exist only after a complete
+    iteration. For a version-2 file, ``signature`` is the owner's statement; the final chunk is
+    released only after the body and plaintext matched it.
     """
 
-    def __init__(self, src: BinaryIO, header: DatasetHeader, payload_key: bytes, aad: bytes, prefix: bytes) -> None:
+    def __init__(self, src: BinaryIO, header: DatasetHeader, payload_key: bytes, aad: bytes, prefix: bytes,
+                 signature: OwnerSignature | None = None) -> None:
         self.header = header
+        self.signature = signature
         self._src = src
         self._aead = AESGCM(payload_key)
         self._aad = aad
-        self._ct_hash = hashlib.sha256(prefix)
+        threaded = header.chunk_size >= THREADED_HASH_MIN_CHUNK
+        self._ct_hash = _Hasher(prefix, threaded)
         self._ct_size = len(prefix)
-        self._pt_hash = hashlib.sha256()
+        self._pt_hash = _Hasher(b"", threaded)
         self._pt_size = 0
         self._chunks = 0
         self._started = False
@@ -544,8 +713,15 @@ class DecryptedStream:
         return self._chunks
 
     def _run(self) -> Iterator[bytes]:
+        try:
+            yield from self._chunks_of()
+        finally:
+            self._ct_hash.close()
+            self._pt_hash.close()
+
+    def _chunks_of(self) -> Iterator[bytes]:
         size = self.header.chunk_size + TAG_LEN
-        buf = bytearray(size)  # reused: memory stays at one ciphertext block plus one plaintext chunk
+        buf = bytearray(size)  # reused: memory stays at one ciphertext block plus two plaintext chunks
         view = memoryview(buf)
         n = _fill(self._src, view)
         if n == 0:
@@ -554,13 +730,16 @@ class DecryptedStream:
         while True:
             peek = self._src.read(1) if n == size else b""  # look ahead: is this block the last one?
             block = view[:n]
-            self._ct_hash.update(block)
+            self._ct_hash.update(block)  # on the worker thread, while this thread decrypts
             offset = self._ct_size
             self._ct_size += n
             plain = self._open_inner(block, index, offset) if peek else self._open_last(block, index, offset)
             self._pt_hash.update(plain)
             self._pt_size += len(plain)
             self._chunks += 1
+            if not peek:
+                self._check_signed_statement()
+            self._ct_hash.wait()  # ``buf`` is refilled below
             self.complete = not peek  # the final chunk verified and end-of-file follows it
             yield plain
             if self.complete:
@@ -568,6 +747,18 @@ class DecryptedStream:
             index += 1
             buf[0] = peek[0]
             n = 1 + _fill(self._src, view[1:])
+
+    def _check_signed_statement(self) -> None:
+        """Version 2: the body and plaintext must be exactly what the owner signed; then hash the trailer."""
+        sig = self.signature
+        if sig is None:
+            return
+        if (self._ct_hash.hexdigest() != sig.body_sha256 or self._pt_size != sig.plaintext_size
+                or self._pt_hash.hexdigest() != sig.plaintext_sha256):
+            raise DatasetSignatureError("the dataset content differs from what the owner signed "
+                                        "(body or plaintext hash mismatch): it was re-encrypted or replaced")
+        self._ct_hash.update(sig.trailer)
+        self._ct_size += TRAILER_LEN
 
     def _try(self, block: memoryview, index: int, final: bool) -> bytes | None:
         try:
@@ -609,41 +800,98 @@ class DecryptedStream:
         raise cut
 
 
-def open_encrypted(src: BinaryIO, key: bytes, *, content_type: str = CONTENT_TYPE) -> DecryptedStream:
-    """Authenticate the header of an encrypted dataset and return its chunk stream.
+def _read_trailer(src: BinaryIO, pos: int) -> tuple[OwnerSignature, BinaryIO]:
+    """Version 2, decoding step 2: the owner-signature trailer at end-of-file.
+
+    Returns the verified signature and ``src`` positioned at ``pos``, bounded to end before the
+    trailer (the chunks are then decoded exactly as in version 1).
+    """
+    try:
+        size = src.seek(0, os.SEEK_END)
+    except (AttributeError, OSError, ValueError):
+        raise DatasetFormatError("a signed (version 2) dataset must be read from a seekable file") from None
+    if size < pos + 2 * MAC_LEN:
+        raise DatasetFormatError("the file ends inside the dataset header (key check / MAC)")
+    if size < pos + 2 * MAC_LEN + TRAILER_LEN:
+        raise TruncatedDatasetError("the file ends without chunks and owner-signature trailer: it was cut short")
+    search = min(size - pos - 2 * MAC_LEN, TRAILER_LEN + TRAILING_SEARCH)
+    src.seek(size - search)
+    end = _read_upto(src, search)
+    try:
+        signature = parse_trailer(end[-TRAILER_LEN:])
+    except TrailerError as exc:
+        if end[-TRAILER_LEN:].startswith(TRAILER_MAGIC):  # a trailer whose signature fails
+            raise DatasetSignatureError(str(exc)) from None
+        at = end.rfind(TRAILER_MAGIC, 0, len(end) - TRAILER_LEN - 1 + len(TRAILER_MAGIC))  # a trailer ending earlier
+        if at >= 0 and _is_trailer(end[at : at + TRAILER_LEN]):
+            raise TrailingDataError(f"{len(end) - at - TRAILER_LEN} bytes follow the owner-signature trailer") from None
+        raise TruncatedDatasetError("the file ends without an owner-signature trailer: it was cut short") from None
+    src.seek(pos)
+    return signature, _Bounded(src, size - TRAILER_LEN - pos)  # type: ignore[return-value]  # file-like
+
+
+def _is_trailer(raw: bytes) -> bool:
+    try:
+        parse_trailer(raw)
+    except TrailerError:
+        return False
+    return True
+
+
+def open_encrypted(src: BinaryIO, key: bytes, *, content_type: str = CONTENT_TYPE,
+                   owner_public_key: bytes | None = None) -> DecryptedStream:
+    """Authenticate the header (and, version 2, the owner signature) and return the chunk stream.
 
     Args:
-        src: the encrypted file, positioned at its start; read sequentially, never whole.
+        src: the encrypted file, positioned at its start; read sequentially, never whole (a
+            version-2 file must be seekable: its trailer is read first).
         key: the 32-byte dataset key.
         content_type: the content type the caller expects (a dataset by default).
+        owner_public_key: the pinned owner's raw Ed25519 public key. When given, the file must be
+            version 2 and signed by exactly this key, checked before the key is used.
 
     Returns:
         A :class:`DecryptedStream` whose ``header`` is authenticated. Chunk errors
         (:class:`ChunkIntegrityError`, :class:`TruncatedDatasetError`,
-        :class:`TrailingDataError`) are raised while iterating it.
+        :class:`TrailingDataError`, and for version 2 :class:`DatasetSignatureError` when the
+        content differs from the signed statement) are raised while iterating it.
 
     Raises:
         KeySourceError: the key is not 32 bytes.
-        DatasetFormatError: not a version-1 dataset, or a malformed header.
+        DatasetFormatError: not a version-1 or -2 dataset, or a malformed header.
+        UnsignedDatasetError: ``owner_public_key`` given and the file is version 1.
+        DatasetSignatureError: the trailer's signature fails, or it names another owner key.
+        TruncatedDatasetError, TrailingDataError: version 2 without a trailer at end-of-file.
         WrongKeyError: the key does not open this file (nothing was decrypted).
         HeaderIntegrityError: the header or its MAC was modified.
         DatasetFormatError: the authenticated header names another content type.
     """
     _check_key(key)
     prefix = _read_prefix(src)
-    header = _parse_header(prefix[12:])
+    version = prefix[7]
+    header = dataclasses.replace(_parse_header(prefix[12:]), format_version=version)
+    signature = None
+    if version == 1 and owner_public_key is not None:
+        raise UnsignedDatasetError("the dataset carries no owner signature (format version 1), but the configuration "
+                                   "pins an owner key (dataset.owner_public_key)")
+    if version == 2:
+        signature, src = _read_trailer(src, len(prefix))
+        if owner_public_key is not None and signature.owner_public_key != bytes(owner_public_key):
+            raise DatasetSignatureError(f"the dataset is signed by owner key {signature.owner_key_id[:16]}…, not by the "
+                                        f"pinned key {hashlib.sha256(bytes(owner_public_key)).hexdigest()[:16]}…")
     tail = _read_upto(src, 2 * MAC_LEN)
     if len(tail) < 2 * MAC_LEN:
         raise DatasetFormatError("the file ends inside the dataset header (key check / MAC)")
     key_check, header_mac = tail[:MAC_LEN], tail[MAC_LEN:]
-    try:  # step 2, before anything else uses the key
-        _hmac(_derive(key, header.salt, b"check"), KEY_CHECK_MESSAGE).verify(key_check)
+    try:  # before anything else uses the key
+        _hmac(_derive(key, header.salt, b"check", version), KEY_CHECK_MESSAGE).verify(key_check)
     except InvalidSignature:
         raise WrongKeyError("the key does not open this dataset (key check failed; nothing was decrypted)") from None
-    try:  # step 3
-        _hmac(_derive(key, header.salt, b"header"), prefix + key_check).verify(header_mac)
+    try:
+        _hmac(_derive(key, header.salt, b"header", version), prefix + key_check).verify(header_mac)
     except InvalidSignature:
         raise HeaderIntegrityError("the dataset header was modified (header MAC mismatch)") from None
     if header.content_type != content_type:
         raise DatasetFormatError(f"the file holds {header.content_type}, not {content_type}")
-    return DecryptedStream(src, header, _derive(key, header.salt, b"payload"), header_mac, prefix + tail)
+    return DecryptedStream(src, header, _derive(key, header.salt, b"payload", version), header_mac, prefix + tail,
+                           signature)

@@ -1,8 +1,9 @@
 """Where the 32-byte dataset key comes from: the :class:`KeySource` seam.
 
-Two sources today: a key file (demo, tests, data owner's side) and a key derived from the dstack
-``GetKey`` call (production; the call is injected so this module never imports dstack). The owner
-key-release flow plugs in here later. No source ever logs or prints key bytes.
+Sources: a key file (demo, tests, data owner's side), a key derived from the dstack ``GetKey``
+call (the call is injected so this module never imports dstack), an environment variable (a dstack
+encrypted env var: confidential but forgeable by the host, so only with a pinned owner signature)
+and the attested owner release (:mod:`app.dataset.release`). No source ever logs or prints key bytes.
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import secrets
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -67,24 +69,33 @@ class KeyFileSource:
             KeySourceError: the file is missing, not a regular file, readable by group or others,
                 or does not hold exactly one key.
         """
-        name = self.path.name
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # NONBLOCK: a FIFO must not hang us
-        except FileNotFoundError:
-            raise KeySourceError(f"key file {name} not found", fix=f"create it (mode 0600) or fix the path {self.path}") from None
-        except OSError as exc:
-            raise KeySourceError(f"cannot open key file {name}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)  # fstat on the open file: no race between the check and the read
-            if not stat.S_ISREG(st.st_mode):
-                raise KeySourceError(f"key file {name} is not a regular file")
-            if st.st_mode & 0o077:
-                raise KeySourceError(f"key file {name} is readable by group or others (mode {stat.S_IMODE(st.st_mode):04o})",
-                                     fix=f"chmod 600 {self.path}")
-            data = os.read(fd, _MAX_KEY_FILE + 1)
-        finally:
-            os.close(fd)
-        return _parse_key_file(data, name)
+        return _parse_key_file(read_private_file(self.path, "key file", _MAX_KEY_FILE), self.path.name)
+
+
+def read_private_file(path: Path, what: str, max_len: int) -> bytes:
+    """Read at most ``max_len + 1`` bytes of a secret file that only its owner may read (0600 or stricter).
+
+    Raises:
+        KeySourceError: missing, not a regular file, or readable by group or others.
+    """
+    path = Path(path)
+    name = path.name
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # NONBLOCK: a FIFO must not hang us
+    except FileNotFoundError:
+        raise KeySourceError(f"{what} {name} not found", fix=f"create it (mode 0600) or fix the path {path}") from None
+    except OSError as exc:
+        raise KeySourceError(f"cannot open {what} {name}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)  # fstat on the open file: no race between the check and the read
+        if not stat.S_ISREG(st.st_mode):
+            raise KeySourceError(f"{what} {name} is not a regular file")
+        if st.st_mode & 0o077:
+            raise KeySourceError(f"{what} {name} is readable by group or others (mode {stat.S_IMODE(st.st_mode):04o})",
+                                 fix=f"chmod 600 {path}")
+        return os.read(fd, max_len + 1)
+    finally:
+        os.close(fd)
 
 
 def _parse_key_file(data: bytes, name: str) -> bytes:
@@ -134,6 +145,41 @@ class DerivedKeySource:
         return hkdf.derive(bytes(material))
 
 
+class EnvKeySource:
+    """The key in an environment variable: 64 hex characters (e.g. a dstack encrypted env var).
+
+    dstack encrypts env vars to a public key anyone can fetch, so the host can replace the value
+    with a key of its own choosing: this source protects confidentiality only. The pipeline
+    therefore accepts it only with a pinned owner signature (``dataset.owner_public_key``).
+    """
+
+    def __init__(self, name: str, environ: Mapping[str, str] | None = None) -> None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,254}", name):
+            raise KeySourceError(f"{name!r} is not an environment variable name")
+        self.name = name
+        self._environ = os.environ if environ is None else environ
+
+    def describe(self) -> str:
+        """``env:<NAME>``."""
+        return f"env:{self.name}"
+
+    def dataset_key(self) -> bytes:
+        """Read the variable (never echoed).
+
+        Raises:
+            KeySourceError: unset, or not 64 hex characters.
+        """
+        value = self._environ.get(self.name)
+        if value is None:
+            raise KeySourceError(f"environment variable {self.name} is not set",
+                                 fix=f"set {self.name} (a dstack encrypted env var listed in allowed_envs) to the 64-hex dataset key")
+        text = value.strip()
+        if not re.fullmatch(r"[0-9a-fA-F]{64}", text):
+            raise KeySourceError(f"environment variable {self.name} does not hold a key ({len(value)} characters, "
+                                 "expected 64 hex characters)")
+        return bytes.fromhex(text)
+
+
 def write_key_file(path: Path, key: bytes) -> None:
     """Create a key file (mode 0600, 64 hex characters and a newline) atomically.
 
@@ -144,11 +190,20 @@ def write_key_file(path: Path, key: bytes) -> None:
     Raises:
         KeySourceError: the key is not 32 bytes, ``path`` exists, or the file cannot be written.
     """
-    path = Path(path)
     if not isinstance(key, bytes | bytearray) or len(key) != KEY_LEN:
         raise KeySourceError(f"a dataset key must be exactly {KEY_LEN} bytes")
+    write_private_file(path, bytes(key).hex().encode() + b"\n", "key file")
+
+
+def write_private_file(path: Path, data: bytes, what: str) -> None:
+    """Create a secret file (mode 0600 from the start) atomically; never replaces an existing file.
+
+    Raises:
+        KeySourceError: ``path`` exists, or the file cannot be written.
+    """
+    path = Path(path)
     if path.exists() or path.is_symlink():
-        raise KeySourceError(f"key file {path} already exists: refusing to overwrite a key",
+        raise KeySourceError(f"{what} {path} already exists: refusing to overwrite a key",
                              fix="remove it first if you really mean to replace the key, or choose another path")
     tmp = path.parent / f".tmp-{path.name}-{secrets.token_hex(8)}"
     try:
@@ -156,7 +211,7 @@ def write_key_file(path: Path, key: bytes) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         with os.fdopen(fd, "wb") as fh:
             os.fchmod(fh.fileno(), 0o600)
-            fh.write(bytes(key).hex().encode() + b"\n")
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         _publish(tmp, path)
@@ -164,9 +219,9 @@ def write_key_file(path: Path, key: bytes) -> None:
             os.unlink(tmp)
         fsync_dir(path.parent)
     except FileExistsError:
-        raise KeySourceError(f"key file {path} already exists: refusing to overwrite a key") from None
+        raise KeySourceError(f"{what} {path} already exists: refusing to overwrite a key") from None
     except OSError as exc:
-        raise KeySourceError(f"cannot write key file {path}: {exc.strerror}", fix="check the directory and its permissions") from exc
+        raise KeySourceError(f"cannot write {what} {path}: {exc.strerror}", fix="check the directory and its permissions") from exc
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

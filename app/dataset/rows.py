@@ -10,17 +10,28 @@ A row is one line: a JSON object with exactly one of
 Lines end in ``\\n`` (a ``\\r`` before it is dropped); blank lines are skipped. The first bad row
 rejects the dataset. Error messages name the source, line, byte offset, field path and JSON type
 names, **never row content** (rows may be secret and logs may be public).
+
+Counted policy decisions (never errors): duplicate rows are dropped in file order, the first
+occurrence kept (``dedup``: ``exact`` compares the parsed JSON, so key order, whitespace and
+escapes do not matter; ``normalized`` also folds Unicode (NFKC), case and runs of whitespace in
+every string; ``off`` keeps all). Rows are held in memory for training, so a plaintext larger
+than ``max_plaintext_bytes`` is refused (after the rest of the stream was authenticated).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from app.errors import ConfigError, EmptyDatasetError, RowError
+from app.errors import ConfigError, DatasetTooLargeError, EmptyDatasetError, RowError
+from attestation.hashing import canonical_json
+
+Dedup = Literal["exact", "normalized", "off"]
 
 MAX_DEPTH = 32
 ROLES = ("system", "user", "assistant")
@@ -33,50 +44,86 @@ _JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", floa
 class RowReport:
     """Row counts (never content)."""
 
-    rows_total: int
-    rows_kept: int
-    by_kind: dict[str, int]
+    rows_total: int  # valid rows read
+    rows_kept: int  # after dropping duplicates
+    by_kind: dict[str, int]  # of the kept rows
+    duplicates_dropped: int = 0
+    lines: tuple[int, ...] = ()  # the line number of each kept row (positions for later policy decisions)
+    duplicate_lines: tuple[int, ...] = ()  # the line numbers of the dropped duplicates
 
 
-def parse_jsonl(chunks: Iterable[bytes], *, source: str, max_row_bytes: int) -> tuple[list[dict], RowReport]:
+def parse_jsonl(chunks: Iterable[bytes], *, source: str, max_row_bytes: int, dedup: Dedup = "off",
+                max_plaintext_bytes: int | None = None) -> tuple[list[dict], RowReport]:
     """Split, decode and validate JSONL rows from plaintext chunks (a row may span chunks).
 
     The whole of ``chunks`` is consumed before anything is returned, so rows from an encrypted
-    stream come back only after its final chunk authenticated. If a row is bad, the rest of the
-    stream is still read: an integrity error there wins over the row error.
+    stream come back only after its final chunk authenticated. If a row is bad (or the data too
+    large), the rest of the stream is still read: an integrity error there wins over the row error.
 
     Args:
         chunks: plaintext pieces, e.g. a :class:`~app.dataset.format.DecryptedStream`.
         source: a name for error messages (a file name, not a secret path).
         max_row_bytes: rows longer than this (without the line ending) are rejected unparsed.
+        dedup: duplicate-row policy (module docstring).
+        max_plaintext_bytes: refuse more plaintext than this (``None``: no limit).
 
     Returns:
-        The rows and their counts.
+        The kept rows and their counts.
 
     Raises:
         RowError: the first bad row (line, byte offset, field path; no content).
         EmptyDatasetError: no rows at all.
-        ConfigError: ``max_row_bytes`` is not positive.
+        DatasetTooLargeError: more than ``max_plaintext_bytes`` of plaintext.
+        ConfigError: ``max_row_bytes`` is not positive, or an unknown ``dedup`` policy.
     """
     if max_row_bytes < 1:
         raise ConfigError("max_row_bytes must be at least 1")
+    if dedup not in ("exact", "normalized", "off"):
+        raise ConfigError(f"unknown dedup policy {dedup!r}")
     stream = iter(chunks)
-    lines = _Lines(source, max_row_bytes)
+    splitter = _Lines(source, max_row_bytes)
     rows: list[dict] = []
     by_kind = {"messages": 0, "text": 0}
+    seen: set[bytes] | None = None if dedup == "off" else set()
+    kept_at: list[int] = []
+    dup_lines: list[int] = []
+    total = fed = 0
     try:
         for chunk in stream:
-            for where, line in lines.feed(chunk):
-                _take(line, where, max_row_bytes, rows, by_kind)
-        for where, line in lines.finish():
-            _take(line, where, max_row_bytes, rows, by_kind)
-    except RowError:
+            fed += len(chunk)
+            if max_plaintext_bytes is not None and fed > max_plaintext_bytes:
+                rows.clear()  # nothing more is kept while the rest is authenticated
+                raise DatasetTooLargeError(f"{source} holds more than max_plaintext_bytes ({max_plaintext_bytes}) of "
+                                           "plaintext; training keeps every row in memory")
+            for where, line in splitter.feed(chunk):
+                total += _take(line, where, max_row_bytes, rows, by_kind, seen, dedup, kept_at, dup_lines)
+        for where, line in splitter.finish():
+            total += _take(line, where, max_row_bytes, rows, by_kind, seen, dedup, kept_at, dup_lines)
+    except (RowError, DatasetTooLargeError):
         for _ in stream:  # authenticate the rest: tampering or truncation is the real error then
             pass
         raise
     if not rows:
         raise EmptyDatasetError(f"{source} has no rows", fix="the dataset must hold at least one JSONL row")
-    return rows, RowReport(rows_total=len(rows), rows_kept=len(rows), by_kind=by_kind)
+    return rows, RowReport(rows_total=total, rows_kept=len(rows), by_kind=by_kind, duplicates_dropped=total - len(rows),
+                           lines=tuple(kept_at), duplicate_lines=tuple(dup_lines))
+
+
+def row_digest(row: Any, dedup: Dedup) -> bytes:
+    """The identity of a row for deduplication (a SHA-256, so only digests are kept in memory)."""
+    if dedup == "normalized":
+        row = _normalize(row)
+    return hashlib.sha256(canonical_json(row)).digest()
+
+
+def _normalize(value: Any) -> Any:
+    if isinstance(value, str):
+        return " ".join(unicodedata.normalize("NFKC", value).casefold().split())
+    if isinstance(value, list):
+        return [_normalize(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _normalize(v) for k, v in value.items()}
+    return value
 
 
 class _Lines:
@@ -129,16 +176,27 @@ class _Where:
         return f"{self.source} line {self.line}"
 
 
-def _take(line: bytes, where: _Where, max_row_bytes: int, rows: list[dict], by_kind: dict[str, int]) -> None:
+def _take(line: bytes, where: _Where, max_row_bytes: int, rows: list[dict], by_kind: dict[str, int],
+          seen: set[bytes] | None, dedup: Dedup, kept_at: list[int], dup_lines: list[int]) -> int:
+    """Validate one line; keep it unless it duplicates an earlier row. Returns 1 for a row, 0 for a blank line."""
     if line.endswith(b"\r"):
         line = line[:-1]
     if not line.strip(b" \t\r"):
-        return
+        return 0
     if len(line) > max_row_bytes:
         raise RowError(f"{where}: row is longer than max_row_bytes ({max_row_bytes})")
     row = _decode(line, where)
-    by_kind[_check_row(row, where)] += 1
+    kind = _check_row(row, where)
+    if seen is not None:
+        digest = row_digest(row, dedup)
+        if digest in seen:
+            dup_lines.append(where.line)
+            return 1
+        seen.add(digest)
+    by_kind[kind] += 1
     rows.append(row)
+    kept_at.append(where.line)
+    return 1
 
 
 def _decode(line: bytes, where: _Where) -> Any:
@@ -159,7 +217,7 @@ def _decode(line: bytes, where: _Where) -> Any:
     try:
         return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
-        problem = f"invalid JSON ({exc.msg} at column {exc.colno})"
+        problem = f"invalid JSON ({exc.msg} at column {exc.colno}, byte offset {where.offset + len(text[:exc.pos].encode())})"
     except _RowValueError as exc:
         problem = f"invalid JSON ({exc.args[0]})"
     except (ValueError, RecursionError) as exc:  # e.g. an integer with too many digits

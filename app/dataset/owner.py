@@ -1,0 +1,104 @@
+"""The data owner's Ed25519 signing key: create, load, pin.
+
+``cvm-tune keys new -o PREFIX`` writes two files and never overwrites either:
+
+* ``PREFIX.key``: the private key, PKCS#8 PEM (unencrypted: protect the file, mode 0600);
+* ``PREFIX.pub``: the raw public key as 64 hex characters and a newline. That value is what the
+  CVM's configuration pins (``dataset.owner_public_key``); its SHA-256 is the owner key id that
+  ``inspect`` shows and the export manifest records.
+
+The owner signs each encrypted dataset (format version 2) and each key grant with this key.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from app.dataset.keys import read_private_file, write_private_file
+from app.errors import ConfigError, KeySourceError
+from attestation.dataset_sig import owner_key_id, public_key_bytes
+
+_MAX_PEM = 4096
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def new_owner_key(prefix: Path) -> tuple[Path, Path, bytes]:
+    """Generate an owner key pair into ``PREFIX.key`` (0600) and ``PREFIX.pub``.
+
+    Returns:
+        (private key path, public key path, raw public key).
+
+    Raises:
+        KeySourceError: either file exists already, or cannot be written (nothing is left behind).
+    """
+    prefix = Path(prefix)
+    key_path, pub_path = prefix.with_name(prefix.name + ".key"), prefix.with_name(prefix.name + ".pub")
+    for p in (key_path, pub_path):
+        if p.exists() or p.is_symlink():
+            raise KeySourceError(f"{p} already exists: refusing to overwrite an owner key",
+                                 fix="choose another -o prefix, or remove the old files if you really mean to replace the key")
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    pub = public_key_bytes(key)
+    write_private_file(key_path, pem, "owner key file")
+    try:
+        write_private_file(pub_path, pub.hex().encode() + b"\n", "owner public key file")
+    except KeySourceError:
+        key_path.unlink(missing_ok=True)
+        raise
+    pub_path.chmod(0o644)  # public
+    return key_path, pub_path, pub
+
+
+def load_owner_key(path: Path) -> Ed25519PrivateKey:
+    """Load an owner private key file (PKCS#8 PEM, Ed25519, mode 0600 or stricter).
+
+    Raises:
+        KeySourceError: missing, readable by others, or not an Ed25519 private key.
+    """
+    data = read_private_file(Path(path), "owner key file", _MAX_PEM)
+    problem = None
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
+        problem = type(exc).__name__  # the message may quote the file
+    if problem is not None:
+        raise KeySourceError(f"owner key file {Path(path).name} is not an unencrypted PKCS#8 PEM private key ({problem})",
+                             fix="use the .key file written by `cvm-tune keys new`")
+    if not isinstance(key, Ed25519PrivateKey):
+        raise KeySourceError(f"owner key file {Path(path).name} holds a {type(key).__name__}, not an Ed25519 key")
+    return key
+
+
+def parse_public_key(value: str) -> bytes:
+    """A pinned owner public key: 64 lowercase hex characters (the content of ``PREFIX.pub``).
+
+    Raises:
+        ConfigError: anything else.
+    """
+    text = value.strip()
+    if not _HEX64.fullmatch(text):
+        raise ConfigError("an owner public key is 64 lowercase hex characters (the content of the .pub file)")
+    return bytes.fromhex(text)
+
+
+def load_public_key(arg: str) -> bytes:
+    """An owner public key given as 64 hex characters or as the path of a ``.pub`` file.
+
+    Raises:
+        ConfigError: neither.
+    """
+    if _HEX64.fullmatch(arg.strip()):
+        return bytes.fromhex(arg.strip())
+    try:
+        text = Path(arg).read_text(encoding="ascii")[:200]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read owner public key {arg}: {getattr(exc, 'strerror', None) or type(exc).__name__}") from None
+    return parse_public_key(text)
+
+
+__all__ = ["load_owner_key", "load_public_key", "new_owner_key", "owner_key_id", "parse_public_key"]

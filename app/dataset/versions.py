@@ -1,0 +1,75 @@
+"""Dataset rollback protection: versions only move forward on this output volume.
+
+``<output>/state/dataset-versions.json`` remembers, per ``dataset_id``, the highest
+``dataset_version`` a run has started training on and the plaintext SHA-256 of that version. A
+dataset with a lower version, or with the same version but other content, is refused before
+training (:class:`~app.errors.DatasetRollbackError`). The file is replaced atomically.
+
+What this does NOT protect: the host can roll back the whole output volume (this file with it):
+threats-and-faults.md §0.7. Only a counter anchored outside the CVM closes that gap. With an
+owner-signed dataset the version itself is authentic (it sits in the signed header); without a
+signature it is only as authentic as the dataset key.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from app.errors import DatasetRollbackError, StateError
+from app.fsutil import atomic_write_bytes
+
+SCHEMA = "cvm-tune/dataset-versions/v1"
+FILE = "dataset-versions.json"
+
+
+def _load(state_dir: Path) -> dict[str, dict]:
+    path = Path(state_dir) / FILE
+    try:
+        obj = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise StateError(f"{path} is unreadable: {type(exc).__name__}",
+                         fix="restore it from a backup (deleting it disables rollback protection until the next run)") from exc
+    if not isinstance(obj, dict) or obj.get("schema") != SCHEMA or not isinstance(obj.get("datasets"), dict):
+        raise StateError(f"{path} is not a {SCHEMA} file")
+    return obj["datasets"]
+
+
+def check_version(state_dir: Path, dataset_id: str, version: int, plaintext_sha256: str) -> int | None:
+    """Refuse a rollback; returns the last version trained on (``None`` for a new dataset id).
+
+    Raises:
+        DatasetRollbackError: ``version`` is lower than the last one, or equal with other content.
+        StateError: the state file is unreadable.
+    """
+    last = _load(state_dir).get(dataset_id)
+    if last is None:
+        return None
+    if version < last["version"]:
+        raise DatasetRollbackError(f"dataset {dataset_id!r} v{version} is older than v{last['version']}, "
+                                   "which this output volume already trained on (rollback refused)")
+    if version == last["version"] and plaintext_sha256 != last["plaintext_sha256"]:
+        raise DatasetRollbackError(f"dataset {dataset_id!r} v{version} differs from the v{version} already trained on: "
+                                   "a version number must name one content",
+                                   fix="ask the data owner to publish the changed data under a higher dataset_version")
+    return int(last["version"])
+
+
+def record_version(state_dir: Path, dataset_id: str, version: int, plaintext_sha256: str) -> None:
+    """Remember that training started on this version (never lowers a recorded version).
+
+    Raises:
+        DatasetRollbackError: a concurrent record made this version stale.
+        StateError: the state file cannot be written.
+    """
+    check_version(state_dir, dataset_id, version, plaintext_sha256)
+    datasets = _load(state_dir)
+    datasets[dataset_id] = {"version": version, "plaintext_sha256": plaintext_sha256}
+    data = json.dumps({"schema": SCHEMA, "datasets": dict(sorted(datasets.items()))}, indent=2, sort_keys=True).encode()
+    try:
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(Path(state_dir) / FILE, data + b"\n")
+    except OSError as exc:
+        raise StateError(f"cannot record the dataset version in {state_dir}: {exc.strerror}") from exc
