@@ -20,10 +20,19 @@ from attestation.errors import (
     EventLogError,
     PolicyError,
     QuoteParseError,
+    ReportDataError,
 )
 from attestation.eventlog import parse_event_log, replay
+from attestation.inputs import (
+    decode_quote_input,
+    parse_report_data_hex,
+    read_collateral_file,
+    read_event_log_file,
+    read_quote_file,
+    read_quote_input,
+)
 from attestation.policy import DEFAULT_POLICY, Policy, TrustedRoot, load_policy
-from attestation.quote import Quote, decode_quote_input, read_quote_file
+from attestation.quote import Quote
 from attestation.verify import Check, Verdict, verify_quote
 
 __all__ = [
@@ -39,6 +48,7 @@ __all__ = [
     "PolicyError",
     "Quote",
     "QuoteParseError",
+    "ReportDataError",
     "TrustedRoot",
     "Verdict",
     "decode_quote_input",
@@ -46,7 +56,11 @@ __all__ = [
     "manifest_report_data",
     "parse_collateral",
     "parse_event_log",
+    "parse_report_data_hex",
+    "read_collateral_file",
+    "read_event_log_file",
     "read_quote_file",
+    "read_quote_input",
     "replay",
     "verify_bundle",
     "verify_quote",
