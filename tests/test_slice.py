@@ -147,7 +147,7 @@ TAMPER = {
     "quote.bin": {"quote.signature", "quote.parse", "quote.padding"},
     "quote.hex": {"quote.hex"},
     "event_log.json": {"event_log.replay", "event_log.parse"},
-    "collateral.json": {"quote.signature", "collateral.parse"},
+    "collateral.json": {"quote.signature", "collateral.parse", "collateral.chains"},
 }
 
 
