@@ -93,30 +93,30 @@ def fetch_collateral(
     with _session(retries, backoff) as http:
         get = lambda url: _get(http, url, timeout)  # noqa: E731
         crl = get(f"{base}/sgx/certification/v4/pckcrl?ca={ca}&encoding=der")
+        pck_crl, pck_crl_chain = _der_crl(crl), _header_chain(crl, "SGX-PCK-CRL-Issuer-Chain")
         tcb = get(f"{base}/{tee}/certification/v4/tcb?fmspc={fmspc}")
+        tcb_chain = _header_chain(tcb, "TCB-Info-Issuer-Chain", "SGX-TCB-Info-Issuer-Chain")
+        tcb_info, tcb_sig = _signed_member(tcb, "tcbInfo")
         qe = get(f"{base}/{tee}/certification/v4/qe/identity?update=standard")
         qe_chain = _header_chain(qe, "SGX-Enclave-Identity-Issuer-Chain")
-        if base.startswith(INTEL_PCS_URL):
-            root_crl = _der_crl(get(_root_crl_url(qe_chain)))
-        else:
-            root_crl = _der_crl(get(f"{base}/sgx/certification/v4/rootcacrl"))
-        tcb_info, tcb_sig = _signed_member(tcb, "tcbInfo")
         qe_identity, qe_sig = _signed_member(qe, "enclaveIdentity")
-        text = json.dumps(
-            {
-                "pck_crl_issuer_chain": _header_chain(crl, "SGX-PCK-CRL-Issuer-Chain"),
-                "root_ca_crl": root_crl.hex(),
-                "pck_crl": _der_crl(crl).hex(),
-                "tcb_info_issuer_chain": _header_chain(tcb, "TCB-Info-Issuer-Chain", "SGX-TCB-Info-Issuer-Chain"),
-                "tcb_info": tcb_info,
-                "tcb_info_signature": tcb_sig,
-                "qe_identity_issuer_chain": qe_chain,
-                "qe_identity": qe_identity,
-                "qe_identity_signature": qe_sig,
-                "pck_certificate_chain": _canonical_pem(pck_chain.rstrip(b"\0"), "the quote's PCK chain"),
-            },
-            indent=2,
-        )
+        root_crl_url = _root_crl_url(qe_chain) if base.startswith(INTEL_PCS_URL) else f"{base}/sgx/certification/v4/rootcacrl"
+        root_crl = _der_crl(get(root_crl_url))
+    text = json.dumps(
+        {
+            "pck_crl_issuer_chain": pck_crl_chain,
+            "root_ca_crl": root_crl.hex(),
+            "pck_crl": pck_crl.hex(),
+            "tcb_info_issuer_chain": tcb_chain,
+            "tcb_info": tcb_info,
+            "tcb_info_signature": tcb_sig,
+            "qe_identity_issuer_chain": qe_chain,
+            "qe_identity": qe_identity,
+            "qe_identity_signature": qe_sig,
+            "pck_certificate_chain": _canonical_pem(pck_chain.rstrip(b"\0"), "the quote's PCK chain"),
+        },
+        indent=2,
+    )
     parse_collateral(text)  # CollateralError if the pieces do not make collateral
     return text
 
@@ -246,6 +246,8 @@ def _raw_member(text: str, key: str) -> str:
     pos += 1
     while True:
         pos += len(text[pos:]) - len(text[pos:].lstrip(ws))
+        if text[pos : pos + 1] != '"':
+            raise ValueError(f"no member {key!r}")
         name, pos = dec.raw_decode(text, pos)
         pos += len(text[pos:]) - len(text[pos:].lstrip(ws))
         if text[pos : pos + 1] != ":":
