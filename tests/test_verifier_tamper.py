@@ -112,7 +112,8 @@ def test_rtmr_flips_fail_the_signature_and_the_replay(rtmr: int) -> None:
         assert {"quote.signature", "event_log.replay"} <= got, (rtmr, i, got)
 
 
-# ----------------------------------------------------------------------------- event log (case 58)
+# ----------------------------------------------------------------------------- event log (threats case 58:
+# edited payload, reordered, dropped or extra event -> RTMR replay mismatch -> reject)
 def _edited(i: int) -> list:
     events = json.loads(json.dumps(EVENTS))
     e = events[i]
