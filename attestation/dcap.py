@@ -142,12 +142,26 @@ def quote_chain_problems(chain: bytes, root_der: bytes) -> tuple[str, ...]:
     return tuple(chain_problems("the quote's PCK chain", chain[:-1], root_der)[0])
 
 
-@lru_cache(maxsize=16)
 def collateral_chain_problems(text: str, root_der: bytes, quote_chain: bytes | None) -> tuple[str, ...]:
     """Every PEM chain of the collateral (see :func:`chain_problems`); the PCK CRL issued by the first
     certificate of ``pck_crl_issuer_chain`` and the root CA CRL by the root; and a
     ``pck_certificate_chain`` (which dcap-qvl uses *instead of* the quote's chain) equal to the
     quote's own chain, so the quote's chain bytes cannot be changed unnoticed."""
+    problems, pck_chain_der = _collateral_own_problems(text, root_der)
+    if pck_chain_der is not None and quote_chain is not None and pck_chain_der != _chain_der(quote_chain.rstrip(b"\0")):
+        problems += ("collateral pck_certificate_chain is not the quote's own PCK chain",)
+    return problems
+
+
+@lru_cache(maxsize=64)
+def _chain_der(pem: bytes) -> tuple[bytes, ...]:
+    return tuple(c.public_bytes(Encoding.DER) for c in _load_chain(pem) or [])
+
+
+@lru_cache(maxsize=16)
+def _collateral_own_problems(text: str, root_der: bytes) -> tuple[tuple[str, ...], tuple[bytes, ...] | None]:
+    """The collateral-only part of :func:`collateral_chain_problems`, plus the DER of its
+    ``pck_certificate_chain`` (None when absent)."""
     obj = json.loads(text)
     problems: list[str] = []
     issuers: dict[str, list[x509.Certificate]] = {}
@@ -168,13 +182,8 @@ def collateral_chain_problems(text: str, root_der: bytes, quote_chain: bytes | N
             signed = False
         if not signed:
             problems.append(f"collateral {key} is not signed by its issuer in pck_crl_issuer_chain")
-    if "pck_certificate_chain" in issuers and quote_chain is not None:
-        quote_certs = _load_chain(quote_chain.rstrip(b"\0")) or []
-        if [c.public_bytes(Encoding.DER) for c in issuers["pck_certificate_chain"]] != [
-            c.public_bytes(Encoding.DER) for c in quote_certs
-        ]:
-            problems.append("collateral pck_certificate_chain is not the quote's own PCK chain")
-    return tuple(problems)
+    pck = issuers.get("pck_certificate_chain")
+    return tuple(problems), None if pck is None else tuple(c.public_bytes(Encoding.DER) for c in pck)
 
 
 def dcap_verify(raw: bytes, collateral: Collateral, *, root_der: bytes | None, now: int) -> DcapResult:

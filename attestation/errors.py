@@ -1,7 +1,7 @@
 """The attestation package's one exception hierarchy.
 
 These are *input* errors: the verifier could not read what it was given. A quote or bundle that
-reads fine but fails a check is not an exception: it is a :class:`attestation.verify.Verdict`
+reads fine but fails a check is not an exception: it is a :class:`attestation.verdict.Verdict`
 with failed checks. The CLI maps :class:`AttestationError` to exit code 2.
 """
 

@@ -30,127 +30,15 @@ Steps (quote level):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from importlib import metadata
-from typing import Any, Literal
-
-import dcap_qvl
-
 from attestation.dcap import Collateral, DcapResult, collateral_chain_problems, dcap_verify, quote_chain_problems
 from attestation.errors import QuoteParseError
-from attestation.eventlog import BootInfo, Event, boot_info, name_problems, replay
+from attestation.eventlog import Event, boot_info, name_problems, replay
 from attestation.policy import Policy
 from attestation.quote import Quote, TdReport
 from attestation.roots import INTEL_SGX_ROOT_CA_DER
+from attestation.verdict import Check, QuoteFindings, Status, Verdict, iso_utc
 
-Status = Literal["pass", "fail", "skip"]
-
-
-@dataclass(frozen=True)
-class Check:
-    """One named verification step."""
-
-    name: str
-    status: Status
-    detail: str
-
-
-@dataclass
-class QuoteFindings:
-    """What the quote-level steps learned (for the bundle level and the JSON output)."""
-
-    quote: Quote | None = None
-    tcb_status: str | None = None
-    advisory_ids: tuple[str, ...] = ()
-    tcb_date: int | None = None
-    collateral: Collateral | None = None
-    tcb_evaluation_data_number: int | None = None
-    boot: BootInfo | None = None
-    replayed: tuple[bytes, ...] | None = None
-    bundle: dict[str, Any] | None = None  # run id, creation time, audit head (freshness: case 63)
-    checks: list[Check] = field(default_factory=list)
-
-    def add(self, name: str, status: Status, detail: str) -> None:
-        self.checks.append(Check(name, status, detail))
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The result: accepted iff no check failed."""
-
-    checks: tuple[Check, ...]
-    policy_name: str
-    test_root: bool
-    now: int
-    findings: QuoteFindings
-
-    @property
-    def accepted(self) -> bool:
-        return all(c.status != "fail" for c in self.checks)
-
-    @property
-    def failed(self) -> tuple[Check, ...]:
-        return tuple(c for c in self.checks if c.status == "fail")
-
-    def summary(self) -> str:
-        """One human line: the verdict and, for a test root, that it is not TEE evidence."""
-        word = "ACCEPTED" if self.accepted else "REJECTED"
-        line = f"{word} under policy '{self.policy_name}'"
-        if self.test_root:
-            line += " — quote signed by a TEST CA (the cvm-tune simulator): this is NOT evidence of a real TEE"
-        return line
-
-    def to_json(self) -> dict[str, Any]:
-        """The stable ``--json`` schema (see README, "verify --json")."""
-        f = self.findings
-        td = f.quote.td if f.quote else None
-        return {
-            "schema": "cvm-tune/verdict/v1",
-            "verdict": "accepted" if self.accepted else "rejected",
-            "policy": self.policy_name,
-            "test_root": self.test_root,
-            "now": self.now,
-            "checks": [{"name": c.name, "status": c.status, "reason": c.detail} for c in self.checks],
-            "tcb_status": f.tcb_status,
-            "advisory_ids": list(f.advisory_ids),
-            "measurements": None
-            if td is None
-            else {
-                "mrtd": td.mr_td.hex(),
-                "rtmr0": td.rt_mr0.hex(),
-                "rtmr1": td.rt_mr1.hex(),
-                "rtmr2": td.rt_mr2.hex(),
-                "rtmr3": td.rt_mr3.hex(),
-                "mr_config_id": td.mr_config_id.hex(),
-                "report_data": td.report_data.hex(),
-            },
-            "replayed_rtmrs": [m.hex() for m in f.replayed] if f.replayed else None,
-            "compose_hash": f.boot.hex("compose-hash") if f.boot else None,
-            "app_id": f.boot.hex("app-id") if f.boot else None,
-            "quote_hex": f.quote.raw.hex() if f.quote else None,
-            "tcb_date": _iso(f.tcb_date),
-            "collateral": None
-            if f.collateral is None
-            else {
-                "not_before": _iso(f.collateral.not_before),
-                "not_after": _iso(f.collateral.not_after),
-                "tcb_evaluation_data_number": f.tcb_evaluation_data_number,
-            },
-            "bundle": f.bundle,
-            "verifier": {"cvm_tune": _version("cvm-tune"), "dcap_qvl": dcap_qvl.__version__},
-        }
-
-
-def _iso(ts: int | None) -> str | None:
-    return None if ts is None else datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+__all__ = ["Check", "QuoteFindings", "Status", "Verdict", "quote_verdict", "verify_quote"]
 
 
 def quote_verdict(
@@ -240,11 +128,11 @@ def _signature_steps(f: QuoteFindings, q: Quote, policy: Policy, now: int, coll:
         f.add(
             "collateral.window",
             "fail",
-            f"cannot verify: collateral valid {_iso(coll.not_before)}..{_iso(coll.not_after)}, now is {_iso(now)} "
+            f"cannot verify: collateral valid {iso_utc(coll.not_before)}..{iso_utc(coll.not_after)}, now is {iso_utc(now)} "
             "(fetch fresh collateral, or pass --now inside the window for an as-of check)",
         )
         return
-    f.add("collateral.window", "pass", f"valid {_iso(coll.not_before)}..{_iso(coll.not_after)}")
+    f.add("collateral.window", "pass", f"valid {iso_utc(coll.not_before)}..{iso_utc(coll.not_after)}")
     root = None if policy.trusted_root == "intel" else policy.trusted_root.der
     problems = collateral_chain_problems(coll.text, root or INTEL_SGX_ROOT_CA_DER, q.pck_chain)
     f.add("collateral.chains", "fail" if problems else "pass",
@@ -271,9 +159,9 @@ def _tcb_steps(f: QuoteFindings, res: DcapResult, policy: Policy, now: int) -> N
         f.add("quote.tcb_status", "pass", f"{res.status}{advisories}")
     elif res.status == "OutOfDate" and grace and now <= grace_end:
         f.add("quote.tcb_status", "pass", f"WARNING: OutOfDate accepted inside the policy's grace period (TCB level "
-              f"dated {_iso(res.tcb_date)}, grace ends {_iso(grace_end)}): update the platform{advisories}")
+              f"dated {iso_utc(res.tcb_date)}, grace ends {iso_utc(grace_end)}): update the platform{advisories}")
     else:
-        expired = f"; grace period ended {_iso(grace_end)}" if res.status == "OutOfDate" and grace else ""
+        expired = f"; grace period ended {iso_utc(grace_end)}" if res.status == "OutOfDate" and grace else ""
         f.add("quote.tcb_status", "fail",
               f"TCB status {res.status} not in {list(policy.allowed_tcb_statuses)}{expired}{advisories}")
     minimum, got = policy.min_tcb_evaluation_data_number, res.tcb_evaluation_data_number

@@ -2,9 +2,10 @@
 
 Quote ``dstack_nearmpc_quote.bin`` (dstack 0.5.8, 5006 bytes: 4936 signed + 70 zero padding), its
 collateral (with and without ``pck_certificate_chain``) and its event log, verified at the pinned
-``now`` of ``manifest.json``. dcap-qvl alone accepts 1 916 of the single-byte flips here (padding,
-certification-data type and length fields, and — when the collateral carries the PCK chain — the
-quote's own PEM chain); the verifier must accept none.
+``now`` of ``manifest.json``. dcap-qvl alone accepts 3 753 of the 5 006 single-bit flips here (946
+without ``pck_certificate_chain``): padding, certification-data type and length fields, PEM framing,
+and — when the collateral carries the PCK chain — the quote's whole PEM chain; the verifier must
+accept none.
 
 The padding rule (README, "Quote padding"): the signed region ends where the declared signature
 data ends; real dstack quotes carry zero bytes after it, so zero bytes there are accepted and any
@@ -80,6 +81,18 @@ REGIONS = regions(Q)
 
 def owner(pos: int) -> str:
     return next(check for start, end, check in REGIONS if start <= pos < end)
+
+
+@pytest.mark.parametrize(("pos", "check"), [(5000, "quote.padding"), (632, "quote.parse"), (764, "quote.parse"),
+                                           (1252, "quote.parse"), (1285, "quote.cert_chain"), (1400, "quote.cert_chain")])
+def test_dcap_qvl_alone_accepts_these_changes_the_verifier_rejects(pos: int, check: str) -> None:
+    """Why quote.parse is strict and quote.padding / quote.cert_chain exist (if dcap-qvl ever starts
+    rejecting one of these, this test says so)."""
+    import dcap_qvl
+
+    report = dcap_qvl.verify(flip(RAW, pos), COLLATERAL["with-pck-chain"].qvl, NOW)
+    assert report.status == "UpToDate"
+    assert check in failed(flip(RAW, pos))
 
 
 def test_regions_cover_the_whole_quote_and_the_sample_is_accepted() -> None:
