@@ -211,29 +211,26 @@ def _tdx_certification_data(raw: bytes, start: int, end: int) -> tuple[int, byte
     Returns:
         ``(offset, bytes)`` of the inner PEM PCK chain.
     """
-    pos = start + 128  # ECDSA signature (64) + attestation public key (64)
-    if end < pos + 6:
-        raise QuoteParseError("quote signature data is too short for its certification data header")
-    cert_type, cert_size = struct.unpack_from("<HI", raw, pos)
-    if cert_type != CERT_TYPE_QE_REPORT:
-        raise QuoteParseError(f"certification data type {cert_type}; TDX quotes carry type 6 (QE report)")
-    pos += 6
-    if pos + cert_size != end:
-        raise QuoteParseError(f"certification data declares {cert_size} bytes but the signature data leaves {end - pos}")
+    # ECDSA signature (64) + attestation public key (64), then the QE-report certification data
+    pos = _typed_block(raw, start + 128, end, CERT_TYPE_QE_REPORT, "certification data")
     pos += _QE_REPORT_LEN + 64  # QE report + its signature by the PCK key
     if end < pos + 2:
         raise QuoteParseError("QE report certification data truncated before the QE auth data")
     (auth_len,) = struct.unpack_from("<H", raw, pos)
-    pos += 2 + auth_len
-    if end < pos + 6:
-        raise QuoteParseError("QE auth data runs past the certification data")
-    inner_type, inner_size = struct.unpack_from("<HI", raw, pos)
-    if inner_type != CERT_TYPE_PCK_CHAIN:
-        raise QuoteParseError(f"inner certification data type {inner_type}; expected 5 (PEM PCK certificate chain)")
-    pos += 6
-    if pos + inner_size != end:
-        raise QuoteParseError(f"PCK chain declares {inner_size} bytes but the certification data leaves {end - pos}")
+    pos = _typed_block(raw, pos + 2 + auth_len, end, CERT_TYPE_PCK_CHAIN, "inner certification data (PCK chain)")
     return pos, raw[pos:end]
+
+
+def _typed_block(raw: bytes, pos: int, end: int, want: int, what: str) -> int:
+    """A ``u16 type, u32 size`` header at ``pos`` whose data must run exactly to ``end``; returns the data offset."""
+    if end < pos + 6:
+        raise QuoteParseError(f"{what} header runs past the signature data")
+    kind, size = struct.unpack_from("<HI", raw, pos)
+    if kind != want:
+        raise QuoteParseError(f"{what} type {kind}; TDX quotes carry type {want}")
+    if pos + 6 + size != end:
+        raise QuoteParseError(f"{what} declares {size} bytes but the signature data leaves {end - pos - 6}")
+    return pos + 6
 
 
 def _parse_td(raw: bytes, offset: int, body_type: int) -> TdReport:
