@@ -2,12 +2,17 @@
 
 Imports only the standard library, ``cryptography``, ``dcap-qvl``, ``pydantic`` and ``PyYAML`` —
 never torch or the training stack — so a relying party can verify bundles on a small machine.
+Verification is offline; the one networked module, :mod:`attestation.pccs` (collateral from a
+PCCS, with ``requests``), is not imported by ``import attestation``.
 
 Public API::
 
     from attestation import load_policy, verify_bundle, verify_quote, parse_collateral, DEFAULT_POLICY
     verdict = verify_bundle(Path("exports/<run_id>"), policy=load_policy(None), now=int(time.time()))
     verdict.accepted, verdict.failed, verdict.to_json()
+
+    from attestation.verify import quote_verdict   # one quote (cvm-tune verify-quote)
+    verdict = quote_verdict(raw, policy=..., now=..., collateral=read_collateral_file(path), events=..., expected_report_data=...)
 """
 
 from attestation.bundle import Manifest, manifest_report_data

@@ -197,3 +197,13 @@ def test_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         fetch_collateral(b"\x04\x00" * 10, pccs_url="http://127.0.0.1:9")
     assert main(["collateral", str(QUOTE), "-o", str(tmp_path / "c.json"), "--pccs", "ftp://x"]) == 2
     assert "not an http(s) URL" in capsys.readouterr().err
+
+
+def test_verifier_import_stays_offline() -> None:
+    """`import attestation` (what verify / verify-quote use) does not load the networked module."""
+    import subprocess
+    import sys
+
+    code = "import sys, attestation, attestation.verify; print(sorted(m for m in ('requests', 'attestation.pccs') if m in sys.modules))"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert res.stdout.strip() == "[]"

@@ -168,17 +168,19 @@ def test_event_add_is_rejected(i: int) -> None:
 
 
 # ----------------------------------------------------------------------------- collateral fields
+# A changed date (TCB info / QE identity issueDate or nextUpdate, a CRL's update times, a certificate's
+# validity) moves the collateral's window: when ``now`` falls outside it, "cannot verify" is the answer.
 FIELD_CHECKS = {
-    "pck_crl_issuer_chain": {"collateral.chains"},  # dcap-qvl never reads this one
-    "root_ca_crl": {"collateral.parse", "quote.signature", "collateral.chains"},
-    "pck_crl": {"collateral.parse", "quote.signature", "collateral.chains"},
-    "tcb_info_issuer_chain": {"collateral.chains", "quote.signature"},
-    "tcb_info": {"collateral.parse", "quote.signature"},
+    "pck_crl_issuer_chain": {"collateral.chains", "collateral.window"},  # dcap-qvl never reads this one
+    "root_ca_crl": {"collateral.parse", "quote.signature", "collateral.chains", "collateral.window"},
+    "pck_crl": {"collateral.parse", "quote.signature", "collateral.chains", "collateral.window"},
+    "tcb_info_issuer_chain": {"collateral.chains", "quote.signature", "collateral.window"},
+    "tcb_info": {"collateral.parse", "quote.signature", "collateral.window"},
     "tcb_info_signature": {"quote.signature"},
-    "qe_identity_issuer_chain": {"collateral.chains", "quote.signature"},
-    "qe_identity": {"collateral.parse", "quote.signature"},
+    "qe_identity_issuer_chain": {"collateral.chains", "quote.signature", "collateral.window"},
+    "qe_identity": {"collateral.parse", "quote.signature", "collateral.window"},
     "qe_identity_signature": {"quote.signature"},
-    "pck_certificate_chain": {"collateral.chains", "quote.signature"},
+    "pck_certificate_chain": {"collateral.chains", "quote.signature", "collateral.window"},
 }
 
 
