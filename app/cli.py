@@ -186,7 +186,7 @@ def _collateral(args: argparse.Namespace) -> int:
 
     raw = read_quote_file(args.quote)
     url = args.pccs or PHALA_PCCS_URL
-    text = fetch_collateral(raw, pccs_url=url, timeout=args.timeout, retries=max(args.retries, 0))
+    text = fetch_collateral(raw, pccs_url=url, timeout=args.timeout, retries=args.retries)
     save_collateral(args.output, text)
     obj = json.loads(text)
     tcb = json.loads(obj["tcb_info"])

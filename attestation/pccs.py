@@ -77,6 +77,9 @@ def fetch_collateral(
         QuoteParseError: the bytes are not a quote.
         PccsError: no PCK chain in the quote, network failure, HTTP error, or unusable answers.
     """
+    if not timeout > 0 or retries < 0:
+        raise PccsError(f"timeout must be > 0 and retries >= 0 (got {timeout}, {retries})",
+                        fix="pass --timeout SECONDS > 0 and --retries N >= 0")
     q = Quote.from_bytes(raw_quote)
     try:
         parsed = dcap_qvl.parse_quote(bytes(raw_quote))

@@ -197,6 +197,15 @@ def test_bad_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         fetch_collateral(b"\x04\x00" * 10, pccs_url="http://127.0.0.1:9")
     assert main(["collateral", str(QUOTE), "-o", str(tmp_path / "c.json"), "--pccs", "ftp://x"]) == 2
     assert "not an http(s) URL" in capsys.readouterr().err
+    assert main(["collateral", str(QUOTE), "-o", str(tmp_path / "c.json"), "--timeout", "0"]) == 2
+    assert "timeout must be > 0" in capsys.readouterr().err
+
+
+def test_unwritable_output_is_exit_2(pccs: FakePccs, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "no" / "such" / "c.json"
+    assert main(["collateral", str(QUOTE), "-o", str(out), "--pccs", pccs.url]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {out}" in err and "fix: choose a writable output path" in err and not out.exists()
 
 
 def test_verifier_import_stays_offline() -> None:
