@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from attestation import AttestationError
+from attestation import AttestationError, Verdict
 
 import app
 from app import cli_owner
@@ -74,6 +74,31 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--collateral", type=Path, metavar="FILE", help="use this collateral JSON instead of the bundle's")
     v.add_argument("--base-model", type=Path, metavar="DIR", help="also check a local copy of the base model against the manifest")
     v.add_argument("--dataset", type=Path, metavar="FILE", help="also check the encrypted dataset file against the manifest")
+
+    q = sub.add_parser("verify-quote", help="verify a TDX quote (raw, hex or GetQuote JSON) under a policy",
+                       description="Check one quote: dcap-qvl signature chain and TCB, collateral window, TD attributes, "
+                       "report_data (when given), RTMR0-3 replayed from the event log, boot events and event names, and the "
+                       "policy's measurement pins. Offline: pass collateral fetched with `cvm-tune collateral`. "
+                       "Exit 0 accepted, 1 rejected, 2 input error.")
+    q.add_argument("quote", type=Path, metavar="QUOTE", help="raw quote bytes, hex text (0x/whitespace ok) or a dstack "
+                   "GetQuote JSON response (its event_log is used unless --event-log is given)")
+    q.add_argument("--collateral", type=Path, metavar="FILE", help="collateral JSON (dcap-qvl QuoteCollateralV3)")
+    q.add_argument("--event-log", type=Path, metavar="FILE", help="dstack event log: a JSON list, or JSON with an event_log member")
+    q.add_argument("--report-data", metavar="HEX", help="expected report_data (at most 64 bytes; shorter is zero-padded)")
+    q.add_argument("--policy", type=Path, metavar="FILE", help="YAML policy (default: built-in, Intel root, UpToDate only)")
+    q.add_argument("--now", type=int, metavar="UNIX_SECONDS", help="verification time (default: now); pins time for tests")
+    q.add_argument("--json", action="store_true", help="print the machine-readable verdict (schema cvm-tune/verdict/v1)")
+
+    co = sub.add_parser("collateral", help="fetch a quote's collateral from a PCCS (network)",
+                        description="Fetch the Intel collateral for QUOTE from a PCCS, as dcap-qvl's get_collateral does, "
+                        "and write it as JSON for `verify-quote --collateral` / `verify --collateral`. The only command "
+                        "that uses the network. Exit 0 written, 2 error.")
+    co.add_argument("quote", type=Path, metavar="QUOTE", help="raw quote bytes, hex text or a GetQuote JSON response")
+    co.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="where to write the collateral JSON")
+    co.add_argument("--pccs", metavar="URL", help="PCCS base URL (default: https://pccs.phala.network, dcap-qvl's default)")
+    co.add_argument("--timeout", type=float, default=15.0, metavar="SECONDS", help="per-request timeout (default 15)")
+    co.add_argument("--retries", type=int, default=3, metavar="N", help="retries per request on network errors and "
+                    "HTTP 429/5xx, with backoff (default 3)")
 
     s = sub.add_parser("simulator", help="serve the simulated dstack guest agent (TEST CA, not a TEE)",
                        description="Serve the dstack guest-agent protocol (Info, GetQuote, GetKey, EmitEvent, Version, ...) "
@@ -178,19 +203,18 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from attestation import load_policy, parse_collateral, verify_bundle
+    from attestation import load_policy, read_collateral_file, verify_bundle
 
     policy = load_policy(args.policy)
-    coll = None
-    if args.collateral is not None:
-        try:
-            coll = parse_collateral(args.collateral.read_bytes())
-        except OSError as exc:
-            raise AttestationError(f"cannot read collateral {args.collateral}: {exc.strerror}") from exc
+    coll = read_collateral_file(args.collateral) if args.collateral is not None else None
     now = args.now if args.now is not None else int(time.time())
     verdict = verify_bundle(args.bundle, policy=policy, now=now, collateral=coll,
                             base_model_dir=args.base_model, dataset_file=args.dataset)
-    if args.json:
+    return _print_verdict(verdict, as_json=args.json)
+
+
+def _print_verdict(verdict: Verdict, *, as_json: bool) -> int:
+    if as_json:
         print(json.dumps(verdict.to_json(), indent=2))
     else:
         print(verdict.summary())
@@ -203,6 +227,42 @@ def _verify(args: argparse.Namespace) -> int:
             passed = sum(c.status == "pass" for c in verdict.checks)
             print(f"{passed} checks passed; TCB {verdict.findings.tcb_status}")
     return 0 if verdict.accepted else EXIT_REJECTED
+
+
+def _verify_quote(args: argparse.Namespace) -> int:
+    from attestation import load_policy, parse_report_data_hex, read_collateral_file, read_event_log_file, read_quote_input
+    from attestation.inputs import event_log_from_json
+    from attestation.verify import quote_verdict
+
+    policy = load_policy(args.policy)
+    raw, embedded_log = read_quote_input(args.quote)
+    coll = read_collateral_file(args.collateral) if args.collateral is not None else None
+    if args.event_log is not None:
+        events = read_event_log_file(args.event_log)
+    elif embedded_log is not None:
+        events = event_log_from_json({"event_log": embedded_log}, source=f"{args.quote} event_log")
+    else:
+        events = None
+    expected = parse_report_data_hex(args.report_data) if args.report_data is not None else None
+    now = args.now if args.now is not None else int(time.time())
+    verdict = quote_verdict(raw, policy=policy, now=now, collateral=coll, events=events, expected_report_data=expected)
+    return _print_verdict(verdict, as_json=args.json)
+
+
+def _collateral(args: argparse.Namespace) -> int:
+    from attestation import read_quote_file
+    from attestation.pccs import PHALA_PCCS_URL, fetch_collateral, save_collateral
+
+    raw = read_quote_file(args.quote)
+    url = args.pccs or PHALA_PCCS_URL
+    text = fetch_collateral(raw, pccs_url=url, timeout=args.timeout, retries=args.retries)
+    save_collateral(args.output, text)
+    obj = json.loads(text)
+    tcb = json.loads(obj["tcb_info"])
+    print(f"wrote {args.output}: collateral from {url} for FMSPC {tcb.get('fmspc')}, TCB info issued "
+          f"{tcb.get('issueDate')}, next update {tcb.get('nextUpdate')}, tcbEvaluationDataNumber "
+          f"{tcb.get('tcbEvaluationDataNumber')}")
+    return 0
 
 
 def _simulator(args: argparse.Namespace) -> int:
@@ -243,5 +303,6 @@ def _validate_config(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"run": _run, "serve": _serve, "status": _status, "verify": _verify, "simulator": _simulator, "schema": _schema,
-             "validate-config": _validate_config, **cli_owner.COMMANDS}
+_COMMANDS = {"run": _run, "serve": _serve, "status": _status, "verify": _verify, "verify-quote": _verify_quote,
+             "collateral": _collateral, "simulator": _simulator, "schema": _schema, "validate-config": _validate_config,
+             **cli_owner.COMMANDS}

@@ -2,12 +2,17 @@
 
 Imports only the standard library, ``cryptography``, ``dcap-qvl``, ``pydantic`` and ``PyYAML`` —
 never torch or the training stack — so a relying party can verify bundles on a small machine.
+Verification is offline; the one networked module, :mod:`attestation.pccs` (collateral from a
+PCCS, with ``requests``), is not imported by ``import attestation``.
 
 Public API::
 
     from attestation import load_policy, verify_bundle, verify_quote, parse_collateral, DEFAULT_POLICY
     verdict = verify_bundle(Path("exports/<run_id>"), policy=load_policy(None), now=int(time.time()))
     verdict.accepted, verdict.failed, verdict.to_json()
+
+    from attestation.verify import quote_verdict   # one quote (cvm-tune verify-quote)
+    verdict = quote_verdict(raw, policy=..., now=..., collateral=read_collateral_file(path), events=..., expected_report_data=...)
 """
 
 from attestation.bundle import Manifest, manifest_report_data
@@ -20,10 +25,19 @@ from attestation.errors import (
     EventLogError,
     PolicyError,
     QuoteParseError,
+    ReportDataError,
 )
 from attestation.eventlog import parse_event_log, replay
+from attestation.inputs import (
+    decode_quote_input,
+    parse_report_data_hex,
+    read_collateral_file,
+    read_event_log_file,
+    read_quote_file,
+    read_quote_input,
+)
 from attestation.policy import DEFAULT_POLICY, Policy, TrustedRoot, load_policy
-from attestation.quote import Quote, decode_quote_input, read_quote_file
+from attestation.quote import Quote
 from attestation.verify import Check, Verdict, verify_quote
 
 __all__ = [
@@ -39,6 +53,7 @@ __all__ = [
     "PolicyError",
     "Quote",
     "QuoteParseError",
+    "ReportDataError",
     "TrustedRoot",
     "Verdict",
     "decode_quote_input",
@@ -46,7 +61,11 @@ __all__ = [
     "manifest_report_data",
     "parse_collateral",
     "parse_event_log",
+    "parse_report_data_hex",
+    "read_collateral_file",
+    "read_event_log_file",
     "read_quote_file",
+    "read_quote_input",
     "replay",
     "verify_bundle",
     "verify_quote",

@@ -72,6 +72,8 @@ def verify_bundle(
         verify_quote(raw, policy=policy, now=now, collateral=coll, events=events,
                      expected_report_data=B.manifest_report_data(manifest_bytes), findings=f)
     if manifest is not None:
+        f.bundle = {"run_id": manifest.run_id, "created_at": manifest.created_at, "audit_head": manifest.audit.head,
+                    "audit_last_seq": manifest.audit.first_seq + manifest.audit.entries - 1}
         _file_hashes(f, root, manifest)
         _compose_and_app_id(f, root, manifest)
         _audit(f, root, manifest, policy)

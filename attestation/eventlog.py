@@ -10,6 +10,9 @@ Rules (``shared/reference/dstack.md`` §3, §6; ``threats-and-faults.md`` V9/V10
   non-empty digest field that disagrees is a tampered log. dstack >= 0.5.6 leaves it empty.
 * ``app-id``, ``compose-hash``, ``instance-id`` and ``key-provider`` count only before
   ``system-ready``, exactly once; a trusted name after the boundary is a privileged append.
+* Names come from two allow-lists (the policy's): dstack's boot events before ``system-ready``, the
+  app's events after it; a name containing ``:`` is always rejected (threats case 60: the v1 digest
+  of ``("a:b", "c")`` equals that of ``("a", "b:c")``).
 """
 
 from __future__ import annotations
@@ -165,3 +168,21 @@ def boot_info(events: tuple[Event, ...]) -> BootInfo:
     if not ready:
         problems.append("no system-ready event: the boot measurements are incomplete")
     return BootInfo(values, ready, tuple(app), tuple(problems))
+
+
+def name_problems(events: tuple[Event, ...], *, boot_names: tuple[str, ...], app_names: tuple[str, ...]) -> list[str]:
+    """RTMR3 runtime-event names against the allow-lists: ``boot_names`` up to and including the
+    first ``system-ready``, ``app_names`` after it; a ``:`` in any name is rejected outright."""
+    problems: list[str] = []
+    ready = False
+    for ev in events:
+        if ev.imr != 3 or not ev.is_runtime:
+            continue
+        shown = repr(ev.event[:80])
+        if ":" in ev.event:
+            problems.append(f"event {ev.index}: name {shown} contains ':' (v1 digests of such names can collide)")
+        elif ev.event not in (app_names if ready else boot_names):
+            where = "after system-ready (app events)" if ready else "before system-ready (dstack boot events)"
+            problems.append(f"event {ev.index}: {shown} is not an allowed event name {where}")
+        ready = ready or ev.event == SYSTEM_READY
+    return problems

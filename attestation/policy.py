@@ -5,7 +5,12 @@ The built-in :data:`DEFAULT_POLICY` ("strict but practical"):
 * the quote must chain to **Intel's SGX root CA** (compiled into dcap-qvl) — a simulator quote fails;
 * TCB status ``UpToDate`` only (``SWHardeningNeeded``, ``OutOfDate`` ... are rejected; add them to
   ``allowed_tcb_statuses`` deliberately); ``Revoked`` is always rejected by dcap-qvl;
+* no TCB grace period (``outofdate_grace_period_s: 0``) and no minimum ``tcbEvaluationDataNumber``
+  (``min_tcb_evaluation_data_number: null``): both off until you set them;
 * TD not in debug mode, SEPT_VE_DISABLE set (never configurable);
+* RTMR3 event names: dstack's own boot events before ``system-ready`` (:data:`DSTACK_BOOT_EVENTS`),
+  cvm-tune's audit events after it (:data:`CVM_TUNE_APP_EVENTS`); any other name, or a name with
+  ``:`` (the v1 digest cannot tell ``a:b``+``c`` from ``a``+``b:c``), is rejected;
 * report_data, manifest file hashes, RTMR0-3 replay and the audit chain are always checked;
 * OS-image measurements (MRTD, RTMR0-2), compose-hash and app-id are checked only when listed:
   pin them in your own policy for production (``cvm-tune compose-hash`` computes the values).
@@ -23,7 +28,9 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from attestation.audit import ENTRY_TYPES, EVENT_PREFIX
 from attestation.errors import PolicyError
+from attestation.inputs import read_bounded
 
 TCB_STATUSES = (
     "UpToDate",
@@ -38,6 +45,15 @@ TCB_STATUSES = (
 _HEX96 = r"^[0-9a-f]{96}$"
 _HEX64 = r"^[0-9a-f]{64}$"
 _HEX40 = r"^[0-9a-f]{40}$"
+_EVENT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"  # no ':' (V1 digest ambiguity), no spaces
+MAX_POLICY_BYTES = 1 << 20
+MAX_GRACE_PERIOD_S = 90 * 86400
+# RTMR3 events dstack itself writes before system-ready (dstack.md §3.4: OS 0.5.x, and the HEAD additions).
+DSTACK_BOOT_EVENTS = (
+    "system-preparing", "app-id", "compose-hash", "instance-id", "boot-mr-done", "mr-kms", "os-image-hash",
+    "key-provider", "storage-fs", "system-ready", "init-script-hash", "gpu-policy-hash", "gpu-attestation",
+)
+CVM_TUNE_APP_EVENTS = tuple(EVENT_PREFIX + t for t in ENTRY_TYPES)
 
 
 class _Closed(BaseModel):
@@ -74,6 +90,22 @@ class Policy(_Closed):
     require_rtmr3_audit: bool = Field(
         False, description="Reject bundles whose audit events were not measured into RTMR3 (EmitEvent unsupported)."
     )
+    outofdate_grace_period_s: int = Field(
+        0, ge=0, le=MAX_GRACE_PERIOD_S,
+        description="Accept TCB status OutOfDate while the platform TCB level's tcbDate + this many seconds >= now "
+        "(dcap-qvl's platform grace period); 0 = off. At most 90 days.",
+    )
+    min_tcb_evaluation_data_number: int | None = Field(
+        None, ge=1,
+        description="Reject collateral whose tcbEvaluationDataNumber (min of TCB info and QE identity) is lower: "
+        "a PCCS cannot forge collateral but can serve stale collateral that hides a TCB recovery. null = off.",
+    )
+    allowed_boot_events: tuple[str, ...] = Field(
+        DSTACK_BOOT_EVENTS, description="RTMR3 event names allowed before system-ready (dstack's own boot events)."
+    )
+    allowed_app_events: tuple[str, ...] = Field(
+        CVM_TUNE_APP_EVENTS, description="RTMR3 event names allowed after system-ready (the app's own events)."
+    )
 
     @field_validator("allowed_tcb_statuses")
     @classmethod
@@ -97,6 +129,11 @@ class Policy(_Closed):
     @classmethod
     def _hex40(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return _all_match(value, _HEX40, "40 lowercase hex characters")
+
+    @field_validator("allowed_boot_events", "allowed_app_events")
+    @classmethod
+    def _event_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return _all_match(value, _EVENT_NAME, "an event name (letters, digits, '.', '_', '-'; never ':')")
 
     @property
     def uses_test_root(self) -> bool:
@@ -140,10 +177,9 @@ def load_policy(path: Path | None) -> Policy:
     """
     if path is None:
         return DEFAULT_POLICY
+    text = read_bounded(Path(path), MAX_POLICY_BYTES, PolicyError, "policy")
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise PolicyError(f"cannot read policy {path}: {exc.strerror}", fix="pass an existing policy file") from exc
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise PolicyError(f"policy {path} is not valid YAML") from exc
     if not isinstance(data, dict):

@@ -4,16 +4,22 @@ Layout (all integers little-endian; offsets verified against dcap-qvl, see
 ``shared/reference/attestation.md`` §4): a 48-byte header, then the report body (TDX v4: TD 1.0
 report at 48; TDX v5: ``body_type u16 @48``, ``body_size u32 @50``, body at 54; SGX v3: the
 384-byte enclave report), then ``u32`` signature-data length ``L`` and ``L`` bytes of signature data.
-Signature checks are dcap-qvl's job; this parser only locates fields so the verifier can read
-measurements and refuse quotes whose bytes extend past the signed region with anything but zeros.
+Signature checks are dcap-qvl's job; this parser locates fields so the verifier can read
+measurements, and for TDX it insists that the signature data is exactly the structure dcap-qvl reads
+(``attestation.md`` §4.3), because dcap-qvl tolerates bytes it does not use::
+
+    sig(64) att_key(64) u16 cert_type=6 u32 size  QE report(384) QE sig(64) u16 A auth(A)
+    u16 inner_type=5 u32 n  PEM chain(n, ends in one NUL)
+
+so ``L`` = 134 + size and size = 456 + A + n exactly. Flipped type or length fields (which dcap-qvl
+accepts) are parse errors. What follows the signature data is padding: real dstack quotes carry
+70 zero bytes there; the verifier accepts zero bytes only (``quote.padding``).
 """
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 
 from attestation.errors import QuoteParseError
 
@@ -24,6 +30,9 @@ TD10_BODY_LEN = 584
 TD15_BODY_LEN = 648
 SGX_BODY_LEN = 384
 INTEL_QE_VENDOR_ID = bytes.fromhex("939a7233f79c4ca9940a0db3957f0607")
+CERT_TYPE_QE_REPORT = 6  # certification data: QE report + signature + auth data + inner data
+CERT_TYPE_PCK_CHAIN = 5  # inner certification data: PEM PCK chain (leaf, intermediate, root) + NUL
+_QE_REPORT_LEN = 384
 MAX_QUOTE_BYTES = 64 * 1024  # real quotes are ~5 KB; anything far larger is not a quote
 
 # (name, size) of the TD 1.0 report body, in order.
@@ -115,6 +124,8 @@ class Quote:
     td: TdReport | None  # None for SGX quotes
     sig_data_len: int
     signed_end: int  # offset just past the declared signature data
+    pck_chain_offset: int | None = None  # TDX: where the inner PEM chain starts
+    pck_chain: bytes | None = None  # TDX: the inner PEM chain bytes, exactly as in the quote
 
     @property
     def is_tdx(self) -> bool:
@@ -173,7 +184,10 @@ class Quote:
             raise QuoteParseError(
                 f"quote truncated: signature data declares {sig_len} bytes, only {len(raw) - sig_len_off - 4} present"
             )
-        td = _parse_td(raw, body_offset, body_type) if tee_type == TEE_TYPE_TDX else None
+        td, chain_at, chain = None, None, None
+        if tee_type == TEE_TYPE_TDX:
+            td = _parse_td(raw, body_offset, body_type)
+            chain_at, chain = _tdx_certification_data(raw, sig_len_off + 4, signed_end)
         return cls(
             raw=raw,
             version=version,
@@ -186,7 +200,37 @@ class Quote:
             td=td,
             sig_data_len=sig_len,
             signed_end=signed_end,
+            pck_chain_offset=chain_at,
+            pck_chain=chain,
         )
+
+
+def _tdx_certification_data(raw: bytes, start: int, end: int) -> tuple[int, bytes]:
+    """Walk the TDX signature data ``raw[start:end]``; every declared size must fit exactly.
+
+    Returns:
+        ``(offset, bytes)`` of the inner PEM PCK chain.
+    """
+    # ECDSA signature (64) + attestation public key (64), then the QE-report certification data
+    pos = _typed_block(raw, start + 128, end, CERT_TYPE_QE_REPORT, "certification data")
+    pos += _QE_REPORT_LEN + 64  # QE report + its signature by the PCK key
+    if end < pos + 2:
+        raise QuoteParseError("QE report certification data truncated before the QE auth data")
+    (auth_len,) = struct.unpack_from("<H", raw, pos)
+    pos = _typed_block(raw, pos + 2 + auth_len, end, CERT_TYPE_PCK_CHAIN, "inner certification data (PCK chain)")
+    return pos, raw[pos:end]
+
+
+def _typed_block(raw: bytes, pos: int, end: int, want: int, what: str) -> int:
+    """A ``u16 type, u32 size`` header at ``pos`` whose data must run exactly to ``end``; returns the data offset."""
+    if end < pos + 6:
+        raise QuoteParseError(f"{what} header runs past the signature data")
+    kind, size = struct.unpack_from("<HI", raw, pos)
+    if kind != want:
+        raise QuoteParseError(f"{what} type {kind}; TDX quotes carry type {want}")
+    if pos + 6 + size != end:
+        raise QuoteParseError(f"{what} declares {size} bytes but the signature data leaves {end - pos - 6}")
+    return pos + 6
 
 
 def _parse_td(raw: bytes, offset: int, body_type: int) -> TdReport:
@@ -199,61 +243,3 @@ def _parse_td(raw: bytes, offset: int, body_type: int) -> TdReport:
         pos += 16  # TEE_TCB_SVN_2
         fields["mr_service_td"] = raw[pos : pos + 48]
     return TdReport(**fields)
-
-
-def decode_quote_input(data: bytes, *, source: str = "quote") -> bytes:
-    """Accept raw quote bytes, hex text (``0x`` prefix and whitespace allowed) or a dstack GetQuote
-    JSON response (``{"quote": "<hex>", ...}``) and return the raw bytes.
-
-    Raises:
-        QuoteParseError: empty, odd-length/invalid hex, JSON without a ``quote`` string, or too large.
-    """
-    if not data:
-        raise QuoteParseError(f"{source} is empty")
-    if len(data) > 4 * MAX_QUOTE_BYTES:
-        raise QuoteParseError(f"{source} is {len(data)} bytes; a DCAP quote is a few KB")
-    head = data.lstrip()[:1]
-    if head == b"{":
-        try:
-            obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise QuoteParseError(f"{source} looks like JSON but does not parse: {exc}") from exc
-        if not isinstance(obj, dict) or not isinstance(obj.get("quote"), str):
-            raise QuoteParseError(f"{source} is JSON without a \"quote\" hex string (expected a GetQuote response)")
-        return _from_hex(obj["quote"].encode(), source)
-    if _looks_like_hex(data):
-        return _from_hex(data, source)
-    return bytes(data)
-
-
-def _looks_like_hex(data: bytes) -> bool:
-    text = data.strip()
-    if text[:2] in (b"0x", b"0X"):
-        return True
-    return bool(text) and all(c in b"0123456789abcdefABCDEF \t\r\n" for c in text)
-
-
-def _from_hex(text: bytes, source: str) -> bytes:
-    cleaned = b"".join(text.split())
-    if cleaned[:2] in (b"0x", b"0X"):
-        cleaned = cleaned[2:]
-    if len(cleaned) % 2:
-        raise QuoteParseError(f"{source}: hex text has an odd number of digits ({len(cleaned)})")
-    try:
-        return bytes.fromhex(cleaned.decode("ascii"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise QuoteParseError(f"{source}: not valid hex") from exc
-
-
-def read_quote_file(path: Path) -> bytes:
-    """Read a quote file in any accepted form (see :func:`decode_quote_input`).
-
-    Raises:
-        QuoteParseError: missing/unreadable file or undecodable content.
-    """
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(4 * MAX_QUOTE_BYTES + 1)  # bounded: never slurp a huge file
-    except OSError as exc:
-        raise QuoteParseError(f"cannot read {path}: {exc.strerror}", fix="pass an existing quote file") from exc
-    return decode_quote_input(data, source=str(path))

@@ -7,113 +7,58 @@ when no check failed. Nothing is taken from a field that can be recomputed: repo
 recomputed from the manifest bytes, RTMR0-3 from the event log, RTMR3 digests from payloads.
 
 Steps (quote level):
- 1. ``quote.parse``        the bytes are a DCAP quote
+ 1. ``quote.parse``        the bytes are a DCAP quote; TDX signature data exactly as declared
  2. ``quote.tee_type``     TDX (an SGX quote is rejected)
- 3. ``quote.padding``      nothing but zero padding after the declared signature data
- 4. ``collateral.window``  collateral present and valid at ``now`` (else: cannot verify)
- 5. ``quote.signature``    dcap-qvl: chain to the policy's root, CRLs, TCB info, QE identity, signatures
- 6. ``quote.tcb_status``   status in the policy's allow-list, no denied advisory
- 7. ``quote.td_attributes`` not debug, SEPT_VE_DISABLE set, MRSIGNERSEAM zero
- 8. ``report_data``        equals the expected value (when one is given)
- 9. ``event_log.replay``   RTMR0-3 recomputed from the log equal the quote's
-10. ``event_log.boot``     system-ready present, trusted boot events once and before it
-11. ``policy.measurements`` MRTD/RTMR0-2 in the policy's allow-lists (skip when none listed)
-12. ``policy.compose_hash`` / ``policy.app_id`` from the event log in the policy's lists (skip when none)
+ 3. ``quote.padding``      nothing but zero bytes after the declared signature data
+ 4. ``quote.cert_chain``   the quote's PCK chain: canonical PEM + one NUL, each cert issued by the
+                           next, ending in the policy's root
+ 5. ``collateral.window``  collateral present and valid at ``now`` (else: cannot verify)
+ 6. ``collateral.chains``  collateral PEM chains canonical and issued up to the root; CRLs signed by
+                           their issuers; a ``pck_certificate_chain`` equal to the quote's chain
+ 7. ``quote.signature``    dcap-qvl: chain to the policy's root, CRLs, TCB info, QE identity, signatures
+ 8. ``quote.tcb_status``   status in the policy's allow-list (or OutOfDate inside the policy's grace
+                           period), no denied advisory
+ 9. ``collateral.tcb_evaluation`` tcbEvaluationDataNumber >= the policy's minimum (skip when none)
+10. ``quote.td_attributes`` not debug, SEPT_VE_DISABLE set, MRSIGNERSEAM zero
+11. ``report_data``        equals the expected value (when one is given)
+12. ``event_log.replay``   RTMR0-3 recomputed from the log equal the quote's
+13. ``event_log.boot``     system-ready present, trusted boot events once and before it
+14. ``event_log.names``    RTMR3 names in the policy's boot / app allow-lists, none with ':'
+15. ``policy.measurements`` MRTD/RTMR0-2 in the policy's allow-lists (skip when none listed)
+16. ``policy.compose_hash`` / ``policy.app_id`` from the event log in the policy's lists (skip when none)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
-
-from attestation.dcap import Collateral, dcap_verify
+from attestation.dcap import Collateral, DcapResult, collateral_chain_problems, dcap_verify, quote_chain_problems
 from attestation.errors import QuoteParseError
-from attestation.eventlog import BootInfo, Event, boot_info, replay
+from attestation.eventlog import Event, boot_info, name_problems, replay
 from attestation.policy import Policy
 from attestation.quote import Quote, TdReport
+from attestation.roots import INTEL_SGX_ROOT_CA_DER
+from attestation.verdict import Check, QuoteFindings, Status, Verdict, iso_utc
 
-Status = Literal["pass", "fail", "skip"]
-
-
-@dataclass(frozen=True)
-class Check:
-    """One named verification step."""
-
-    name: str
-    status: Status
-    detail: str
+__all__ = ["Check", "QuoteFindings", "Status", "Verdict", "quote_verdict", "verify_quote"]
 
 
-@dataclass
-class QuoteFindings:
-    """What the quote-level steps learned (for the bundle level and the JSON output)."""
+def quote_verdict(
+    raw: bytes,
+    *,
+    policy: Policy,
+    now: int,
+    collateral: Collateral | None,
+    events: tuple[Event, ...] | None = None,
+    expected_report_data: bytes | None = None,
+) -> Verdict:
+    """``cvm-tune verify-quote``: the quote-level steps as a :class:`Verdict`.
 
-    quote: Quote | None = None
-    tcb_status: str | None = None
-    advisory_ids: tuple[str, ...] = ()
-    boot: BootInfo | None = None
-    replayed: tuple[bytes, ...] | None = None
-    checks: list[Check] = field(default_factory=list)
-
-    def add(self, name: str, status: Status, detail: str) -> None:
-        self.checks.append(Check(name, status, detail))
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The result: accepted iff no check failed."""
-
-    checks: tuple[Check, ...]
-    policy_name: str
-    test_root: bool
-    now: int
-    findings: QuoteFindings
-
-    @property
-    def accepted(self) -> bool:
-        return all(c.status != "fail" for c in self.checks)
-
-    @property
-    def failed(self) -> tuple[Check, ...]:
-        return tuple(c for c in self.checks if c.status == "fail")
-
-    def summary(self) -> str:
-        """One human line: the verdict and, for a test root, that it is not TEE evidence."""
-        word = "ACCEPTED" if self.accepted else "REJECTED"
-        line = f"{word} under policy '{self.policy_name}'"
-        if self.test_root:
-            line += " — quote signed by a TEST CA (the cvm-tune simulator): this is NOT evidence of a real TEE"
-        return line
-
-    def to_json(self) -> dict[str, Any]:
-        """The stable ``--json`` schema (see README, "verify --json")."""
-        f = self.findings
-        td = f.quote.td if f.quote else None
-        return {
-            "schema": "cvm-tune/verdict/v1",
-            "verdict": "accepted" if self.accepted else "rejected",
-            "policy": self.policy_name,
-            "test_root": self.test_root,
-            "now": self.now,
-            "checks": [{"name": c.name, "status": c.status, "reason": c.detail} for c in self.checks],
-            "tcb_status": f.tcb_status,
-            "advisory_ids": list(f.advisory_ids),
-            "measurements": None
-            if td is None
-            else {
-                "mrtd": td.mr_td.hex(),
-                "rtmr0": td.rt_mr0.hex(),
-                "rtmr1": td.rt_mr1.hex(),
-                "rtmr2": td.rt_mr2.hex(),
-                "rtmr3": td.rt_mr3.hex(),
-                "mr_config_id": td.mr_config_id.hex(),
-                "report_data": td.report_data.hex(),
-            },
-            "replayed_rtmrs": [m.hex() for m in f.replayed] if f.replayed else None,
-            "compose_hash": f.boot.hex("compose-hash") if f.boot else None,
-            "app_id": f.boot.hex("app-id") if f.boot else None,
-            "quote_hex": f.quote.raw.hex() if f.quote else None,
-        }
+    Raises:
+        QuoteParseError: the bytes are not a DCAP quote at all (an input error, not a rejection).
+    """
+    Quote.from_bytes(raw)
+    f = verify_quote(raw, policy=policy, now=now, collateral=collateral, events=events,
+                     expected_report_data=expected_report_data)
+    return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
 
 
 def verify_quote(
@@ -126,7 +71,7 @@ def verify_quote(
     expected_report_data: bytes | None = None,
     findings: QuoteFindings | None = None,
 ) -> QuoteFindings:
-    """Run steps 1-12 and return the findings (checks appended in order)."""
+    """Run steps 1-16 and return the findings (checks appended in order)."""
     f = findings or QuoteFindings()
     # (1) parse
     try:
@@ -146,60 +91,90 @@ def verify_quote(
         f.add("quote.padding", "fail", f"{len(q.trailing)} bytes after the signed region are not all zero")
     else:
         f.add("quote.padding", "pass", f"{len(q.trailing)} zero padding bytes after the signed region")
-    # (4) + (5) + (6) collateral window, signature chain, TCB status
+    # (4) the quote's own PCK chain, byte-exact
+    root_der = INTEL_SGX_ROOT_CA_DER if policy.trusted_root == "intel" else policy.trusted_root.der
+    problems = quote_chain_problems(q.pck_chain or b"", root_der)
+    f.add("quote.cert_chain", "fail" if problems else "pass", "; ".join(problems) or "canonical PEM chain to the trusted root")
+    # (5)-(9) collateral window and chains, signature, TCB status, TCB evaluation number
     _signature_steps(f, q, policy, now, collateral)
-    # (7) TD attributes
+    # (10) TD attributes
     problems = q.td.attribute_problems()
     f.add("quote.td_attributes", "fail" if problems else "pass", "; ".join(problems) or "not debug, SEPT_VE_DISABLE set")
-    # (8) report_data
+    # (11) report_data
     if expected_report_data is None:
         f.add("report_data", "skip", "no expected report_data given")
     elif q.td.report_data == expected_report_data.ljust(64, b"\0"):
         f.add("report_data", "pass", "all 64 bytes equal the expected value")
     else:
         f.add("report_data", "fail", "report_data differs from the expected value (quote is for other content)")
-    # (9) + (10) event log
+    # (12)-(14) event log
     if events is None:
-        f.add("event_log.replay", "skip", "no event log given: RTMRs not replayed")
+        for name in ("event_log.replay", "event_log.boot", "event_log.names"):
+            f.add(name, "skip", "no event log given: RTMRs not replayed, boot events not read")
     else:
-        _event_log_steps(f, q.td, events)
-    # (11) + (12) policy pins
+        _event_log_steps(f, q.td, events, policy)
+    # (15) + (16) policy pins
     _policy_steps(f, q.td, policy)
     return f
 
 
 def _signature_steps(f: QuoteFindings, q: Quote, policy: Policy, now: int, coll: Collateral | None) -> None:
     if coll is None:
-        f.add("collateral.window", "fail", "no collateral: the quote signature cannot be verified")
+        f.add("collateral.window", "fail", "no collateral: cannot verify the quote signature "
+              "(fetch it with `cvm-tune collateral QUOTE -o FILE` and pass --collateral FILE)")
         return
+    f.collateral = coll
     if not coll.not_before <= now <= coll.not_after:
         f.add(
             "collateral.window",
             "fail",
-            f"cannot verify: collateral valid {coll.not_before}..{coll.not_after}, now is {now} "
+            f"cannot verify: collateral valid {iso_utc(coll.not_before)}..{iso_utc(coll.not_after)}, now is {iso_utc(now)} "
             "(fetch fresh collateral, or pass --now inside the window for an as-of check)",
         )
         return
-    f.add("collateral.window", "pass", f"valid {coll.not_before}..{coll.not_after}")
+    f.add("collateral.window", "pass", f"valid {iso_utc(coll.not_before)}..{iso_utc(coll.not_after)}")
     root = None if policy.trusted_root == "intel" else policy.trusted_root.der
+    problems = collateral_chain_problems(coll.text, root or INTEL_SGX_ROOT_CA_DER, q.pck_chain)
+    f.add("collateral.chains", "fail" if problems else "pass",
+          "; ".join(problems) or "canonical PEM chains to the trusted root; CRLs signed by their issuers")
     root_name = "Intel SGX root CA" if root is None else f"test root '{policy.trusted_root.name}'"
     res = dcap_verify(q.raw, coll, root_der=root, now=now)
     if not res.ok:
         f.add("quote.signature", "fail", f"dcap-qvl rejected it against the {root_name}: {res.error}")
         return
     f.add("quote.signature", "pass", f"chains to the {root_name}; TCB info, QE identity and CRLs verified")
-    f.tcb_status, f.advisory_ids = res.status, res.advisory_ids
+    f.tcb_status, f.advisory_ids, f.tcb_date = res.status, res.advisory_ids, res.tcb_date
+    f.tcb_evaluation_data_number = res.tcb_evaluation_data_number
+    _tcb_steps(f, res, policy, now)
+
+
+def _tcb_steps(f: QuoteFindings, res: DcapResult, policy: Policy, now: int) -> None:
+    advisories = f"; advisories: {', '.join(res.advisory_ids)}" if res.advisory_ids else ""
     denied = sorted(set(res.advisory_ids) & set(policy.denied_advisories))
-    advisories = f" advisories: {', '.join(res.advisory_ids)}" if res.advisory_ids else ""
-    if res.status not in policy.allowed_tcb_statuses:
-        f.add("quote.tcb_status", "fail", f"TCB status {res.status} not in {list(policy.allowed_tcb_statuses)};{advisories}")
-    elif denied:
-        f.add("quote.tcb_status", "fail", f"denied advisories present: {', '.join(denied)}")
+    grace = policy.outofdate_grace_period_s
+    grace_end = (res.tcb_date or 0) + grace
+    if denied:
+        f.add("quote.tcb_status", "fail", f"TCB status {res.status}; denied advisories present: {', '.join(denied)}")
+    elif res.status in policy.allowed_tcb_statuses:
+        f.add("quote.tcb_status", "pass", f"{res.status}{advisories}")
+    elif res.status == "OutOfDate" and grace and now <= grace_end:
+        f.add("quote.tcb_status", "pass", f"WARNING: OutOfDate accepted inside the policy's grace period (TCB level "
+              f"dated {iso_utc(res.tcb_date)}, grace ends {iso_utc(grace_end)}): update the platform{advisories}")
     else:
-        f.add("quote.tcb_status", "pass", f"{res.status}{';' + advisories if advisories else ''}")
+        expired = f"; grace period ended {iso_utc(grace_end)}" if res.status == "OutOfDate" and grace else ""
+        f.add("quote.tcb_status", "fail",
+              f"TCB status {res.status} not in {list(policy.allowed_tcb_statuses)}{expired}{advisories}")
+    minimum, got = policy.min_tcb_evaluation_data_number, res.tcb_evaluation_data_number
+    if minimum is None:
+        f.add("collateral.tcb_evaluation", "skip", f"policy sets no minimum (collateral has {got})")
+    elif got is None or got < minimum:
+        f.add("collateral.tcb_evaluation", "fail", f"tcbEvaluationDataNumber {got} < policy minimum {minimum}: stale "
+              "collateral may hide a TCB recovery (fetch fresh collateral)")
+    else:
+        f.add("collateral.tcb_evaluation", "pass", f"tcbEvaluationDataNumber {got} >= {minimum}")
 
 
-def _event_log_steps(f: QuoteFindings, td: TdReport, events: tuple[Event, ...]) -> None:
+def _event_log_steps(f: QuoteFindings, td: TdReport, events: tuple[Event, ...], policy: Policy) -> None:
     rep = replay(events)
     f.replayed = rep.rtmrs
     bad = [f"RTMR{i}" for i in range(4) if rep.rtmrs[i] != td.rtmrs[i]]
@@ -210,6 +185,8 @@ def _event_log_steps(f: QuoteFindings, td: TdReport, events: tuple[Event, ...]) 
         f.add("event_log.replay", "pass", f"RTMR0-3 replayed from {len(events)} events (RTMR3 digests recomputed)")
     f.boot = boot_info(events)
     f.add("event_log.boot", "fail" if f.boot.problems else "pass", "; ".join(f.boot.problems) or "boot events well-formed")
+    bad = name_problems(events, boot_names=policy.allowed_boot_events, app_names=policy.allowed_app_events)
+    f.add("event_log.names", "fail" if bad else "pass", "; ".join(bad) or "every RTMR3 event name is allowed by the policy")
 
 
 def _policy_steps(f: QuoteFindings, td: TdReport, policy: Policy) -> None:

@@ -15,7 +15,8 @@ import pytest
 from attestation import Policy, TrustedRoot, parse_collateral, parse_event_log, replay, verify_quote
 from attestation.errors import QuoteParseError
 from attestation.eventlog import boot_info
-from attestation.quote import Quote, decode_quote_input
+from attestation.inputs import decode_quote_input
+from attestation.quote import Quote
 
 from .conftest_data import TESTDATA, load_manifest
 
@@ -30,7 +31,8 @@ def _policy(entry: dict) -> Policy:
     status = entry["expected_status"] or "UpToDate"
     root = entry["root_ca_der"]
     trusted = "intel" if root is None else TrustedRoot(name="synthetic test root", der_hex=(TESTDATA / root).read_bytes().hex())
-    return Policy(name="sample", allowed_tcb_statuses=(status,), trusted_root=trusted)
+    # the NEAR MPC node measures one app event of its own after system-ready
+    return Policy(name="sample", allowed_tcb_statuses=(status,), trusted_root=trusted, allowed_app_events=("mpc-image-digest",))
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[f"{e['quote']}@{e['now']}" for e in ENTRIES])
@@ -64,9 +66,12 @@ def test_sample_gives_expected_result(entry: dict) -> None:
     assert checks["quote.tcb_status"].status == "pass"
     assert checks["quote.td_attributes"].status == "pass"
     assert checks["quote.padding"].status == "pass"
+    assert checks["quote.cert_chain"].status == "pass", checks["quote.cert_chain"].detail
+    assert checks["collateral.chains"].status == "pass", checks["collateral.chains"].detail
     if entry["event_log_replays_all_rtmrs"]:
         assert checks["event_log.replay"].status == "pass", checks["event_log.replay"].detail
         assert checks["event_log.boot"].status == "pass"
+        assert checks["event_log.names"].status == "pass", checks["event_log.names"].detail
 
 
 def test_default_policy_rejects_outofdate_with_advisories() -> None:

@@ -149,7 +149,7 @@ TAMPER = {
     "quote.bin": {"quote.signature", "quote.parse", "quote.padding"},
     "quote.hex": {"quote.hex"},
     "event_log.json": {"event_log.replay", "event_log.parse"},
-    "collateral.json": {"quote.signature", "collateral.parse"},
+    "collateral.json": {"quote.signature", "collateral.parse", "collateral.chains"},
     "report/report.json": {"manifest.files"},
     "report/loss.png": {"manifest.files"},
 }
