@@ -29,6 +29,7 @@ from attestation.policy import policy_file_text, simulator_policy
 import app
 from app import export
 from app.audit import AuditLog, AuditRecorder, utc_now
+from app.build_info import build_info
 from app.config import Config
 from app.dataset import DerivedKeySource, KeyFileSource, KeySource, encrypt_file, open_encrypted, parse_jsonl
 from app.errors import BaseModelError, ConfigError, StateError, TeeError
@@ -94,6 +95,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         compose_bytes = ident.app_compose.encode()
         if sha256_hex(compose_bytes) != ident.compose_hash:
             raise TeeError("the agent's app-compose text does not hash to its compose-hash", fix="report this: the guest agent is inconsistent")
+        build = build_info(ident.app_compose)  # image digest from the measured compose, lock hash from the image
 
         # 2. Dataset key (GetKey-derived, or a key file for the demo).
         with timer.phase("key"):
@@ -195,6 +197,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
                 "audit": {"head": entries[-1].hash, "start_prev": entries[0].prev, "first_seq": entries[0].seq,
                           "entries": len(entries), "rtmr3": recorder.rtmr3 or "unsupported"},
                 "files": {**artifacts, B.AUDIT: sha256_file(stage / B.AUDIT)},
+                "build": build,
             })
             (stage / B.MANIFEST).write_bytes(manifest)
             with timer.phase("quote"):
