@@ -151,7 +151,7 @@ class BundleServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         host, port = self.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def start(self) -> BundleServer:
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)

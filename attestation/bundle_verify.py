@@ -182,8 +182,10 @@ def _build(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
         image = None  # compose.hash already reports an unreadable app-compose.json
     b = m.build
     if b is None or b.image is None:
-        status = "fail" if image is not None else "skip"
-        f.add("build.image", status, f"the manifest omits the measured {C.SERVICE} image {image}" if image else "no image recorded")
+        if image is not None:
+            f.add("build.image", "fail", f"the manifest omits the measured {C.SERVICE} image {image}")
+        else:
+            f.add("build.image", "skip", f"no {C.SERVICE} image in app-compose.json and none recorded")
     elif b.image != image or b.image_digest is None or b.image_digest != C.image_digest(image):
         f.add("build.image", "fail", f"manifest image {b.image} is not the app-compose's {C.SERVICE} image {image}")
     else:

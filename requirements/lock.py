@@ -8,6 +8,7 @@ SHA-256 is not listed, and any dependency that is not pinned. This script writes
     .venv/bin/python requirements/lock.py                # rewrite every stale lock (cpu, test, gpu)
     .venv/bin/python requirements/lock.py cpu test       # just these
     .venv/bin/python requirements/lock.py --resolve gpu  # re-resolve gpu.txt from pyproject's [gpu] extra, then lock
+    .venv/bin/python requirements/lock.py --check-image /usr/bin/python3.12   # the image's install, without docker
 
 After adding a package: add ``name==version`` to the ``.txt`` (and its new dependencies; ``--resolve NAME`` finds
 them with pip's resolver, keeping every existing pin as a constraint), then run this script. ``tests/test_deploy.py``
@@ -27,7 +28,9 @@ Which hashes are listed, per pin ``name==version``:
   downloads torch: its base image provides ``torch 2.13.0`` (pip sees the pin satisfied).
 
 Packages marked "provided by the base image" in ``gpu.txt`` (torch's CUDA stack) are not in ``gpu.lock``: the image
-takes them from its digest-pinned base, and ``install.sh`` checks they are present.
+takes them from its digest-pinned base. ``--check-image PYTHON`` replays the image's install step without docker:
+a venv of that Python (3.12, as in the base) holding stand-ins for the base's torch stack (BASE_STUBS), then
+``pip install --dry-run --require-hashes`` of each lock; pip fails if any dependency is unpinned there.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ RESOLVE = {"cpu": ["torch==2.13.0", "."], "test": ["torch==2.13.0", ".[test]"], 
 # torch's CUDA stack: the GPU image takes these from its base image (see the Dockerfile).
 LOCAL_ONLY = {"torch"}
 BASE_PROVIDED = re.compile(r"^(torchvision|torchaudio|triton|nvidia-.*|cuda-.*)$")
+BASE_STUBS = {"torch": "2.13.0+cu126", "torchvision": "0.28.0+cu126", "triton": "3.7.1"}  # what the base image has
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#\\]+)\s*(?:#.*)?$")
 INPUT_MARK = "# input-sha256: "
 
@@ -251,15 +255,37 @@ def resolve(name: str) -> None:
     print(f"resolved {src.relative_to(ROOT)}: {len(resolved)} pins")
 
 
+def check_image(python: str, names: list[str]) -> None:
+    """Dry-run each lock's install in a venv of ``python`` that holds the base image's torch stack (as stubs)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        venv = Path(tmp) / "venv"
+        subprocess.run([python, "-m", "venv", str(venv)], check=True)
+        site = subprocess.run([str(venv / "bin" / "python"), "-c", "import site; print(site.getsitepackages()[0])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        for dist, version in BASE_STUBS.items():
+            info = Path(site) / f"{dist}-{version}.dist-info"
+            info.mkdir()
+            (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+            (info / "RECORD").write_text("")
+        for name in names:
+            subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--dry-run", "--require-hashes",
+                            "--use-feature=fast-deps", "-r", str(HERE / f"{name}.lock")], check=True)
+            print(f"requirements/{name}.lock installs on {python} beside the base image's torch stack")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", metavar="NAME", help=f"locks to (re)write: {', '.join(NAMES)} (default: all)")
     ap.add_argument("--resolve", action="store_true", help="first re-resolve the pins with pip (network)")
     ap.add_argument("--force", action="store_true", help="rewrite locks even when they are up to date")
+    ap.add_argument("--check-image", metavar="PYTHON", help="only dry-run the image's install of the locks with this Python (3.12)")
     args = ap.parse_args(argv)
     names = args.names or list(NAMES)
     if unknown := sorted(set(names) - set(NAMES)):
         ap.error(f"unknown lock {unknown}: choose from {', '.join(NAMES)}")
+    if args.check_image:
+        check_image(args.check_image, [n for n in names if n != "test"])
+        return 0
     if args.resolve:
         for name in names:
             resolve(name)

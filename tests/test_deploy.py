@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from attestation import compose as C
-from attestation.bundle import Manifest
+from attestation.bundle import BuildInfo, Manifest
 from attestation.bundle_verify import _build
 from attestation.policy import simulator_policy
 from attestation.verify import QuoteFindings
@@ -409,7 +409,7 @@ def test_verifier_build_checks_compare_with_the_measured_compose(tmp_path: Path)
     cases = [(good, "pass", "pass"), ({**good, "image": TEST_IMAGE.replace("5e", "6f")}, "fail", "pass"),
              ({**good, "lock_mismatches": ["trl: 1.15.0 installed, lock 1.16.0"]}, "pass", "fail"), (None, "fail", "skip")]
     for build, image_status, lock_status in cases:
-        m = Manifest.model_construct(build=None if build is None else Manifest.model_fields["build"].annotation.__args__[0](**build))
+        m = Manifest.model_construct(build=None if build is None else BuildInfo(**build))
         f = QuoteFindings()
         _build(f, tmp_path, m)
         assert [(c.name, c.status) for c in f.checks] == [("build.image", image_status), ("build.lock", lock_status)]
