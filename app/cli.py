@@ -25,7 +25,7 @@ from attestation import AttestationError, Verdict
 
 import app
 from app import cli_owner
-from app.errors import CvmTuneError
+from app.errors import ConfigError, CvmTuneError
 
 EXIT_REJECTED = 1
 EXIT_INTERNAL = 70
@@ -110,11 +110,71 @@ def _parser() -> argparse.ArgumentParser:
                    help="EmitEvent behaviour: accept (dstack OS 0.5.x), noop (simulator 0.5.3-0.5.8), reject (>= 0.5.9)")
     s.add_argument("--write-policy", type=Path, metavar="FILE", help="write a policy trusting this simulator's TEST CA and exit")
 
+    s.add_argument("--app-compose", type=Path, metavar="FILE", help="serve this app-compose.json (its SHA-256 becomes the compose-hash)")
+
+    _deploy_parsers(sub)
     sub.add_parser("schema", help="print the configuration JSON schema")
     c = sub.add_parser("validate-config", help="check a configuration file and print the resolved config")
     c.add_argument("config", type=Path, metavar="FILE")
     cli_owner.add_parsers(sub)
     return p
+
+
+def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
+    """compose-hash, app-compose, env encrypt, bundles (the dstack deployment tools; README 'Deploy to dstack')."""
+    h = sub.add_parser("compose-hash", help="dstack's compose-hash and app-id of an app-compose.json, and its audit",
+                       description="SHA-256 of the exact file bytes (what the CVM measures into RTMR3 and MRCONFIGID), the "
+                       "app-id it implies, and what must change before it can be trusted. Exit 1 if the audit finds anything.")
+    h.add_argument("app_compose", type=Path, nargs="?", default=Path("app-compose.json"), metavar="APP_COMPOSE_JSON")
+    h.add_argument("--app-id", metavar="HEX", help="the app id your KMS deployment pinned (kms_enabled: the file alone cannot say)")
+    h.add_argument("--json", action="store_true", help="print JSON")
+
+    a = sub.add_parser("app-compose", help="write the deployable docker-compose.yaml and app-compose.json for an image",
+                       description="Put the pushed image's digest into docker-compose.yaml and write app-compose.json as "
+                       "dstack's vmm-cli does (or the normalized form Phala Cloud shows); print compose-hash and app-id.")
+    a.add_argument("--image", required=True, metavar="REF@sha256:DIGEST", help="the pushed image, pinned by digest")
+    a.add_argument("--bundles-token-sha256", metavar="HEX", help="SHA-256 of the bundle server's token (cvm-tune bundles token FILE)")
+    a.add_argument("--compose", type=Path, default=Path("docker-compose.yaml"), metavar="FILE", help="template (default: %(default)s)")
+    a.add_argument("--out-dir", type=Path, default=Path("deploy"), metavar="DIR", help="output directory (default: %(default)s)")
+    a.add_argument("--name", default="cvm-tune", help="app name in app-compose.json")
+    a.add_argument("--format", choices=("vmm-cli", "normalized"), default="vmm-cli",
+                   help="vmm-cli: indent 4, dstack's vmm-cli.py; normalized: sorted compact JSON (dstack-sdk get_compose_hash)")
+    a.add_argument("--no-kms", action="store_true", help="kms_enabled false (keys then die with the CVM unless a local key provider is on)")
+    a.add_argument("--no-gateway", action="store_true", help="gateway_enabled false (no way to reach the bundle server)")
+    a.add_argument("--local-key-provider", action="store_true", help="local_key_provider_enabled true (SGX local key provider)")
+    a.add_argument("--key-provider-id", default="", metavar="HEX")
+    a.add_argument("--allowed-env", action="append", default=[], metavar="NAME", help="extra allowed_envs name (repeatable)")
+
+    e = sub.add_parser("env", help="dstack encrypted environment variables").add_subparsers(dest="env_command", required=True, metavar="ACTION")
+    ee = e.add_parser("encrypt", help="encrypt variables to a CVM's env public key (dstack-sdk)",
+                      description="Values come from a file or this process's environment, never the command line. Encrypted env "
+                      "is confidential but forgeable by the host: see README 'Secrets and encrypted env'.")
+    ee.add_argument("--public-key", required=True, metavar="HEX", help="the app's env encryption public key (X25519)")
+    src = ee.add_mutually_exclusive_group(required=True)
+    src.add_argument("--env-file", type=Path, metavar="FILE", help="NAME=value lines")
+    src.add_argument("--from-env", nargs="+", metavar="NAME", help="take these variables from the environment")
+    ee.add_argument("--app-compose", type=Path, metavar="FILE", help="refuse names missing from its allowed_envs")
+    ee.add_argument("--kms-signature", metavar="HEX", help="signature_v1 from the KMS (verified before encrypting)")
+    ee.add_argument("--app-id", metavar="HEX", help="with --kms-signature")
+    ee.add_argument("--timestamp", type=int, metavar="UNIX_SECONDS", help="with --kms-signature")
+    ee.add_argument("--kms-signer", metavar="HEX", help="the KMS signer's compressed secp256k1 key you trust")
+    ee.add_argument("-o", "--output", type=Path, metavar="FILE", help="write the hex blob here (default: stdout)")
+
+    b = sub.add_parser("bundles", help="serve or fetch export bundles (the way out of a CVM)").add_subparsers(
+        dest="bundles_command", required=True, metavar="ACTION")
+    bt = b.add_parser("token", help="write a new bearer token file and print the SHA-256 to pin in docker-compose.yaml")
+    bt.add_argument("file", type=Path, metavar="FILE")
+    bs = b.add_parser("serve", help="read-only HTTP server over the output volume (the compose's bundles service)")
+    bs.add_argument("--output", type=Path, default=Path("/data/output"), metavar="DIR", help="output volume (default: %(default)s)")
+    bs.add_argument("--port", type=int, default=8000)
+    bs.add_argument("--host", default="0.0.0.0")
+    for name, what in (("list", "list the server's runs"), ("fetch", "download a bundle (then: cvm-tune verify DIR/RUN_ID)")):
+        bc = b.add_parser(name, help=what)
+        bc.add_argument("url", metavar="URL", help="the bundle server, e.g. https://<app-id>-8000.<gateway domain>")
+        bc.add_argument("--token-file", type=Path, required=True, metavar="FILE")
+        if name == "fetch":
+            bc.add_argument("run_id", metavar="RUN_ID")
+            bc.add_argument("-o", "--out-dir", type=Path, default=Path("."), metavar="DIR")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,7 +330,13 @@ def _simulator(args: argparse.Namespace) -> int:
 
     from app.simulator import GuestAgentSimulator, SimulatorServer, SimulatorSettings
 
-    sim = GuestAgentSimulator(SimulatorSettings(emit_event=args.emit_event))
+    app_compose = None
+    if args.app_compose is not None:
+        try:
+            app_compose = args.app_compose.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read {args.app_compose}: {exc}") from exc
+    sim = GuestAgentSimulator(SimulatorSettings(emit_event=args.emit_event, app_compose=app_compose))
     if args.write_policy:
         args.write_policy.write_text(policy_file_text(simulator_policy(sim.test_root_ca_der)))
         print(f"wrote {args.write_policy}")
@@ -303,6 +369,116 @@ def _validate_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compose_hash(args: argparse.Namespace) -> int:
+    from attestation import compose as C
+
+    try:
+        raw = args.app_compose.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {args.app_compose}: {exc.strerror}", fix="pass the app-compose.json to hash") from exc
+    doc = C.load(raw)
+    digest = C.compose_hash(raw)
+    out = {"compose_hash": digest, "app_id": C.app_id(doc, digest, pinned_app_id=args.app_id),
+           "mr_config_id": C.mr_config_id_v1(digest), "kms_enabled": bool(doc.get("kms_enabled")),
+           "images": C.images(doc) if doc.get("runner") == "docker-compose" else {}, "problems": C.audit(doc)}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"compose-hash  {digest}")
+        print(f"app-id        {out['app_id'] or 'assigned by the KMS deployment (pass --app-id): not derivable from the file'}")
+        print(f"mr_config_id  {out['mr_config_id']}")
+        for svc, ref in out["images"].items():
+            print(f"image         {svc}: {ref}")
+        for problem in out["problems"]:
+            print(f"PROBLEM       {problem}")
+    return EXIT_REJECTED if out["problems"] else 0
+
+
+def _app_compose(args: argparse.Namespace) -> int:
+    from attestation.compose import AppComposeSettings
+
+    from app.deploy import render_deployment
+
+    try:
+        template = args.compose.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {args.compose}: {exc}") from exc
+    settings = AppComposeSettings(name=args.name, kms_enabled=not args.no_kms, gateway_enabled=not args.no_gateway,
+                                  local_key_provider_enabled=args.local_key_provider, key_provider_id=args.key_provider_id,
+                                  allowed_envs=tuple(args.allowed_env))
+    dep = render_deployment(template, args.image, settings, bundles_token_sha256=args.bundles_token_sha256, style=args.format)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "docker-compose.yaml").write_text(dep.docker_compose)
+    (args.out_dir / "app-compose.json").write_bytes(dep.app_compose)
+    print(f"wrote {args.out_dir / 'docker-compose.yaml'} and {args.out_dir / 'app-compose.json'}")
+    print(f"compose-hash  {dep.compose_hash}")
+    print(f"app-id        {dep.app_id} (unless your KMS deployment pins another: then the KMS's)")
+    return 0
+
+
+def _env(args: argparse.Namespace) -> int:
+    from attestation.compose import load
+
+    from app.deploy import check_env, encrypt_env, read_env_file, verify_public_key
+
+    if args.env_file is not None:
+        values = read_env_file(args.env_file)
+    else:
+        missing = [n for n in args.from_env if n not in os.environ]
+        if missing:
+            raise ConfigError(f"not set in the environment: {missing}")
+        values = {n: os.environ[n] for n in args.from_env}
+    allowed = None
+    if args.app_compose is not None:
+        try:
+            allowed = list(load(args.app_compose.read_bytes()).get("allowed_envs") or [])
+        except OSError as exc:
+            raise ConfigError(f"cannot read {args.app_compose}: {exc.strerror}") from exc
+    check_env(values, allowed)
+    if args.kms_signature:
+        if not (args.app_id and args.timestamp is not None and args.kms_signer):
+            raise ConfigError("--kms-signature needs --app-id, --timestamp and --kms-signer")
+        verify_public_key(args.public_key, args.kms_signature, args.app_id, args.timestamp, args.kms_signer)
+    else:
+        print("warning: the env public key is not authenticated (no --kms-signature): make sure it comes from your KMS",
+              file=sys.stderr)
+    blob = encrypt_env(values, args.public_key)
+    if args.output is not None:
+        args.output.write_text(blob + "\n")
+        print(f"encrypted {len(values)} variables ({', '.join(sorted(values))}) to {args.output}", file=sys.stderr)
+    else:
+        print(blob)
+    return 0
+
+
+def _bundles(args: argparse.Namespace) -> int:
+    from app import bundles
+
+    if args.bundles_command == "token":
+        digest = bundles.new_token(args.file)
+        print(f"wrote {args.file} (mode 0600). Pin its hash in docker-compose.yaml:")
+        print(f"  {bundles.TOKEN_ENV}={digest}")
+        return 0
+    if args.bundles_command == "serve":
+        server = bundles.BundleServer(args.output, os.environ.get(bundles.TOKEN_ENV, ""), host=args.host, port=args.port)
+        print(f"cvm-tune bundle server (read-only) on {server.url} for {args.output}", flush=True)
+        try:
+            server.serve_forever()
+        finally:
+            server.server_close()
+        return 0
+    token = bundles.read_token(args.token_file)
+    if args.bundles_command == "list":
+        for r in bundles.list_runs(args.url, token):
+            print(f"{r['run_id']:40} {str(r['status']):10} {str(r['started_at']):22} {'exported' if r['exported'] else ''}")
+        return 0
+    out = bundles.fetch(args.url, args.run_id, args.out_dir, token)
+    print(f"fetched {out}")
+    print(f"verify it: cvm-tune verify {out} --policy YOUR_POLICY.yaml")
+    return 0
+
+
 _COMMANDS = {"run": _run, "serve": _serve, "status": _status, "verify": _verify, "verify-quote": _verify_quote,
              "collateral": _collateral, "simulator": _simulator, "schema": _schema, "validate-config": _validate_config,
+             "compose-hash": _compose_hash, "app-compose": _app_compose, "env": _env, "bundles": _bundles,
              **cli_owner.COMMANDS}

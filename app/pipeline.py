@@ -34,6 +34,7 @@ import app
 from app import export, report
 from app import gpu as gpu_evidence
 from app.audit import AuditLog, AuditRecorder, utc_now
+from app.build_info import build_info
 from app.config import Config
 from app.dataset import DerivedKeySource, KeyFileSource, KeySource, encrypt_file, open_encrypted, parse_jsonl
 from app.dataset.key_request import CvmIdentity, ReleasedKeySource
@@ -125,6 +126,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         compose_bytes = ident.app_compose.encode()
         if sha256_hex(compose_bytes) != ident.compose_hash:
             raise TeeError("the agent's app-compose text does not hash to its compose-hash", fix="report this: the guest agent is inconsistent")
+        build = build_info(ident.app_compose)  # image digest from the measured compose, lock hash from the image
 
         # 2. Dataset key (GetKey-derived, a key file for the demo, an env var, or released by the owner).
         with timer.phase("key"):
@@ -296,6 +298,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
                 "files": {**artifacts, B.AUDIT: sha256_file(stage / B.AUDIT), B.GPU_EVIDENCE: gpu.info.evidence_sha256,
                           **{rel: sha256_file(p) for rel, p in report_files.items()}},
                 "gpu": gpu.info.model_dump(mode="json"),
+                "build": build,
             })
             (stage / B.MANIFEST).write_bytes(manifest)
             with timer.phase("quote"):

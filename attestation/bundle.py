@@ -22,7 +22,7 @@ typed-content convention ``hash(tag ":" content)`` with a cvm-tune tag, over the
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -171,6 +171,17 @@ class AuditInfo(_Closed):
     rtmr3: Literal["emit_event", "unsupported"]
 
 
+class BuildInfo(_Closed):
+    """The image and dependency lock of the run (``app.build_info``); absent outside a container."""
+
+    image: str | None  # the cvm-tune service's image in the measured app-compose.json
+    image_digest: Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")] | None
+    base_image: str | None
+    lock_file: str | None
+    lock_sha256: Annotated[str, _H64] | None
+    lock_mismatches: list[str]  # installed distributions that differ from the lock (empty: none)
+
+
 class Manifest(_Closed):
     """The provenance manifest (schema ``cvm-tune/manifest/v1``)."""
 
@@ -187,3 +198,4 @@ class Manifest(_Closed):
     audit: AuditInfo
     files: dict[str, Hex64]
     gpu: GpuInfo | None = None  # absent only in bundles from before GPU evidence was recorded
+    build: BuildInfo | None = None

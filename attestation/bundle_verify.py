@@ -16,6 +16,8 @@ Bundle steps (after ``attestation.verify``'s quote steps):
                          ``gpu.evidence`` audit entry, nonce = that entry's prev (``attestation.gpu.check``)
  B13 ``dataset.owner``   owner key id = SHA-256(owner public key); with the file: its owner signature
                          verifies under that key and its statement, header and hashes match the manifest
+ B14 ``build.image``     the manifest's image is the cvm-tune service's image in app-compose.json, pinned by digest
+ B15 ``build.lock``      the run's environment matched the hash lock the image was built from
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from attestation import bundle as B
+from attestation import compose as C
 from attestation.audit import AuditEntry, AuditFormatError, chain_problems, parse_entry, parse_lines
 from attestation.dataset_sig import TrailerError, owner_key_id, read_signed_file
 from attestation.dcap import Collateral, parse_collateral
@@ -76,6 +79,7 @@ def verify_bundle(
                     "audit_last_seq": manifest.audit.first_seq + manifest.audit.entries - 1}
         _file_hashes(f, root, manifest)
         _compose_and_app_id(f, root, manifest)
+        _build(f, root, manifest)
         _audit(f, root, manifest, policy)
         _gpu(f, root, manifest)
         _inputs(f, manifest, base_model_dir, dataset_file)
@@ -178,6 +182,29 @@ def _compose_and_app_id(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
     app_id = f.boot.hex("app-id") if f.boot else None
     ok = app_id == m.tee.app_id
     f.add("tee.app_id", "pass" if ok else "fail", f"app-id {app_id or '(absent)'}" + ("" if ok else f" != manifest {m.tee.app_id}"))
+
+
+def _build(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
+    try:
+        image = C.images(C.load(_read(root / B.APP_COMPOSE))).get(C.SERVICE)
+    except (OSError, AttestationError):
+        image = None  # compose.hash already reports an unreadable app-compose.json
+    b = m.build
+    if b is None or b.image is None:
+        if image is not None:
+            f.add("build.image", "fail", f"the manifest omits the measured {C.SERVICE} image {image}")
+        else:
+            f.add("build.image", "skip", f"no {C.SERVICE} image in app-compose.json and none recorded")
+    elif b.image != image or b.image_digest is None or b.image_digest != C.image_digest(image):
+        f.add("build.image", "fail", f"manifest image {b.image} is not the app-compose's {C.SERVICE} image {image}")
+    else:
+        f.add("build.image", "pass", f"{b.image_digest} (measured through the compose-hash)")
+    if b is None or b.lock_file is None:
+        f.add("build.lock", "skip", "no dependency lock recorded (not a container build)")
+    elif b.lock_mismatches:
+        f.add("build.lock", "fail", f"the environment differed from {b.lock_file}: " + "; ".join(b.lock_mismatches[:5]))
+    else:
+        f.add("build.lock", "pass", f"{b.lock_file} sha256 {b.lock_sha256}; every pin installed")
 
 
 def _audit(f: QuoteFindings, root: Path, m: B.Manifest, policy: Policy) -> None:

@@ -1,0 +1,196 @@
+"""dstack's app-compose.json: compose-hash, app-id, the exact file dstack's tools write, and what it will run.
+
+Rules, from dstack's source (github.com/Dstack-TEE/dstack at tag v0.5.11):
+
+* **compose-hash** = SHA-256 of the raw bytes of ``app-compose.json`` as the CVM reads them, never re-serialised
+  (``dstack-util/src/system_setup.rs``, ``measure_app_info``: ``sha256_file(app_compose_file)``; issue #550). It is
+  emitted to RTMR3 as the ``compose-hash`` boot event and set in MRCONFIGID (v1 = ``01 || compose_hash || 15 zero
+  bytes``, ``dstack-types/src/mr_config.rs``).
+* **app-id** (same function): the deployer's app id when one was given (Phala's on-chain KMS: the DstackApp contract
+  address; ``vmm-cli.py deploy --app-id``), else ``compose_hash[:20]``; and when ``kms_enabled`` is false the emitted
+  ``app-id`` event is always ``compose_hash[:20]``. So only a KMS deployment with a pinned app id cannot be derived
+  from the file: :func:`app_id` returns None for ``kms_enabled`` true unless the caller says no id was pinned.
+* **The file dstack's own tool writes** (``vmm/src/vmm-cli.py``, ``create_app_compose``): the fields below in that
+  order, ``json.dumps(..., indent=4, ensure_ascii=False)``, UTF-8, no trailing newline. The SDK's
+  ``get_compose_hash`` (``sdk/python/src/dstack_sdk/get_compose_hash.py``) hashes the *normalized* form instead
+  (sorted keys, ``separators=(",", ":")``, ``ensure_ascii=False``; ``docs/normalized-app-compose.md``), which is
+  what Phala Cloud shows; both are supported here, and either way the CVM hashes the bytes it was given.
+
+Verified against real captures in ``tests/data/attestation/`` (a dstack 0.5.8 CVM's event log and Info).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from attestation.errors import AttestationError
+
+SERVICE = "cvm-tune"  # the compose service that runs cvm-tune (its image is recorded in every manifest)
+DSTACK_SOCKET = "/var/run/dstack.sock"
+DIGEST_REF = re.compile(r"^(?P<name>[^@\s]+)@(?P<digest>sha256:[0-9a-f]{64})$")
+PLACEHOLDER_DIGEST = "sha256:" + "0" * 64
+MAX_APP_COMPOSE = 1 << 20
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|WEBHOOK|PRIVATE", re.I)
+Style = Literal["vmm-cli", "normalized"]
+
+
+class ComposeError(AttestationError):
+    """app-compose.json or its docker-compose text cannot be read."""
+
+    default_fix = "pass the app-compose.json the CVM measured (Info's tcb_info.app_compose, or the file you deployed)"
+
+
+def compose_hash(raw: bytes) -> str:
+    """dstack's compose-hash: SHA-256 of the exact file bytes (hex)."""
+    return hashlib.sha256(raw).hexdigest()
+
+
+def mr_config_id_v1(compose_hash_hex: str) -> str:
+    """MRCONFIGID as the VMM sets it (v1), hex."""
+    return "01" + compose_hash_hex + "00" * 15
+
+
+def app_id(app_compose: dict[str, Any], compose_hash_hex: str, *, pinned_app_id: str | None = None) -> str | None:
+    """The app-id the CVM will measure; None when a KMS deployment's id is assigned outside the file."""
+    if not app_compose.get("kms_enabled", False):
+        return compose_hash_hex[:40]
+    return pinned_app_id.lower().removeprefix("0x") if pinned_app_id else None
+
+
+def load(raw: bytes) -> dict[str, Any]:
+    """Parse app-compose.json (a JSON object).
+
+    Raises:
+        ComposeError: not UTF-8 JSON, not an object, or too large.
+    """
+    if len(raw) > MAX_APP_COMPOSE:
+        raise ComposeError(f"app-compose.json is {len(raw)} bytes (limit {MAX_APP_COMPOSE})")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ComposeError(f"app-compose.json is not UTF-8 JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ComposeError("app-compose.json must be a JSON object")
+    return data
+
+
+@dataclass(frozen=True)
+class AppComposeSettings:
+    """The fields ``vmm-cli.py compose`` sets, with cvm-tune's defaults (logs private, KMS keys)."""
+
+    name: str = "cvm-tune"
+    kms_enabled: bool = True
+    gateway_enabled: bool = True
+    local_key_provider_enabled: bool = False
+    key_provider_id: str = ""
+    public_logs: bool = False
+    public_sysinfo: bool = False
+    allowed_envs: tuple[str, ...] = ()
+    no_instance_id: bool = False
+    secure_time: bool = True
+    key_provider: str | None = None
+    pre_launch_script: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def render(docker_compose_text: str, s: AppComposeSettings, *, style: Style = "vmm-cli") -> bytes:
+    """The app-compose.json bytes for a docker-compose file, as dstack's tools write them."""
+    doc: dict[str, Any] = {
+        "manifest_version": 2, "name": s.name, "runner": "docker-compose", "docker_compose_file": docker_compose_text,
+        "kms_enabled": s.kms_enabled, "gateway_enabled": s.gateway_enabled,
+        "local_key_provider_enabled": s.local_key_provider_enabled, "key_provider_id": s.key_provider_id,
+        "public_logs": s.public_logs, "public_sysinfo": s.public_sysinfo, "allowed_envs": list(s.allowed_envs),
+        "no_instance_id": s.no_instance_id, "secure_time": s.secure_time,
+    }
+    if s.key_provider:
+        doc["key_provider"] = s.key_provider
+    if s.pre_launch_script:
+        doc["pre_launch_script"] = s.pre_launch_script
+    doc.update(s.extra)
+    if style == "normalized":
+        return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    return json.dumps(doc, indent=4, ensure_ascii=False).encode()
+
+
+def services(docker_compose_text: str) -> dict[str, dict[str, Any]]:
+    """The ``services`` mapping of a docker-compose text.
+
+    Raises:
+        ComposeError: not YAML or no services mapping.
+    """
+    try:
+        doc = yaml.safe_load(docker_compose_text)
+    except yaml.YAMLError as exc:
+        raise ComposeError(f"docker_compose_file is not valid YAML: {str(exc).splitlines()[0]}") from exc
+    svcs = doc.get("services") if isinstance(doc, dict) else None
+    if not isinstance(svcs, dict) or not all(isinstance(v, dict) for v in svcs.values()):
+        raise ComposeError("docker_compose_file has no `services` mapping")
+    return svcs
+
+
+def images(app_compose: dict[str, Any]) -> dict[str, str | None]:
+    """service -> image reference, from the docker-compose text inside app-compose.json."""
+    text = app_compose.get("docker_compose_file")
+    if not isinstance(text, str):
+        raise ComposeError("app-compose.json has no docker_compose_file text (runner is not docker-compose)")
+    return {name: (svc.get("image") if isinstance(svc.get("image"), str) else None) for name, svc in services(text).items()}
+
+
+def image_digest(ref: str | None) -> str | None:
+    """``sha256:<hex>`` when ``ref`` is pinned by digest, else None."""
+    m = DIGEST_REF.match(ref or "")
+    return m.group("digest") if m else None
+
+
+def env_entries(svc: dict[str, Any]) -> dict[str, str | None]:
+    """A service's ``environment`` as name -> value (None: passed through from the CVM's environment)."""
+    env = svc.get("environment") or {}
+    if isinstance(env, dict):
+        return {str(k): (None if v is None else str(v)) for k, v in env.items()}
+    out: dict[str, str | None] = {}
+    for item in env:
+        name, sep, value = str(item).partition("=")
+        out[name] = value if sep else None
+    return out
+
+
+def audit(app_compose: dict[str, Any]) -> list[str]:
+    """What must change before this app-compose can be trusted with a dataset key (empty: nothing found)."""
+    problems = []
+    if app_compose.get("runner") != "docker-compose":
+        return [f"runner is {app_compose.get('runner')!r}: only docker-compose apps can be audited here"]
+    if app_compose.get("public_logs", True):
+        problems.append("public_logs is not false: container logs would be served on the guest agent's public port")
+    if app_compose.get("pre_launch_script"):
+        problems.append("pre_launch_script is set: it runs as root before the containers; read it "
+                        "(Phala Cloud adds its own) and pin this compose-hash only if you accept it")
+    if int(app_compose.get("swap_size") or 0) > 0:
+        problems.append("swap_size > 0: keep it 0 (dstack best practice)")
+    svcs = services(app_compose["docker_compose_file"])
+    sockets = []
+    for name, svc in svcs.items():
+        ref = svc.get("image")
+        if svc.get("build") is not None:
+            problems.append(f"service {name}: `build:` is not reproducible in a CVM; use a pushed image by digest")
+        if not isinstance(ref, str) or image_digest(ref) is None:
+            problems.append(f"service {name}: image {ref!r} is not pinned by digest (name@sha256:<64 hex>)")
+        elif image_digest(ref) == PLACEHOLDER_DIGEST:
+            problems.append(f"service {name}: image digest is the placeholder; use the pushed image's digest")
+        for var, value in env_entries(svc).items():
+            if value is not None and SECRET_NAME.search(var) and not var.endswith("_SHA256"):
+                problems.append(f"service {name}: {var} has a value in clear; pass it through from dstack's encrypted env")
+            if var.endswith("_SHA256") and value == "0" * 64:
+                problems.append(f"service {name}: {var} is the placeholder; set the real hash")
+        if any(isinstance(v, str) and v.split(":")[0] == DSTACK_SOCKET for v in svc.get("volumes") or []):
+            sockets.append(name)
+    if len(sockets) > 1:
+        problems.append(f"{DSTACK_SOCKET} is mounted into {sockets}: any container with the socket gets the app's keys")
+    if SERVICE in svcs and sockets != [SERVICE]:
+        problems.append(f"service {SERVICE} does not mount {DSTACK_SOCKET} (it needs the guest agent)")
+    return problems

@@ -1,0 +1,24 @@
+#!/bin/sh
+# The one dependency installer: the README's two set-up commands, .ci/run and the Dockerfile all run this script.
+#
+#   sh requirements/install.sh VENV LOCK [--editable]
+#
+# VENV       a virtual environment (python3 -m venv; the image's venv also sees the base image's torch stack)
+# LOCK       requirements/cpu.lock, test.lock or gpu.lock, installed with --require-hashes: pip refuses any
+#            file whose SHA-256 is not in the lock and any dependency the lock does not pin
+# --editable install cvm-tune itself in development mode (README, CI); the image installs a copy of the tree
+#
+# cvm-tune itself has no hash in a lock (it is the source tree being built); its code hash is in every manifest
+# (code.source_sha256). Build isolation is off so that the build backend (setuptools) is the locked one.
+set -eu
+venv=$1
+lock=$2
+mode=${3:-}
+pip() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
+pip install --quiet --require-hashes -r "$lock"
+if [ "$mode" = "--editable" ]; then
+    pip install --quiet --no-deps --no-build-isolation --editable .
+else
+    pip install --quiet --no-deps --no-build-isolation .
+fi
+pip check
