@@ -222,7 +222,6 @@ from attestation.hashing import canonical_json
 
 FORMAT_MAGIC = b"CVMTDS\x00\x01"  # version 1: unsigned
 FORMAT_MAGIC_V2 = b"CVMTDS\x00\x02"  # version 2: version 1 + the owner-signature trailer
-FORMAT_VERSION = FORMAT_MAGIC[-1]
 FORMAT_VERSIONS = (1, 2)
 ALG = "AES-256-GCM/HKDF-SHA256/STREAM-v1"
 CONTENT_TYPE = "application/jsonl"

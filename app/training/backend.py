@@ -128,10 +128,15 @@ def checkpoint_key(req: TrainRequest) -> bytes:
     return req.checkpoint_key if req.checkpoint_key is not None else os.urandom(32)
 
 
+def _inputs(req: TrainRequest) -> dict[str, str]:
+    """The input hashes a sealed checkpoint records (to name what differs when one is refused)."""
+    return dict(req.inputs or {"fingerprint": req.fingerprint})
+
+
 def restore(req: TrainRequest, key: bytes, scratch: Path) -> ResumeChoice:
     """Decrypt the newest usable sealed checkpoint into ``scratch``; report the ones skipped."""
     choice = restore_checkpoint(Path(req.run_dir) / "checkpoints", key=key, fingerprint=req.fingerprint,
-                                inputs=dict(req.inputs or {"fingerprint": req.fingerprint}), scratch=scratch)
+                                inputs=_inputs(req), scratch=scratch)
     for name, reason in choice.rejected:
         if req.on_event is not None:
             req.on_event("checkpoint.rejected", {"checkpoint": name, "reason": reason})
@@ -182,11 +187,9 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
     cuda = torch.cuda.is_available()
     check_options(backend, s, cuda=cuda)
     world, rank = launch.world_size(), launch.rank()
-    if choice is None:
-        choice = restore(req, checkpoint_key(req), scratch)
-    resume = choice
-    sealing = {"key": checkpoint_key(req), "inputs": dict(req.inputs or {"fingerprint": req.fingerprint}),
-               "root": Path(req.run_dir) / "checkpoints"}
+    key = checkpoint_key(req)  # set by train() or the launcher: one key restores and seals
+    resume = choice if choice is not None else restore(req, key, scratch)
+    sealing = {"key": key, "inputs": _inputs(req), "root": Path(req.run_dir) / "checkpoints"}
     splits: list[Any] = []
     eval_records: list[dict[str, Any]] = []
 
@@ -255,11 +258,11 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
         device = f"{world} x {device}"
     return TrainResult(
         adapter_dir=adapter_dir, backend=backend, device=device, losses=losses, global_step=int(state.global_step),
-        resumed_from_step=choice.step, train_runtime_s=runtime,
+        resumed_from_step=resume.step, train_runtime_s=runtime,
         tokens_seen=int(state.num_input_tokens_seen) if state.num_input_tokens_seen else None,
         library_versions=imported_versions(BASE_LIBS + (UNSLOTH_LIBS if backend == "unsloth" else ())),
         batch=batch_summary(current[0], s, world, records + eval_records), eval_losses=eval_losses,
-        rejected_checkpoints=choice.rejected,
+        rejected_checkpoints=resume.rejected,
         peak_gpu_memory_bytes=int(torch.cuda.max_memory_allocated()) if cuda else None,
     )
 

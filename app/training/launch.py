@@ -145,7 +145,7 @@ def train_distributed(req: TrainRequest) -> TrainResult:
 
     def attempt(plan: Any) -> TrainResult:
         with scratch_dir(req.scratch_dir) as scratch:  # each attempt resumes from the sealed checkpoints afresh
-            choice = restore(dataclasses.replace(req, checkpoint_key=key), key, scratch)
+            choice = restore(req, key, scratch)
             return _run_workers(child_req, plan, world, req, scratch, choice)
 
     result, final, records = run_with_backoff(initial_plan(s), attempt, retries=retry_budget(s),
