@@ -50,6 +50,9 @@ ENV PATH=/opt/venv/bin:$PATH \
     UNSLOTH_DISABLE_STATISTICS=1 \
     CVM_TUNE_LOCK_FILE=/opt/cvm-tune/requirements/${FLAVOR}.lock \
     CVM_TUNE_BASE_IMAGE=${BASE_IMAGE}
+# GPU flavor: Triton (Unsloth's kernels, TRL's fused LM head on CUDA) builds a C launcher per kernel at run time with the
+# image's C compiler and Python headers. Fail the build here, not the first nightly run, if the base lacks them.
+RUN if [ "$FLAVOR" = gpu ]; then python -c "import sys; from app.training.options import triton_toolchain_problem as p; sys.exit(p())"; fi
 # The output volume's mount point belongs to the app user, so a new named volume starts writable for it.
 RUN useradd --uid 10001 --create-home --home-dir /home/cvmtune --shell /usr/sbin/nologin cvmtune \
  && mkdir -p /data/dataset /data/models /data/output \

@@ -103,6 +103,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         CvmTuneError: any data, key, attestation, training or state failure (nothing exported).
     """
     from app.training import TrainingStopped, TrainRequest, build_tiny_model, train  # heavy stack, imported lazily
+    from app.training.backend import prepare_backend
     from app.training.checkpoints import CHECKPOINT_GETKEY_PATH
     from app.training.tokens import apply_token_policy
 
@@ -162,7 +163,11 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
                  f"({stream.chunks} chunks{signer}), {report_rows.rows_kept} rows {dict(report_rows.by_kind)}, "
                  f"{report_rows.duplicates_dropped} duplicates dropped{_lines(report_rows.duplicate_lines)}")
 
-        # 4. Base model: built or found locally, hashed, checked against the pin.
+        # 4. Backend first: Unsloth (GPU) must be imported before the first transformers import below.
+        with timer.phase("train"):
+            prepare_backend(cfg.training)
+
+        # 4a. Base model: built or found locally, hashed, checked against the pin.
         with timer.phase("base_model"):
             base_dir, base_name = _base_model(cfg, out, build_tiny_model)
             base_tree, base_files = tree_digest(base_dir)

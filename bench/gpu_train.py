@@ -117,11 +117,10 @@ def peak_flops(gpu_name: str | None) -> float | None:
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """Train ``args.steps`` steps of one backend at one batch size; return the measurement."""
     from app.config import LoraSettings, TrainingSettings
-    from app.errors import CvmTuneError
-    from app.training import TrainRequest, set_offline_env
-    from app.training.options import BASE_LIBS, UNSLOTH_LIBS, apply_unsloth_env, imported_versions
+    from app.errors import CvmTuneError, TrainingError
+    from app.training import TrainRequest
+    from app.training.options import imported_versions, library_names, triton_toolchain_problem
 
-    set_offline_env()
     out: dict[str, Any] = {"backend": args.backend, "batch": args.batch, "seq": args.seq, "steps": args.steps,
                            "warmup": args.warmup, "status": "ok"}
     settings = TrainingSettings(
@@ -132,10 +131,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     try:
         from app.training import backend as B
 
-        backend = B.select_backend(args.backend)
-        if backend == "unsloth":
-            apply_unsloth_env()
-            B._import_unsloth()  # before trl/transformers/peft, as in the app
+        backend = B.prepare_backend(settings)  # Unsloth before trl/transformers/peft, as in the app
         import torch
         from datasets import Dataset
 
@@ -143,6 +139,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
         cuda = torch.cuda.is_available()
         B.check_options(backend, settings, cuda=cuda)
+        if cuda and (problem := triton_toolchain_problem()) is not None:
+            raise TrainingError(f"Triton cannot build its GPU kernel launchers: {problem}")
         with tempfile.TemporaryDirectory(prefix="cvm-tune-bench-run-") as run_dir:
             req = TrainRequest(base_model_dir=Path(args.model), base_model_name="bench/llama-shape", rows=[],
                                run_dir=Path(run_dir), settings=settings, fingerprint="0" * 64)
@@ -157,6 +155,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             sealing = {"key": os.urandom(32), "inputs": {"fingerprint": req.fingerprint}, "root": Path(run_dir) / "checkpoints"}
             trainer = B._make_trainer(req, model, tok, peft_config, data, None, Path(run_dir) / "scratch", cuda=cuda,
                                       backend=backend, plan=BatchPlan(args.batch, 1, args.batch), world=1, sealing=sealing)
+            out["optimizer"] = str(getattr(trainer.args.optim, "value", trainer.args.optim))  # the same for both backends
             times: list[float] = []
             trainer.add_callback(_timer(times, cuda))
             if cuda:
@@ -176,7 +175,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3) if cuda else None,
             peak_rss_gib=round(_max_rss_bytes() / 2**30, 3),
             loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4),
-            libraries=imported_versions(BASE_LIBS + UNSLOTH_LIBS))
+            libraries=imported_versions(library_names(backend)))
     except CvmTuneError as exc:
         out.update(status="skipped", error=exc.message)
     except Exception as exc:  # a measurement that failed is reported, not hidden
@@ -235,10 +234,12 @@ def summarize(results: list[dict[str, Any]], *, shape: dict[str, Any], seq: int,
 
 def markdown(doc: dict[str, Any]) -> str:
     """The results table (bench/results/*.md)."""
+    optimizers = sorted({r["optimizer"] for r in doc["results"] if r.get("optimizer")})
     lines = [f"# GPU training benchmark ({'DRY RUN: tiny shape on the CPU, not a measurement' if doc['dry_run'] else doc['date']})",
              "", f"GPU: {doc['gpu']['name'] or 'none'} x{doc['gpu']['count']}; CC mode {doc['gpu']['cc_mode']}; "
              f"driver {doc['gpu']['driver'] or 'n/a'}. Shape: {doc['shape_name']} ({doc['params'] or '?'} parameters), "
              f"seq {doc['seq']}, LoRA r=16 on all linear layers, {doc['steps']} steps, steady state after {doc['warmup']}.",
+             f"Optimizer (as the trainer resolved it): {', '.join(optimizers) or 'n/a'}.",
              f"MFU: tokens/s x FLOPs per token / {doc['summary']['peak_bf16_flops'] or 'unknown'} FLOP/s (dense bf16); "
              "6N with N = base parameters (tied embedding once), 6N+attn adds 12 x layers x hidden x seq.", "",
              "| backend | batch | tokens/s | step s (median) | peak alloc GiB | MFU 6N | MFU 6N+attn | first step s | load s | status |",

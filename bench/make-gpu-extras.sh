@@ -4,7 +4,10 @@
 # The GPU machine's image has torch, transformers, peft, accelerate, pyyaml, httpx, requests, rich...;
 # shared/gpu/make-bundle.sh's .gpu/site.tgz adds Unsloth, trl, datasets, pydantic and their needs. Neither
 # has what cvm-tune itself imports (cryptography, dcap-qvl, dstack-sdk, eth-keys...) nor pytest, so
-# `cvm-tune run`, bench/gpu_train.py and `pytest -m gpu` need this second, small tarball (~13 MiB).
+# `cvm-tune run`, bench/gpu_train.py and `pytest -m gpu` need this second tarball (about 20 MiB: the
+# compiled libraries' debug symbols, C/Cython sources, test folders and matplotlib's sample data are
+# left out; unstripped it is 31 MiB, which with site.tgz and the tree came within 2 MiB of the 64 MiB
+# carry limit).
 #
 # Run from the repo root on a machine that reaches a package index (any Python >= 3.8 with pip):
 #     bash bench/make-gpu-extras.sh
@@ -36,9 +39,15 @@ if ! "$PY" -m pip install -q --no-deps --no-index --no-compile "${PLATFORM_ARGS[
   say "pip refused the foreign tags; unzipping the wheels instead"
   for w in "$TMP"/wheels/*.whl; do "$PY" -m zipfile -e "$w" "$TMP/site"; done
 fi
-rm -rf "$TMP/site/bin"
+rm -rf "$TMP/site/bin" "$TMP/site/matplotlib/mpl-data/sample_data"
 find "$TMP/site" -name __pycache__ -type d -prune -exec rm -rf {} +
-find "$TMP/site" -name direct_url.json -delete
+find "$TMP/site" -type d \( -name tests -o -name test \) -prune -exec rm -rf {} +
+find "$TMP/site" -type f \( -name direct_url.json -o -name '*.c' -o -name '*.cpp' -o -name '*.h' -o -name '*.pyx' -o -name '*.pxd' \) -delete
+if command -v strip >/dev/null; then  # debug symbols only: the libraries load and run the same (checked on Python 3.12)
+  find "$TMP/site" -name '*.so' -exec strip --strip-unneeded {} +
+else
+  say "strip not found: the tarball keeps the debug symbols (about 10 MiB more)"
+fi
 
 mkdir -p .gpu
 tar --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -C "$TMP/site" -cf - . | gzip -n -9 > "$OUT"

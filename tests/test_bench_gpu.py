@@ -36,10 +36,12 @@ def test_dry_run_writes_json_and_markdown(tmp_path: Path) -> None:
     assert hf["status"] == "ok" and hf["tokens_per_s"] > 0 and hf["step_time_s_median"] > 0
     assert hf["tokens_seen"] == hf["tokens_expected"] == hf["batch"] * hf["seq"] * hf["steps"]  # no padding
     assert hf["time_to_first_step_s"] > 0 and hf["load_s"] > 0 and hf["params"] == doc["params"]
-    assert set(hf["libraries"]) >= {"torch", "transformers", "peft", "trl"}
+    assert set(hf["libraries"]) >= {"torch", "transformers", "peft", "trl"} and "unsloth" not in hf["libraries"]
+    assert hf["optimizer"] == "adamw_torch_fused"  # explicit: Unsloth's SFTConfig would default to 8-bit AdamW
     assert by["unsloth"]["status"] == "skipped" and "CUDA" in by["unsloth"]["error"]  # Unsloth is GPU-only
     md = (tmp_path / "gpu-train-dry-run.md").read_text()
     assert "DRY RUN" in md and "| hf | 2 |" in md and "| backend | batch | tokens/s |" in md
+    assert "Optimizer (as the trainer resolved it): adamw_torch_fused." in md
 
 
 def test_llama_3_2_1b_shape_and_flop_formula() -> None:

@@ -113,6 +113,16 @@ def test_dockerfile_installs_with_the_ci_script_and_lock() -> None:
     assert "PIP_NO_CACHE_DIR=1" in " ".join(rest for instr, rest in _dockerfile()["stages"][0]["lines"] if instr == "ENV")
 
 
+def test_gpu_image_build_checks_the_triton_toolchain() -> None:
+    """The GPU flavor's final stage runs the same check as a CUDA training run (the app's own function)."""
+    run = " ".join(_dockerfile("gpu")["run"])
+    assert 'if [ "$FLAVOR" = gpu ]' in run and "from app.training.options import triton_toolchain_problem" in run
+    code = re.search(r'python -c "([^"]+)"', run)
+    assert code is not None
+    ok = subprocess.run([sys.executable, "-c", code.group(1)], capture_output=True, text=True, cwd=REPO)
+    assert ok.returncode == 0, ok.stderr  # this machine has a compiler and headers (or no triton at all)
+
+
 def test_dockerfile_runtime_settings() -> None:
     from app.training import OFFLINE_ENV
 

@@ -129,6 +129,12 @@ def test_versions_are_the_imported_modules(monkeypatch: pytest.MonkeyPatch) -> N
     assert versions == {"cvm_tune_fake_unsloth": "2026.10.9", "torch": torch.__version__, "pytest": pytest.__version__}
 
 
+def test_an_hf_run_does_not_record_unsloth_versions() -> None:
+    """The GPU bundle puts unsloth on the path: an HF run there must not list it as if it had trained with it."""
+    assert not {"unsloth", "unsloth_zoo"} & set(O.library_names("hf"))
+    assert {"unsloth", "unsloth_zoo", "torch", "transformers", "peft", "trl"} <= set(O.library_names("unsloth"))
+
+
 def test_defaults_change_nothing_and_light_imports() -> None:
     g = Config().training.gpu
     assert (g.devices, g.quantization, g.gradient_checkpointing, g.batching, g.auto_batch_size) == (1, "none", "auto", "padded", False)
@@ -158,3 +164,108 @@ def test_config_refuses_what_the_backend_alone_rules_out(tmp_path: Path, trainin
         load_config(path)
     path.write_text(yaml.safe_dump({"training": {"backend": "auto", "gpu": {"batching": "packed", "devices": 2}}}))
     assert load_config(path).training.gpu.batching == "packed"  # auto: decided at run time
+
+
+# ---------------------------------------------------------------- found by reading Unsloth 2026.10.7 / 2026.10.9
+
+
+def test_unsloth_compiled_code_goes_to_a_private_directory(tmp_path: Path) -> None:
+    """Unsloth writes its generated trainer into ./unsloth_compiled_cache unless UNSLOTH_COMPILE_LOCATION is set."""
+    env: dict[str, str] = {}
+    O.apply_unsloth_env(env)
+    folder = Path(env[O.UNSLOTH_COMPILE_ENV])
+    assert folder.is_absolute() and folder.is_dir() and folder.name.startswith("cvm-tune-unsloth-")
+    assert (folder.stat().st_mode & 0o077) == 0  # mkdtemp: private to this user
+    other: dict[str, str] = {}
+    O.apply_unsloth_env(other)
+    assert other[O.UNSLOTH_COMPILE_ENV] != env[O.UNSLOTH_COMPILE_ENV]  # one per process (per call)
+    kept = {O.UNSLOTH_COMPILE_ENV: str(tmp_path)}
+    O.apply_unsloth_env(kept)
+    assert kept[O.UNSLOTH_COMPILE_ENV] == str(tmp_path)  # an operator's choice is kept
+
+
+@pytest.mark.filterwarnings("ignore:.*gradient_checkpointing.*:FutureWarning")
+def test_optimizer_arguments_are_the_hf_defaults(tmp_path: Path) -> None:
+    """Passed explicitly so that Unsloth's SFTConfig defaults (8-bit AdamW, weight decay 0.001...) never apply.
+
+    They equal plain TRL's defaults here, so the HF backend trains exactly as it would without them.
+    """
+    from trl import SFTConfig
+
+    plain = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
+    explicit = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **O.OPTIMIZER_ARGS)
+    for key, value in O.OPTIMIZER_ARGS.items():
+        assert getattr(plain, key) == getattr(explicit, key) == value, key
+    assert {"optim", "weight_decay", "warmup_steps", "eval_accumulation_steps", "torch_empty_cache_steps"} <= set(O.OPTIMIZER_ARGS)
+
+
+@pytest.mark.parametrize(("config", "max_length", "limit"), [
+    ({"max_position_embeddings": 256}, 257, 256),
+    ({"text_config": {"max_position_embeddings": 2048}, "max_position_embeddings": 99999}, 4096, 2048),
+])
+def test_max_length_above_the_model_positions_is_refused(config: dict, max_length: int, limit: int) -> None:
+    with pytest.raises(TrainingError, match=f"max_length {max_length} exceeds .* {limit}") as err:
+        O.check_max_length(config, max_length)
+    assert err.value.fix == f"set training.max_length to at most {limit}"
+
+
+@pytest.mark.parametrize(("config", "max_length"), [
+    ({"max_position_embeddings": 256}, 256), ({}, 10**6), ({"max_position_embeddings": None}, 8), ({"max_position_embeddings": True}, 8),
+])
+def test_max_length_within_or_unknown_is_accepted(config: dict, max_length: int) -> None:
+    O.check_max_length(config, max_length)
+
+
+@pytest.fixture
+def fake_triton(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """triton 'installed', Python headers present; returns an empty PATH directory to put compilers in."""
+    import importlib.util
+    import sysconfig
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "triton" else real(name, *a))
+    include = tmp_path / "include"
+    include.mkdir()
+    (include / "Python.h").write_text("/* */\n")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *a, **kw: {"include": str(include)})
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    return bin_dir
+
+
+def _tool(folder: Path, name: str) -> None:
+    (folder / name).write_text("#!/bin/sh\nexit 0\n")
+    (folder / name).chmod(0o755)
+
+
+def test_triton_toolchain_needs_a_compiler_and_python_headers(fake_triton: Path, tmp_path: Path) -> None:
+    path = str(fake_triton)
+    assert "no C compiler" in O.triton_toolchain_problem({"PATH": path})
+    assert O.triton_toolchain_problem({"PATH": path, "CC": "missing-cc"}) == "CC=missing-cc is not an executable"
+    _tool(fake_triton, "clang")
+    assert O.triton_toolchain_problem({"PATH": path}) is None
+    _tool(fake_triton, "mycc")
+    assert O.triton_toolchain_problem({"PATH": path, "CC": "mycc"}) is None
+    (tmp_path / "include" / "Python.h").unlink()
+    assert "no Python headers" in O.triton_toolchain_problem({"PATH": path})
+
+
+def test_no_triton_needs_no_toolchain(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    assert O.triton_toolchain_problem({"PATH": ""}) is None
+
+
+def test_unsloth_is_imported_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """prepare_backend runs in the pipeline and again in train: the second call must not warn about import order."""
+    from app.training import backend as B
+
+    monkeypatch.setitem(sys.modules, "unsloth", types.ModuleType("unsloth"))
+    import transformers  # noqa: F401  (imported by now: a real import would warn)
+
+    with caplog.at_level("WARNING"):
+        B._import_unsloth()
+    assert not caplog.records
+    assert B.prepare_backend(TrainingSettings(backend="hf")) == "hf"

@@ -27,6 +27,12 @@ _RUN = textwrap.dedent("""
     import json, sys, urllib.request
     from tests.netguard import guard
     with guard() as attempts:
+        import app.training.backend as B
+        real, loaded = B.prepare_backend, []
+        def spy(settings):  # what Unsloth would find already imported, were it the backend
+            loaded.append(sorted(m for m in ("transformers", "trl", "peft") if m in sys.modules))
+            return real(settings)
+        B.prepare_backend = spy
         from app.cli import main
         rc = main(["run", "--config", sys.argv[1]])
         n_run = len(attempts)
@@ -34,7 +40,7 @@ _RUN = textwrap.dedent("""
             urllib.request.urlopen("https://huggingface.co/api/models", timeout=5)  # the control
         except OSError:
             pass
-    print(json.dumps({"rc": rc, "during_run": attempts[:n_run], "control": attempts[n_run:]}))
+    print(json.dumps({"rc": rc, "during_run": attempts[:n_run], "control": attempts[n_run:], "loaded": loaded}))
 """)
 
 
@@ -67,4 +73,5 @@ def test_cpu_run_makes_no_network_connection(tmp_path: Path) -> None:
     assert report["rc"] == 0
     assert report["during_run"] == []
     assert report["control"]  # the guard was live in that process
+    assert report["loaded"][0] == []  # the backend was prepared (Unsloth imported) before transformers/trl/peft
     assert next((tmp_path / "out" / "exports").iterdir()).joinpath("manifest.json").is_file()

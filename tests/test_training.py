@@ -417,14 +417,63 @@ def test_dataset_formats(tiny_model: Path) -> None:
     mixed = build_dataset([chat, {"text": "plain note"}], tok, assistant_only_loss=False)
     assert mixed.column_names == ["text"] and mixed.cache_files == []
     assert mixed[0]["text"] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>"
-    assert mixed[1]["text"] == "plain note"
+    assert mixed[1]["text"] == "plain note" + tok.eos_token  # EOS here, not left to TRL (Unsloth's prep adds none)
     assert build_dataset([chat], tok, assistant_only_loss=True).column_names == ["messages"]
-    assert build_dataset([{"text": "a"}], tok, assistant_only_loss=False).column_names == ["text"]
+    text_only = build_dataset([{"text": "a"}, {"text": "b" + tok.eos_token}], tok, assistant_only_loss=False)
+    assert text_only.column_names == ["text"] and text_only["text"] == ["a" + tok.eos_token, "b" + tok.eos_token]
     with pytest.raises(TrainingError, match="1 of 2 rows are text rows"):
         build_dataset([chat, {"text": "plain note"}], tok, assistant_only_loss=True)
     with pytest.raises(TrainingError) as err:
         build_dataset([chat, {"messages": CANARY}], tok, assistant_only_loss=False)
     assert "row 1" in err.value.message and CANARY not in err.value.message
+
+
+def test_trl_trains_text_rows_with_one_eos_and_the_explicit_optimizer(tiny_model: Path, tmp_path: Path) -> None:
+    """What the trainer tokenized: EOS once (TRL adds none on top of build_dataset's); AdamW without weight decay."""
+    from app.training import backend as B
+    from app.training.batch import BatchPlan
+
+    req = _request(tiny_model, tmp_path)
+    model, tok, peft_config = B._load_hf(req, False)
+    ds = B.build_dataset([{"text": "plain note"}, {"text": "done" + tok.eos_token}], tok, assistant_only_loss=False)
+    sealing = {"key": CKPT_KEY, "inputs": INPUTS, "root": tmp_path / "checkpoints"}
+    trainer = B._make_trainer(req, model, tok, peft_config, ds, None, tmp_path / "scratch", cuda=False, backend="hf",
+                              plan=BatchPlan(1, 1, 3), world=1, sealing=sealing)
+    first, second = (trainer.train_dataset[i]["input_ids"] for i in (0, 1))
+    assert first == tok(text="plain note" + tok.eos_token)["input_ids"] and first.count(tok.eos_token_id) == 1
+    assert second[-1] == tok.eos_token_id and second.count(tok.eos_token_id) == 1
+    args = trainer.args
+    assert (str(getattr(args.optim, "value", args.optim)), args.weight_decay, args.warmup_steps) == ("adamw_torch_fused", 0.0, 0)
+    assert args.per_device_eval_batch_size == 3
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+def test_export_resets_unsloths_auto_mapping_only(tiny_model: Path, tmp_path: Path) -> None:
+    """Unsloth's get_peft_model adds auto_mapping {..., unsloth_fixed: true}; the exported config is PEFT's own."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from app.training.checkpoints import export_adapter
+
+    def exported(auto_mapping: dict[str, Any] | None, name: str) -> dict[str, Any]:
+        base = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)
+        model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], task_type="CAUSAL_LM"))
+        model.peft_config["default"].auto_mapping = auto_mapping
+        return json.loads((export_adapter(model, tmp_path / name, "tiny") / "adapter_config.json").read_text())
+
+    unsloth = {"base_model_class": "LlamaForCausalLM", "parent_library": "transformers.models.llama.modeling_llama",
+               "unsloth_fixed": True}
+    plain = exported(None, "plain")
+    assert exported(unsloth, "unsloth") == plain and plain["auto_mapping"] is None
+    custom = {"base_model_class": "MyModel", "parent_library": "my_models"}  # a custom class needs it: kept
+    assert exported(custom, "custom")["auto_mapping"] == custom
+
+
+def test_max_length_beyond_the_base_models_positions_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    limit = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(TrainingError, match=f"exceeds the base model's max_position_embeddings {limit}"):
+        train(_request(tiny_model, tmp_path, settings=SETTINGS.model_copy(update={"max_length": limit + 1})))
+    assert not (tmp_path / "adapter").exists() and not (tmp_path / "checkpoints").exists()
 
 
 def test_assistant_only_loss_trains_on_chat_rows(tiny_model: Path, tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -39,7 +40,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.errors import BaseModelError, CvmTuneError, StateError, TrainingError
 
@@ -48,19 +49,24 @@ from .batch import BatchPlan, OutOfMemory, guard_eval, initial_plan, is_oom, ret
 from .batch import summary as batch_summary
 from .checkpoints import ResumeChoice, export_adapter, restore_checkpoint, seal_checkpoint
 from .options import (
-    BASE_LIBS,
-    UNSLOTH_LIBS,
+    OPTIMIZER_ARGS,
     apply_unsloth_env,
+    check_max_length,
     check_options,
     gradient_checkpointing,
     hf_load_kwargs,
     imported_versions,
+    library_names,
     sft_batch_kwargs,
     split_eval,
+    triton_toolchain_problem,
     unsloth_load_kwargs,
     unsloth_peft_kwargs,
 )
 from .watchdog import LossWatchdog
+
+if TYPE_CHECKING:
+    from app.config import TrainingSettings
 
 logger = logging.getLogger(__name__)
 
@@ -164,17 +170,27 @@ def train(req: TrainRequest, *, plan: BatchPlan | None = None, scratch: Path | N
         return _train(req, own, None, plan=plan)
 
 
-def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, plan: BatchPlan | None) -> TrainResult:
+def prepare_backend(settings: TrainingSettings) -> str:
+    """Select the backend and, for Unsloth, import it now: before anything imports trl/transformers/peft.
+
+    The pipeline calls this before its first transformers import (the token count); :func:`train`
+    calls it again (a no-op then). Returns the backend name (see :func:`select_backend`).
+    """
     set_offline_env()
+    backend = select_backend(settings.backend, devices=settings.gpu.devices)
+    if backend == "unsloth":
+        apply_unsloth_env()
+        _import_unsloth()
+    return backend
+
+
+def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, plan: BatchPlan | None) -> TrainResult:
     if not re.fullmatch(r"[0-9a-f]{64}", req.fingerprint):
         raise TrainingError("the run fingerprint must be 64 lowercase hex characters (a sha256)")
     if not req.base_model_name or Path(req.base_model_name).is_absolute():
         raise TrainingError("base_model_name must be a model name, not empty or an absolute path (it is exported)")
     s = req.settings
-    backend = select_backend(s.backend, devices=s.gpu.devices)
-    if backend == "unsloth":
-        apply_unsloth_env()
-        _import_unsloth()  # must precede every trl/transformers/peft import below
+    backend = prepare_backend(s)  # Unsloth must precede every trl/transformers/peft import below
     import datasets
     import torch
     import transformers
@@ -183,9 +199,12 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
     # Progress bars would interleave with the CLI's own progress lines (metrics only go to on_log).
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    _check_base_dir(Path(req.base_model_dir))
+    _check_base_dir(Path(req.base_model_dir), s.max_length)
     cuda = torch.cuda.is_available()
     check_options(backend, s, cuda=cuda)
+    if cuda and (problem := triton_toolchain_problem()) is not None:
+        raise TrainingError(f"Triton cannot build its GPU kernel launchers: {problem}",
+                            fix="install gcc and the Python headers in the image (the GPU Dockerfile checks this), or set CC")
     world, rank = launch.world_size(), launch.rank()
     key = checkpoint_key(req)  # set by train() or the launcher: one key restores and seals
     resume = choice if choice is not None else restore(req, key, scratch)
@@ -260,7 +279,7 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
         adapter_dir=adapter_dir, backend=backend, device=device, losses=losses, global_step=int(state.global_step),
         resumed_from_step=resume.step, train_runtime_s=runtime,
         tokens_seen=int(state.num_input_tokens_seen) if state.num_input_tokens_seen else None,
-        library_versions=imported_versions(BASE_LIBS + (UNSLOTH_LIBS if backend == "unsloth" else ())),
+        library_versions=imported_versions(library_names(backend)),
         batch=batch_summary(current[0], s, world, records + eval_records), eval_losses=eval_losses,
         rejected_checkpoints=resume.rejected,
         peak_gpu_memory_bytes=int(torch.cuda.max_memory_allocated()) if cuda else None,
@@ -287,7 +306,9 @@ def _restore_finished(trainer: Any, ckpt: Path) -> None:
 
 
 def _import_unsloth() -> None:
-    """Import unsloth first so its patches of trl/transformers/peft apply."""
+    """Import unsloth first so its patches of trl/transformers/peft apply (a no-op once imported)."""
+    if "unsloth" in sys.modules:
+        return
     late = [name for name in ("trl", "transformers", "peft") if name in sys.modules]
     if late:
         logger.warning("unsloth imported after %s: some of its optimisations may not apply", ", ".join(late))
@@ -300,13 +321,19 @@ def _import_unsloth() -> None:
         ) from exc
 
 
-def _check_base_dir(base: Path) -> None:
+def _check_base_dir(base: Path, max_length: int) -> None:
     if not base.is_dir():
         raise BaseModelError(f"base model directory {base} does not exist",
                              fix="use base_model.source: tiny-llama, or point base_model.path at a local HF model directory")
     if not (base / "config.json").is_file() or not any((base / w).is_file() for w in _WEIGHT_FILES):
         raise BaseModelError(f"base model directory {base} lacks config.json or safetensors weights",
                              fix="restore the complete model directory (config.json, model.safetensors, tokenizer files)")
+    try:
+        config = json.loads((base / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise BaseModelError(f"cannot load base model from {base}: config.json: {_first_line(exc)}",
+                             fix="restore the complete model directory (config.json, model.safetensors, tokenizer files)") from exc
+    check_max_length(config, max_length)
 
 
 def _load_hf(req: TrainRequest, cuda: bool) -> tuple[Any, Any, Any]:
@@ -347,9 +374,11 @@ def build_dataset(rows: Sequence[Mapping[str, Any]], tok: Any, *, assistant_only
 
     All-chat rows stay conversational (``messages``; TRL applies the chat template, and
     ``assistant_only_loss`` masks everything but the ``{% generation %}`` spans). All-text rows stay
-    ``text`` (TRL appends EOS). Mixed rows need one schema, so chat rows are rendered with the
-    tokenizer's chat template into ``text`` (the trailing newline after the final end-of-turn is
-    dropped so TRL does not append a second EOS); the token ids match TRL's own rendering.
+    ``text``, each ending with the EOS token: TRL appends it when missing, but Unsloth replaces TRL's
+    dataset preparation with one that does not, so it is appended here for both backends (TRL then
+    adds nothing). Mixed rows need one schema, so chat rows are rendered with the tokenizer's chat
+    template into ``text`` (the trailing newline after the final end-of-turn is dropped so that the
+    text ends with EOS); the token ids match TRL's own rendering.
 
     Args:
         rows: Validated rows.
@@ -390,16 +419,21 @@ def build_dataset(rows: Sequence[Mapping[str, Any]], tok: Any, *, assistant_only
         )
     if n_chat == len(rows):
         return Dataset.from_list([{"messages": c} for c in chats])
+    eos = tok.eos_token
+
+    def with_eos(text: str) -> str:
+        return text if text.endswith(eos) else text + eos
+
     if n_chat == 0:
-        return Dataset.from_list([{"text": row["text"]} for row in rows])
-    eos_nl = f"{tok.eos_token}\n"
+        return Dataset.from_list([{"text": with_eos(row["text"])} for row in rows])
+    eos_nl = f"{eos}\n"
     records = []
     for row, chat in zip(rows, chats, strict=True):
         if chat is None:
-            records.append({"text": row["text"]})
+            records.append({"text": with_eos(row["text"])})
             continue
         rendered = tok.apply_chat_template(chat, tokenize=False)
-        records.append({"text": rendered[:-1] if rendered.endswith(eos_nl) else rendered})
+        records.append({"text": with_eos(rendered[:-1] if rendered.endswith(eos_nl) else rendered)})
     return Dataset.from_list(records)
 
 
@@ -480,7 +514,7 @@ def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dat
     bf16 = cuda and torch.cuda.is_bf16_supported()
     # Unsloth: get_peft_model already set up its (offloaded) checkpointing. HF: on a GPU, trade compute for memory.
     ckpt = backend == "hf" and gradient_checkpointing(backend, s, cuda=cuda) is True
-    extra: dict[str, Any] = sft_batch_kwargs(s, plan, has_eval=eval_dataset is not None)
+    extra: dict[str, Any] = {**OPTIMIZER_ARGS, **sft_batch_kwargs(s, plan, has_eval=eval_dataset is not None)}
     if ckpt:
         extra["gradient_checkpointing_kwargs"] = {"use_reentrant": False}  # DDP + PEFT safe
     if world > 1:
@@ -513,5 +547,8 @@ def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dat
             logging_nan_inf_filter=False,  # HF would log a NaN/Inf loss as the running mean: hide it from the watchdog
             **extra,
         )
-        return SFTTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tok,
-                          peft_config=peft_config, callbacks=[_callback_class()(req, sealing)])
+        trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tok,
+                             peft_config=peft_config, callbacks=[_callback_class()(req, sealing)])
+    # Unsloth's trainer lowers an eval batch of 8 to the train micro-batch: keep the plan's (the manifest records it).
+    trainer.args.per_device_eval_batch_size = plan.eval_micro
+    return trainer

@@ -299,8 +299,10 @@ def export_adapter(model: Any, final: Path, base_model_name: str) -> Path:
     """Write exactly the two adapter files to ``final`` atomically (any older adapter is replaced).
 
     ``base_model_name_or_path`` is set to ``base_model_name`` (PEFT stores the load path, which
-    would leak a local path into the export) and module lists PEFT keeps as sets are sorted, so the
-    file's bytes do not depend on the hash seed. Formatting stays PEFT's (indent 2, sorted keys).
+    would leak a local path into the export), module lists PEFT keeps as sets are sorted, so the
+    file's bytes do not depend on the hash seed, and the ``auto_mapping`` Unsloth's ``get_peft_model``
+    adds (``{"base_model_class": ..., "unsloth_fixed": true}``) is reset to PEFT's ``null``: the config
+    is the same whichever backend trained. Formatting stays PEFT's (indent 2, sorted keys).
 
     Args:
         model: The trained ``PeftModel``.
@@ -329,6 +331,8 @@ def export_adapter(model: Any, final: Path, base_model_name: str) -> Path:
         cfg_path = stage / "adapter_config.json"
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
         cfg["base_model_name_or_path"] = base_model_name
+        if isinstance(cfg.get("auto_mapping"), dict) and cfg["auto_mapping"].get("unsloth_fixed"):
+            cfg["auto_mapping"] = None  # Unsloth's marker (a standard class needs none): same config as the HF backend's
         for key in ("target_modules", "exclude_modules"):
             if isinstance(cfg.get(key), list):
                 cfg[key] = sorted(cfg[key])

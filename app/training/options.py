@@ -2,8 +2,9 @@
 
 Everything the GPU path decides that is ours, and so testable on a CPU without Unsloth: which
 combinations are allowed, the ``FastLanguageModel.from_pretrained`` / ``get_peft_model`` arguments,
-the transformers load arguments (bf16, QLoRA), the SFTConfig batching arguments, the environment
-Unsloth is imported under, and the library versions actually imported.
+the transformers load arguments (bf16, QLoRA), the SFTConfig batching and optimizer arguments, the
+environment Unsloth is imported under, whether Triton can build its kernel launchers, and the library
+versions actually imported.
 
 Why ``padding_free`` and ``packed`` are Unsloth-only: both flatten several examples into one row and
 rely on the attention kernel to keep examples apart. Unsloth builds a block mask for SDPA (and uses
@@ -13,10 +14,15 @@ it follows another in the same row), and flash-attention is in neither locked st
 
 from __future__ import annotations
 
+import atexit
 import importlib.metadata
+import importlib.util
 import os
+import shutil
 import sys
-from collections.abc import Iterable
+import sysconfig
+import tempfile
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,12 +35,29 @@ if TYPE_CHECKING:
 BASE_LIBS = ("torch", "transformers", "peft", "trl", "datasets", "accelerate")
 UNSLOTH_LIBS = ("unsloth", "unsloth_zoo", "bitsandbytes", "triton")
 
-# Set before unsloth is imported. Besides the offline switches (app.training.OFFLINE_ENV): Unsloth's
-# from_pretrained calls huggingface_hub.login() whenever get_token() finds a token (a network call),
-# so no token may be visible; this app never downloads anything.
+
+def library_names(backend: str) -> tuple[str, ...]:
+    """The libraries whose versions a run of ``backend`` records (the manifest's, and the GPU benchmark's)."""
+    return BASE_LIBS + (UNSLOTH_LIBS if backend == "unsloth" else ())
+
+# Set before unsloth is imported. Besides the offline switches (app.training.OFFLINE_ENV): no Hub token
+# may be visible. Unsloth 2026.10's from_pretrained reads one through huggingface_hub.get_token() and
+# hands it to every Hub call, and calls huggingface_hub.login() (a network call) for a token passed
+# in while none is saved; this app never downloads anything and never needs one.
 UNSLOTH_ENV_SET = {"UNSLOTH_DISABLE_STATISTICS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                    "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_TOKEN_PATH": os.devnull}
 UNSLOTH_ENV_UNSET = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "UNSLOTH_USE_MODELSCOPE")
+# Unsloth writes the trainer code it generates at import into UNSLOTH_COMPILE_LOCATION, by default
+# ./unsloth_compiled_cache relative to the working directory (and puts that on sys.path). cvm-tune gives
+# each process a private directory instead (removed at exit), unless the variable is already set.
+UNSLOTH_COMPILE_ENV = "UNSLOTH_COMPILE_LOCATION"
+
+# Optimizer arguments passed explicitly to SFTConfig. They are transformers' own defaults (torch >= 2.8),
+# which the HF backend would get anyway; importing Unsloth swaps in an SFTConfig whose defaults differ
+# (8-bit AdamW, weight decay 0.001, warmup 10 %, an eval accumulation and an empty-cache interval), so
+# without them the two backends would not train with the same optimizer.
+OPTIMIZER_ARGS: dict[str, Any] = {"optim": "adamw_torch_fused", "weight_decay": 0.0, "warmup_steps": 0,
+                                  "eval_accumulation_steps": None, "torch_empty_cache_steps": None}
 
 
 def check_options(backend: str, s: TrainingSettings, *, cuda: bool) -> None:
@@ -57,6 +80,23 @@ def check_options(backend: str, s: TrainingSettings, *, cuda: bool) -> None:
     if g.devices > 1 and backend == "unsloth":
         raise TrainingError("multi-GPU training (training.gpu.devices > 1) runs the HF backend only in cvm-tune",
                             fix="set training.backend: hf (or auto) with devices > 1, or devices: 1 for Unsloth")
+
+
+def check_max_length(model_config: Mapping[str, Any], max_length: int) -> None:
+    """Refuse ``training.max_length`` above the base model's ``max_position_embeddings``.
+
+    Unsloth would not refuse: it loads the model with RoPE scaling added (an adapter trained against a
+    base that plain transformers + PEFT do not reproduce); transformers would run positions the model
+    was never trained on. A config without the field (or a nested ``text_config``) is not checked.
+
+    Raises:
+        TrainingError: naming both numbers.
+    """
+    text = model_config.get("text_config")
+    limit = (text if isinstance(text, Mapping) else model_config).get("max_position_embeddings")
+    if isinstance(limit, int) and not isinstance(limit, bool) and max_length > limit:
+        raise TrainingError(f"training.max_length {max_length} exceeds the base model's max_position_embeddings {limit}",
+                            fix=f"set training.max_length to at most {limit}")
 
 
 def gradient_checkpointing(backend: str, s: TrainingSettings, *, cuda: bool) -> bool | str:
@@ -142,11 +182,43 @@ def sft_batch_kwargs(s: TrainingSettings, plan: BatchPlan, *, has_eval: bool) ->
 
 
 def apply_unsloth_env(env: dict[str, str] | None = None) -> None:
-    """Set the environment Unsloth must be imported under (``os.environ`` unless ``env`` is given)."""
+    """Set the environment Unsloth must be imported under (``os.environ`` unless ``env`` is given).
+
+    Also gives Unsloth's generated-code cache a private directory (:data:`UNSLOTH_COMPILE_ENV`) when
+    none is set, so nothing is written into the working directory.
+    """
     target = os.environ if env is None else env
     target.update(UNSLOTH_ENV_SET)
     for name in UNSLOTH_ENV_UNSET:
         target.pop(name, None)
+    if not target.get(UNSLOTH_COMPILE_ENV):
+        folder = tempfile.mkdtemp(prefix="cvm-tune-unsloth-")
+        atexit.register(shutil.rmtree, folder, True)
+        target[UNSLOTH_COMPILE_ENV] = folder
+
+
+def triton_toolchain_problem(env: Mapping[str, str] | None = None) -> str | None:
+    """Why Triton could not build its kernel launchers here, or ``None`` when it can (or is not installed).
+
+    On first use each Triton kernel gets a small C launcher, built with ``$CC``, else ``gcc`` or ``clang``
+    from ``PATH``, against the interpreter's ``Python.h``. Unsloth's kernels run through Triton, and so
+    does TRL 1.15's fused LM head on CUDA: without a compiler the run would fail only at the first
+    training step, after the model is loaded.
+    """
+    env = os.environ if env is None else env
+    if importlib.util.find_spec("triton") is None:
+        return None
+    cc = env.get("CC")
+    if cc:
+        if shutil.which(cc, path=env.get("PATH")) is None:
+            return f"CC={cc} is not an executable"
+    elif not any(shutil.which(name, path=env.get("PATH")) for name in ("gcc", "clang")):
+        return "no C compiler: CC is unset and neither gcc nor clang is on PATH"
+    scheme = sysconfig.get_default_scheme()  # the scheme triton/runtime/build.py asks for
+    include = Path(sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"])
+    if not (include / "Python.h").is_file():
+        return f"no Python headers: {include / 'Python.h'} is missing"
+    return None
 
 
 def imported_versions(names: Iterable[str]) -> dict[str, str]:

@@ -112,7 +112,4 @@ def _tokenize(tok: Any, rec: Mapping[str, Any], assistant_only_loss: bool) -> tu
         out = tok.apply_chat_template(list(messages), tokenize=True, return_dict=True,
                                       return_assistant_tokens_mask=assistant_only_loss)
         return list(out["input_ids"]), list(out["assistant_masks"]) if assistant_only_loss else None
-    text = rec["text"]
-    if not text.endswith(tok.eos_token):
-        text += tok.eos_token
-    return list(tok(text=text)["input_ids"]), None
+    return list(tok(text=rec["text"])["input_ids"]), None  # build_dataset ended every text row with EOS
