@@ -243,5 +243,25 @@ def _worker(index: int, world: int, port: int, req: TrainRequest, plan: Any, que
         queue.put(("error", index, {"rank": index, "cls": type(exc).__name__, "oom": oom,
                                     "message": getattr(exc, "message", str(exc).splitlines()[0] if str(exc) else ""),
                                     "fix": getattr(exc, "fix", None)}))
+        _end_process_group(wait_for_all=False)  # the other ranks may be gone: no barrier
         raise
+    _end_process_group(wait_for_all=True)  # rank 0 has exported the adapter when every rank passes the barrier
     queue.put(("result", result) if index == 0 else ("done", index))
+
+
+def _end_process_group(*, wait_for_all: bool) -> None:
+    """Destroy this worker's process group while its interpreter is whole.
+
+    Left to interpreter exit, Gloo's worker threads can still hold work objects whose teardown needs the
+    GIL, and the process dies with SIGABRT ("terminate called without an active exception"; seen once in
+    the 2-process CPU test, described in pytorch/pytorch PR #179291).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if wait_for_all:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
