@@ -117,9 +117,9 @@ def peak_flops(gpu_name: str | None) -> float | None:
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """Train ``args.steps`` steps of one backend at one batch size; return the measurement."""
     from app.config import LoraSettings, TrainingSettings
-    from app.errors import CvmTuneError, TrainingError
+    from app.errors import CvmTuneError
     from app.training import TrainRequest
-    from app.training.options import imported_versions, library_names, triton_toolchain_problem
+    from app.training.options import check_triton_toolchain, imported_versions, library_names
 
     out: dict[str, Any] = {"backend": args.backend, "batch": args.batch, "seq": args.seq, "steps": args.steps,
                            "warmup": args.warmup, "status": "ok"}
@@ -139,8 +139,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
         cuda = torch.cuda.is_available()
         B.check_options(backend, settings, cuda=cuda)
-        if cuda and (problem := triton_toolchain_problem()) is not None:
-            raise TrainingError(f"Triton cannot build its GPU kernel launchers: {problem}")
+        check_triton_toolchain(cuda=cuda)
         with tempfile.TemporaryDirectory(prefix="cvm-tune-bench-run-") as run_dir:
             req = TrainRequest(base_model_dir=Path(args.model), base_model_name="bench/llama-shape", rows=[],
                                run_dir=Path(run_dir), settings=settings, fingerprint="0" * 64)

@@ -250,6 +250,15 @@ def test_triton_toolchain_needs_a_compiler_and_python_headers(fake_triton: Path,
     assert "no Python headers" in O.triton_toolchain_problem({"PATH": path})
 
 
+def test_a_cuda_run_without_a_compiler_is_refused_before_loading(fake_triton: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(fake_triton))
+    monkeypatch.delenv("CC", raising=False)
+    O.check_triton_toolchain(cuda=False)  # the CPU path never launches a Triton kernel
+    with pytest.raises(TrainingError, match="Triton cannot build its GPU kernel launchers: no C compiler") as err:
+        O.check_triton_toolchain(cuda=True)
+    assert "install gcc" in err.value.fix
+
+
 def test_no_triton_needs_no_toolchain(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 

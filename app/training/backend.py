@@ -53,13 +53,13 @@ from .options import (
     apply_unsloth_env,
     check_max_length,
     check_options,
+    check_triton_toolchain,
     gradient_checkpointing,
     hf_load_kwargs,
     imported_versions,
     library_names,
     sft_batch_kwargs,
     split_eval,
-    triton_toolchain_problem,
     unsloth_load_kwargs,
     unsloth_peft_kwargs,
 )
@@ -202,9 +202,7 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
     _check_base_dir(Path(req.base_model_dir), s.max_length)
     cuda = torch.cuda.is_available()
     check_options(backend, s, cuda=cuda)
-    if cuda and (problem := triton_toolchain_problem()) is not None:
-        raise TrainingError(f"Triton cannot build its GPU kernel launchers: {problem}",
-                            fix="install gcc and the Python headers in the image (the GPU Dockerfile checks this), or set CC")
+    check_triton_toolchain(cuda=cuda)
     world, rank = launch.world_size(), launch.rank()
     key = checkpoint_key(req)  # set by train() or the launcher: one key restores and seals
     resume = choice if choice is not None else restore(req, key, scratch)

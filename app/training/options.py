@@ -40,6 +40,7 @@ def library_names(backend: str) -> tuple[str, ...]:
     """The libraries whose versions a run of ``backend`` records (the manifest's, and the GPU benchmark's)."""
     return BASE_LIBS + (UNSLOTH_LIBS if backend == "unsloth" else ())
 
+
 # Set before unsloth is imported. Besides the offline switches (app.training.OFFLINE_ENV): no Hub token
 # may be visible. Unsloth 2026.10's from_pretrained reads one through huggingface_hub.get_token() and
 # hands it to every Hub call, and calls huggingface_hub.login() (a network call) for a token passed
@@ -195,6 +196,17 @@ def apply_unsloth_env(env: dict[str, str] | None = None) -> None:
         folder = tempfile.mkdtemp(prefix="cvm-tune-unsloth-")
         atexit.register(shutil.rmtree, folder, True)
         target[UNSLOTH_COMPILE_ENV] = folder
+
+
+def check_triton_toolchain(*, cuda: bool) -> None:
+    """On a CUDA run, refuse to start when Triton could not build its kernel launchers (see below).
+
+    Raises:
+        TrainingError: naming what is missing.
+    """
+    if cuda and (problem := triton_toolchain_problem()) is not None:
+        raise TrainingError(f"Triton cannot build its GPU kernel launchers: {problem}",
+                            fix="install gcc and the Python headers in the image (the GPU Dockerfile checks this), or set CC")
 
 
 def triton_toolchain_problem(env: Mapping[str, str] | None = None) -> str | None:
