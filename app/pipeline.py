@@ -26,6 +26,7 @@ from typing import Any
 
 from attestation import DEFAULT_POLICY, Verdict, verify_bundle
 from attestation import bundle as B
+from attestation.bundle_verify import INTEGRITY_CHECKS
 from attestation.gpu import describe as describe_gpu
 from attestation.hashing import files_digest, sha256_file, sha256_hex, tree_digest
 from attestation.policy import policy_file_text, simulator_policy
@@ -203,14 +204,18 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         with timer.phase("audit"):
             log = AuditLog(out / "state" / "audit.jsonl")
             recorder = AuditRecorder(log, agent, require_emit=cfg.tee.emit_events == "required")
+            commitment = {
+                "config_sha256": sha256_hex(config_bytes), "training_config_sha256": sha256_hex(cfg.training_json()),
+                "dataset_encrypted_sha256": dataset["encrypted_sha256"],
+                "dataset_plaintext_sha256": dataset["plaintext_sha256"],
+                "base_model_tree_sha256": base_tree, "code_source_sha256": code_sha}
             if resuming:
-                recorder.record(run_id, "run.resume", {"fingerprint": fingerprint})
+                changed = _resume_changes(log, run_id, commitment)
+                recorder.record(run_id, "run.resume", {"fingerprint": fingerprint, **commitment})
+                if changed:
+                    progress(f"run {run_id}: settings outside training changed since it started ({changed}); recorded in the audit chain")
             else:
-                recorder.record(run_id, "run.start", {
-                    "config_sha256": sha256_hex(config_bytes),
-                    "dataset_encrypted_sha256": dataset["encrypted_sha256"],
-                    "dataset_plaintext_sha256": dataset["plaintext_sha256"],
-                    "base_model_tree_sha256": base_tree, "code_source_sha256": code_sha})
+                recorder.record(run_id, "run.start", commitment)
         done: list[bool] = []  # set once the bundle is published
         stack.push(lambda _et, exc, _tb: _record_abort(recorder, run_id, exc, done))  # run.abort on any failure
         progress(f"run {run_id}: {'resuming' if resuming else 'started'}; audit events "
@@ -318,14 +323,15 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
                 (stage / B.COLLATERAL).write_text(collateral)
             else:
                 progress("collateral: not available; verify later with --collateral (fresh collateral from a PCCS)")
+
+            # 9. Check our own work the way a relying party will, before anything is published.
+            with timer.phase("self_verify"):
+                verdicts, policy_file = _self_verify(stage, out, agent, simulated)
+            _publish_gate(verdicts, simulated, run_id)
         done.append(True)
         _write_state(run_dir, {"run_id": run_id, "fingerprint": fingerprint, "status": "exported",
                                "started_at": started_at, "bundle": str(final)})
         progress(f"exported: {final}")
-
-        # 9. Check our own work the way a relying party will.
-        with timer.phase("self_verify"):
-            verdicts, policy_file = _self_verify(final, out, agent, simulated)
     timer.t["total"] = time.perf_counter() - t0
     return RunResult(run_id, final, verdicts, policy_file, result.losses, timer.t, result.train_runtime_s,
                      result.resumed_from_step, run_report, entries[-1].hash)
@@ -442,9 +448,43 @@ def _pick_run(out: Path, fingerprint: str, requested: str | None) -> tuple[str, 
     return f"run-{stamp}-{secrets.token_hex(2)}", False
 
 
+def _resume_changes(log: AuditLog, run_id: str, commitment: dict[str, str]) -> str:
+    """Refuse a resume whose inputs differ from those the run started with (beyond settings outside training).
+
+    Returns a note when only ``config_sha256`` changed (output, schedule, alert settings: recorded by the
+    ``run.resume`` entry, which the verifier accepts); raises StateError for anything that shapes the adapter.
+    """
+    opened = [e for e in log.run_slice(run_id) if e.type == "run.start" or (e.type == "run.resume" and "config_sha256" in e.data)]
+    before = opened[-1].data if opened else {}
+    differ = [k for k, v in commitment.items() if k != "config_sha256" and k in before and before[k] != v]
+    if "training_config_sha256" not in before and before.get("config_sha256") not in (None, commitment["config_sha256"]):
+        differ.append("config_sha256")
+    if differ:
+        raise StateError(f"run {run_id} cannot be resumed: {', '.join(sorted(differ))} changed since it started",
+                         fix="restore the inputs it started with, or start a new run (cvm-tune run --run-id NEW_ID)")
+    return "config changed" if before.get("config_sha256") not in (None, commitment["config_sha256"]) else ""
+
+
 def _write_state(run_dir: Path, state: dict[str, Any]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(run_dir / "state.json", json.dumps(state, sort_keys=True, indent=2).encode())
+
+
+def _publish_gate(verdicts: list[tuple[str, Verdict]], simulated: bool, run_id: str) -> None:
+    """Publish only a bundle that passes its own verification: for the simulator, the whole test-CA policy;
+    in a CVM, every integrity check of the default policy (trust in roots, TCB and collateral dates is the
+    relying party's policy, reported in the verdict, not a reason to withhold the bundle).
+
+    Raises:
+        ExportError: a check failed; nothing is published and the run stays resumable.
+    """
+    name, verdict = verdicts[0]
+    failed = [c for c in verdict.failed if simulated or c.name in INTEGRITY_CHECKS]
+    if failed:
+        detail = "; ".join(f"{c.name}: {c.detail}" for c in failed[:3])
+        raise ExportError(f"the bundle of run {run_id} fails its own verification ({name} policy): {detail}",
+                          fix="nothing was published; run again to resume (cvm-tune run --run-id "
+                          f"{run_id}), or rerun with --debug and report it")
 
 
 def _self_verify(bundle: Path, out: Path, agent: GuestAgent, simulated: bool) -> tuple[list[tuple[str, Verdict]], Path | None]:

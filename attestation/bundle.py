@@ -71,6 +71,23 @@ def manifest_report_data(manifest_bytes: bytes) -> bytes:
     return hashlib.sha512(REPORT_DATA_TAG + b":" + manifest_bytes).digest()
 
 
+TRAINING_SECTIONS = ("base_model", "training")
+
+
+def training_config_sha256(config_bytes: bytes) -> str:
+    """SHA-256 of the canonical JSON of the config's ``base_model`` and ``training`` sections: the settings
+    that shape the adapter. ``run.start``/``run.resume`` audit entries commit to it, so a resume after a change
+    elsewhere in the config (output, schedule, alerts) stays verifiable. Unparseable config -> ``"invalid"``."""
+    import json
+
+    try:
+        doc = json.loads(config_bytes)
+        sections = {k: doc[k] for k in TRAINING_SECTIONS}
+    except (ValueError, TypeError, KeyError, RecursionError):
+        return "invalid"
+    return hashlib.sha256(json.dumps(sections, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 class _Closed(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

@@ -42,6 +42,13 @@ from attestation.policy import Policy
 from attestation.verify import QuoteFindings, Verdict, verify_quote
 
 MAX_FILE = 64 << 20
+# The checks that depend only on the bundle's own bytes: not on trusted roots, TCB status, collateral dates
+# or policy pins. Every honest export passes them under any policy; cvm-tune publishes a bundle only if it does.
+INTEGRITY_CHECKS = frozenset({
+    "bundle.files", "manifest.schema", "manifest.files", "quote.parse", "quote.hex", "quote.padding", "report_data",
+    "event_log.parse", "event_log.replay", "event_log.boot", "compose.hash", "tee.app_id", "audit.chain",
+    "audit.rtmr3", "base_model.tree", "gpu.evidence",
+})
 
 
 def verify_bundle(
@@ -226,30 +233,58 @@ def _audit(f: QuoteFindings, root: Path, m: B.Manifest, policy: Policy) -> None:
             problems.append("chain head differs from the manifest")
         if any(e.run_id != m.run_id for e in entries):
             problems.append("an entry belongs to another run")
-        problems += _entry_contents(entries, m)
+        problems += _entry_contents(entries, m, _config_bytes(root))
     f.add("audit.chain", "fail" if problems else "pass", "; ".join(problems) or f"{len(entries)} entries, head {m.audit.head[:16]}…")
     _audit_rtmr3(f, entries, m, policy)
 
 
-def _entry_contents(entries: list[AuditEntry], m: B.Manifest) -> list[str]:
-    """The entries must commit to the same hashes as the manifest (nothing taken on trust)."""
-    want = {
-        "run.start": {
-            "config_sha256": m.files[B.CONFIG],
-            "dataset_encrypted_sha256": m.dataset.encrypted_sha256,
-            "dataset_plaintext_sha256": m.dataset.plaintext_sha256,
-            "base_model_tree_sha256": m.base_model.tree_sha256,
-            "code_source_sha256": m.code.source_sha256,
-        },
+def _entry_contents(entries: list[AuditEntry], m: B.Manifest, config_bytes: bytes | None) -> list[str]:
+    """The entries must commit to the same hashes as the manifest (nothing taken on trust).
+
+    The slice is one run: ``run.start``, then a segment per resume (``run.resume`` after a stop or a kill).
+    The entry that opened the last segment commits to exactly the manifest's inputs. An earlier
+    ``run.start``/``run.resume`` may name another ``config_sha256`` (a setting outside ``training`` and
+    ``base_model`` changed between stop and resume) but must name the same dataset, base model, code and
+    ``training_config_sha256`` (SHA-256 of the canonical JSON of the bundle config's ``base_model`` and
+    ``training`` sections, recomputed here). ``train.done`` and ``export`` are checked on the last of each:
+    an earlier one belongs to an attempt that was never published.
+    """
+    inputs = {
+        "config_sha256": m.files[B.CONFIG],
+        "dataset_encrypted_sha256": m.dataset.encrypted_sha256,
+        "dataset_plaintext_sha256": m.dataset.plaintext_sha256,
+        "base_model_tree_sha256": m.base_model.tree_sha256,
+        "code_source_sha256": m.code.source_sha256,
+    }
+    training_sha = B.training_config_sha256(config_bytes) if config_bytes is not None else None
+    last = {
         "train.done": {"global_step": m.training.global_step, "adapter_sha256": {k: m.files[k] for k in B.ADAPTER_FILES}},
         "export": {"artifacts_sha256": files_digest({k: m.files[k] for k in B.ARTIFACT_FILES})},
     }
     problems = []
-    for e in entries:
-        expected = want.get(e.type)
-        if expected is not None and any(e.data.get(k) != v for k, v in expected.items()):
+    opens = [e for e in entries if e.type == "run.start" or (e.type == "run.resume" and "config_sha256" in e.data)]
+    for e in opens:
+        want = dict(inputs)
+        if e is not opens[-1]:
+            want.pop("config_sha256")
+        if "training_config_sha256" in e.data:
+            want["training_config_sha256"] = training_sha
+        elif e is not opens[-1]:  # an entry of an older cvm-tune: no config change can be allowed across it
+            want["config_sha256"] = inputs["config_sha256"]
+        if any(e.data.get(k) != v for k, v in want.items()):
             problems.append(f"{e.type} entry (seq {e.seq}) commits to different hashes than the manifest")
+    for kind, expected in last.items():
+        final = [e for e in entries if e.type == kind]
+        if final and any(final[-1].data.get(k) != v for k, v in expected.items()):
+            problems.append(f"{kind} entry (seq {final[-1].seq}) commits to different hashes than the manifest")
     return problems
+
+
+def _config_bytes(root: Path) -> bytes | None:
+    try:
+        return _read(root / B.CONFIG)
+    except OSError:
+        return None
 
 
 def _audit_rtmr3(f: QuoteFindings, entries: list[AuditEntry], m: B.Manifest, policy: Policy) -> None:
