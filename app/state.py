@@ -61,22 +61,24 @@ class Locked(Exception):
 def run_lock(out: Path) -> Iterator[Path]:
     """Hold the output volume's exclusive lock for the duration of the block.
 
-    Each call opens its own file description, so a second thread of the same process is refused
-    exactly like a second process.
+    The lock is an ``flock`` on the output directory itself, not on a file inside it: deleting
+    ``state/lock`` (or all of ``state/``) cannot hand a second process a fresh lock while a run holds
+    it. Each call opens its own file description, so a second thread of the same process is refused
+    exactly like a second process. ``state/lock`` only records the holder's pid, for people.
 
     Raises:
         Locked: somebody else holds it (the caller logs ``skipped: locked`` and exits 0).
     """
-    path = state_dir(out) / "lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    info = state_dir(out) / "lock"
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise Locked(str(path)) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())  # informational only: the lock is the flock
-        yield path
+            raise Locked(str(out)) from None
+        with contextlib.suppress(OSError):  # informational only: the lock is the flock on the directory
+            atomic_write_bytes(info, f"{os.getpid()}\n".encode())
+        yield info
     finally:
         os.close(fd)  # releases the flock
 

@@ -89,3 +89,20 @@ def test_a_bundle_failing_its_own_verification_is_not_published(tmp_path: Path, 
     types = [json.loads(line)["type"] for line in (bundle / B.AUDIT).read_text().splitlines()]
     assert types.count("export") == 2 and types[-1] == "export" and "run.abort" in types
     assert main(["verify", str(bundle), *_policy(tmp_path)]) == 0
+
+
+def test_lock_survives_removal_of_the_state_directory(tmp_path: Path) -> None:
+    import shutil
+
+    from app.state import Locked, run_lock
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with run_lock(out) as info:
+        assert info.read_text().strip() == str(__import__("os").getpid())
+        shutil.rmtree(out / "state")  # a stray rm cannot hand out a second lock
+        with pytest.raises(Locked):
+            with run_lock(out):
+                pass
+    with run_lock(out):  # released on exit
+        pass
