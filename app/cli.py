@@ -14,11 +14,13 @@ A SIGTERM during ``run``/``serve`` checkpoints at the next step boundary and exi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from attestation import AttestationError, Verdict
@@ -29,6 +31,23 @@ from app.errors import ConfigError, CvmTuneError
 
 EXIT_REJECTED = 1
 EXIT_INTERNAL = 70
+EXIT_BROKEN_PIPE = 141  # as a shell reports a process killed by SIGPIPE
+MAX_UNIX_SECONDS = 253402300799  # 9999-12-31T23:59:59Z: the latest time a certificate or collateral date can name
+
+
+def _bounded_int(lo: int, hi: int):
+    """argparse type: an integer in [lo, hi] (out of range is a usage error, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is outside {lo}..{hi}")
+        return value
+
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,14 +81,14 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--config", type=Path, metavar="FILE", help="YAML configuration (see `cvm-tune schema`)")
     st.add_argument("--health", action="store_true", help="health check for Docker HEALTHCHECK: exit 0 healthy, 1 not")
     st.add_argument("--json", action="store_true", help="machine-readable status (schema cvm-tune/status/v1)")
-    st.add_argument("-n", type=int, default=10, metavar="N", help="rows to show (default 10)")
+    st.add_argument("-n", type=_bounded_int(1, 10_000), default=10, metavar="N", help="rows to show (default 10)")
 
     v = sub.add_parser("verify", help="verify an export bundle",
                        description="Check a bundle's quote (dcap-qvl), report_data binding, file hashes, RTMR0-3 replay "
                        "and audit chain under a policy. Exit 0 accepted, 1 rejected, 2 input error.")
     v.add_argument("bundle", type=Path, metavar="BUNDLE", help="the exports/<run_id> directory")
     v.add_argument("--policy", type=Path, metavar="FILE", help="YAML policy (default: built-in, Intel root, UpToDate only)")
-    v.add_argument("--now", type=int, metavar="UNIX_SECONDS", help="verification time (default: now); pins time for tests")
+    v.add_argument("--now", type=_bounded_int(0, MAX_UNIX_SECONDS), metavar="UNIX_SECONDS", help="verification time (default: now); pins time for tests")
     v.add_argument("--json", action="store_true", help="print the machine-readable verdict (schema cvm-tune/verdict/v1)")
     v.add_argument("--collateral", type=Path, metavar="FILE", help="use this collateral JSON instead of the bundle's")
     v.add_argument("--base-model", type=Path, metavar="DIR", help="also check a local copy of the base model against the manifest")
@@ -86,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--event-log", type=Path, metavar="FILE", help="dstack event log: a JSON list, or JSON with an event_log member")
     q.add_argument("--report-data", metavar="HEX", help="expected report_data (at most 64 bytes; shorter is zero-padded)")
     q.add_argument("--policy", type=Path, metavar="FILE", help="YAML policy (default: built-in, Intel root, UpToDate only)")
-    q.add_argument("--now", type=int, metavar="UNIX_SECONDS", help="verification time (default: now); pins time for tests")
+    q.add_argument("--now", type=_bounded_int(0, MAX_UNIX_SECONDS), metavar="UNIX_SECONDS", help="verification time (default: now); pins time for tests")
     q.add_argument("--json", action="store_true", help="print the machine-readable verdict (schema cvm-tune/verdict/v1)")
 
     co = sub.add_parser("collateral", help="fetch a quote's collateral from a PCCS (network)",
@@ -183,20 +202,30 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _COMMANDS[args.command](args)
     except (CvmTuneError, AttestationError) as exc:
-        if args.debug:
-            raise
+        if args.debug:  # the traceback, and still the documented exit code
+            traceback.print_exc()
         print(f"error: {exc.message}", file=sys.stderr)
         print(f"fix: {exc.fix}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`cvm-tune verify … | head -1`): its verdict was already decided
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except Exception as exc:  # a bug: one line, no traceback unless --debug
         if args.debug:
-            raise
+            traceback.print_exc()
         print(f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
         print("fix: rerun with --debug and report the traceback", file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _silence_stdout() -> None:
+    """After EPIPE: point stdout at /dev/null so the interpreter's final flush cannot fail again."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def _stop_on_sigterm() -> list[str]:
@@ -274,6 +303,16 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _print_verdict(verdict: Verdict, *, as_json: bool) -> int:
+    """Print the verdict; its exit code stands even when the reader closes the pipe early (``| head -1``)."""
+    try:
+        _write_verdict(verdict, as_json=as_json)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+    return 0 if verdict.accepted else EXIT_REJECTED
+
+
+def _write_verdict(verdict: Verdict, *, as_json: bool) -> None:
     if as_json:
         print(json.dumps(verdict.to_json(), indent=2))
     else:
@@ -286,7 +325,6 @@ def _print_verdict(verdict: Verdict, *, as_json: bool) -> int:
         if verdict.accepted:
             passed = sum(c.status == "pass" for c in verdict.checks)
             print(f"{passed} checks passed; TCB {verdict.findings.tcb_status}")
-    return 0 if verdict.accepted else EXIT_REJECTED
 
 
 def _verify_quote(args: argparse.Namespace) -> int:

@@ -16,12 +16,28 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.errors import ConfigError
+from attestation.safe_yaml import parse_yaml
 
 HEX64 = r"^[0-9a-f]{64}$"
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few KB; refuse anything that is not one before parsing it
+MAX_CONFIG_DEPTH = 32
+
+
 class _Closed(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: `.inf`/`.nan` are refused for every float; booleans are refused for numbers below.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data: object) -> object:
+        """YAML ``true`` is not a number: refuse it for int and float fields (pydantic's lax mode takes it as 1)."""
+        if isinstance(data, dict):
+            for name, info in cls.model_fields.items():
+                if isinstance(data.get(name), bool) and info.annotation in (int, float, int | None, float | None):
+                    raise ValueError(f"{name}: a number is required, not {str(data[name]).lower()}")
+        return data
 
 
 class TeeSettings(_Closed):
@@ -148,7 +164,7 @@ class LoraSettings(_Closed):
     """LoRA adapter shape."""
 
     r: int = Field(8, ge=1, le=1024)
-    alpha: int = Field(16, ge=1)
+    alpha: int = Field(16, ge=1, le=1 << 20)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: tuple[str, ...] = Field(
         ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), min_length=1
@@ -205,20 +221,20 @@ class TrainingSettings(_Closed):
     backend: Literal["auto", "hf", "unsloth"] = Field(
         "auto", description="auto: Unsloth when it imports and a CUDA GPU is present, else transformers+PEFT+TRL."
     )
-    seed: int = 42
-    max_steps: int = Field(30, ge=1)
-    per_device_batch_size: int = Field(4, ge=1)
-    gradient_accumulation_steps: int = Field(2, ge=1)
+    seed: int = Field(42, ge=0, le=2**32 - 1)
+    max_steps: int = Field(30, ge=1, le=10_000_000)
+    per_device_batch_size: int = Field(4, ge=1, le=65536)
+    gradient_accumulation_steps: int = Field(2, ge=1, le=65536)
     learning_rate: float = Field(5e-3, gt=0)
-    max_length: int = Field(128, ge=8, description="Tokens per example; longer examples are truncated by TRL.")
-    save_steps: int = Field(10, ge=1, description="Checkpoint interval (optimizer steps) on the output volume.")
-    logging_steps: int = Field(1, ge=1)
+    max_length: int = Field(128, ge=8, le=1 << 20, description="Tokens per example; longer examples are truncated by TRL.")
+    save_steps: int = Field(10, ge=1, le=10_000_000, description="Checkpoint interval (optimizer steps) on the output volume.")
+    logging_steps: int = Field(1, ge=1, le=10_000_000)
     assistant_only_loss: bool = False
     eval_fraction: float = Field(
         0.0, ge=0.0, le=0.5,
         description="Share of rows held out (seeded) for an eval loss every save_steps and at the end; 0: no eval.",
     )
-    per_device_eval_batch_size: int | None = Field(None, ge=1, description="Eval micro-batch; unset: per_device_batch_size.")
+    per_device_eval_batch_size: int | None = Field(None, ge=1, le=65536, description="Eval micro-batch; unset: per_device_batch_size.")
     lora: LoraSettings = LoraSettings()
     loss_watchdog: LossWatchdogSettings = LossWatchdogSettings()
     gpu: GpuTrainingSettings = GpuTrainingSettings()
@@ -326,13 +342,17 @@ def load_config(path: Path | None) -> Config:
     if path is None:
         return Config()
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}", fix="pass an existing YAML file") from exc
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config {path} is larger than {MAX_CONFIG_BYTES} bytes: not a cvm-tune config")
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config {path} is not valid YAML: {exc}".splitlines()[0]) from exc
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config {path} is not UTF-8 text (byte {exc.start})") from exc
+    data = parse_yaml(text, f"config {path}", ConfigError, max_depth=MAX_CONFIG_DEPTH)
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -15,20 +15,22 @@ Status values: ``pending`` (due, not started or stopped by SIGTERM), ``running``
 from __future__ import annotations
 
 import contextlib
+import functools
 import fcntl
 import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from app.errors import StateError
+from app.errors import ConfigError, StateError
 from app.fsutil import atomic_write_bytes
 
+T = TypeVar("T")
 STATUSES = ("pending", "running", "succeeded", "failed", "skipped")
 HEARTBEAT_SCHEMA = "cvm-tune/heartbeat/v1"
 ANCHOR_SCHEMA = "cvm-tune/rollback-anchor/v1"
@@ -37,10 +39,28 @@ _COLUMNS = ("id", "slot", "slot_time", "status", "reason", "attempts", "next_att
 
 
 def state_dir(out: Path) -> Path:
-    """``<output>/state`` (created)."""
+    """``<output>/state`` (created).
+
+    Raises:
+        ConfigError: ``output.dir`` (or its ``state``) exists and is not a directory.
+    """
+    check_output_dir(out)
     path = Path(out) / "state"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        raise ConfigError(f"{path} exists and is not a directory", fix="point output.dir at a directory of its own") from exc
     return path
+
+
+def check_output_dir(out: Path) -> None:
+    """``output.dir`` must be a directory or not exist yet.
+
+    Raises:
+        ConfigError: it is a file (or another non-directory).
+    """
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(f"output.dir {out} is not a directory", fix="point output.dir at a directory (created if missing)")
 
 
 def iso(t: datetime) -> str:
@@ -107,11 +127,39 @@ class RunRow:
         return self.status in ("succeeded", "skipped") or (self.status == "failed" and self.next_attempt_at is None)
 
 
+def _db_errors(method: Callable[..., T]) -> Callable[..., T]:
+    """A damaged database (a flipped page, a row that is not ours) is a StateError, never an internal error."""
+
+    @functools.wraps(method)
+    def wrapper(self: RunDB, *args: Any, **kwargs: Any) -> T:
+        try:
+            return method(self, *args, **kwargs)
+        except (sqlite3.Error, ValueError, TypeError) as exc:
+            if isinstance(exc, StateError):
+                raise
+            raise StateError(f"run database {self.path} is damaged: {type(exc).__name__}: {exc}",
+                             fix="restore state/runs.sqlite from a backup, or move it away to start a new history "
+                             "(exports and the audit log are kept)") from exc
+
+    return wrapper
+
+
 class RunDB:
     """The run database (``state/runs.sqlite``). One connection per instance; short transactions."""
 
     def __init__(self, out: Path) -> None:
         self.path = state_dir(out) / "runs.sqlite"
+        self._open()
+
+    @classmethod
+    def existing(cls, out: Path) -> RunDB | None:
+        """The database if the volume has one; never creates the output directory (``status`` is a read)."""
+        check_output_dir(out)
+        if not (Path(out) / "state" / "runs.sqlite").is_file():
+            return None
+        return cls(out)
+
+    def _open(self) -> None:
         try:
             self.conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
             self.conn.execute("PRAGMA journal_mode=WAL")
@@ -140,16 +188,19 @@ class RunDB:
     def close(self) -> None:
         self.conn.close()
 
+    @_db_errors
     def get(self, run_id: str) -> RunRow | None:
         cur = self.conn.execute(f"SELECT {','.join(_COLUMNS)} FROM runs WHERE id = ?", (run_id,))
         row = cur.fetchone()
         return _row(row) if row else None
 
+    @_db_errors
     def recent(self, limit: int = 10) -> list[RunRow]:
         """Newest slots first."""
         cur = self.conn.execute(f"SELECT {','.join(_COLUMNS)} FROM runs ORDER BY slot DESC LIMIT ?", (limit,))
         return [_row(r) for r in cur.fetchall()]
 
+    @_db_errors
     def newest_slot(self) -> str | None:
         return self.conn.execute("SELECT MAX(slot) FROM runs").fetchone()[0]
 
@@ -157,10 +208,12 @@ class RunDB:
         """Rows that are not final (pending, running, failed with a retry scheduled), oldest first."""
         return [r for r in reversed(self.recent(1000)) if not r.final]
 
+    @_db_errors
     def counter(self) -> int:
         row = self.conn.execute("SELECT value FROM meta WHERE key = 'counter'").fetchone()
         return int(row[0]) if row else 0
 
+    @_db_errors
     def upsert(self, run_id: str, *, slot: str, slot_time: str, **fields: Any) -> RunRow:
         """Create or update a row; ``metrics`` is stored as JSON. Finishing states bump the run counter."""
         bad = set(fields) - set(_COLUMNS)

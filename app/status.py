@@ -18,7 +18,8 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
     """The status text (a table) or JSON document."""
     out = Path(cfg.output.dir).resolve()
     now = now or datetime.now(timezone.utc)
-    rows = RunDB(out).recent(limit)
+    db = RunDB.existing(out)
+    rows = db.recent(limit) if db is not None else []
     beat = read_heartbeat(out)
     nxt = DailySchedule(cfg.schedule.time, cfg.schedule.timezone).next(now)
     if as_json:

@@ -39,6 +39,7 @@ from attestation.eventlog import Event, parse_event_log
 from attestation.gpu import check as gpu_check
 from attestation.hashing import files_digest, sha256_file, sha256_hex, tree_files
 from attestation.policy import Policy
+from attestation.safe_yaml import MAX_DEPTH, depth
 from attestation.verify import QuoteFindings, Verdict, verify_quote
 
 MAX_FILE = 64 << 20
@@ -110,11 +111,14 @@ def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> 
                 present.add(full.relative_to(root).as_posix())
     manifest = None
     try:
-        manifest = B.Manifest.model_validate(json.loads(manifest_bytes))
+        doc = json.loads(manifest_bytes)
+        if depth(doc) > MAX_DEPTH:
+            raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
+        manifest = B.Manifest.model_validate(doc)
         if set(manifest.files) != set(B.hashed_files(manifest)):
             raise ValueError(f"manifest lists {sorted(manifest.files)}, expected {sorted(B.hashed_files(manifest))}")
         f.add("manifest.schema", "pass", B.MANIFEST_SCHEMA)
-    except (ValueError, ValidationError) as exc:
+    except (ValueError, ValidationError, RecursionError) as exc:
         f.add("manifest.schema", "fail", f"manifest.json is not a valid {B.MANIFEST_SCHEMA} manifest: {str(exc).splitlines()[0]}")
         manifest = None
     expected = set(B.hashed_files(manifest)) | set(B.ATTESTATION_FILES)

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from attestation.audit import ENTRY_TYPES, EVENT_PREFIX
 from attestation.errors import PolicyError
 from attestation.inputs import read_bounded
+from attestation.safe_yaml import parse_yaml
 
 TCB_STATUSES = (
     "UpToDate",
@@ -178,10 +179,7 @@ def load_policy(path: Path | None) -> Policy:
     if path is None:
         return DEFAULT_POLICY
     text = read_bounded(Path(path), MAX_POLICY_BYTES, PolicyError, "policy")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise PolicyError(f"policy {path} is not valid YAML") from exc
+    data = parse_yaml(text, f"policy {path}", PolicyError)
     if not isinstance(data, dict):
         raise PolicyError(f"policy {path} must be a YAML mapping")
     try:
