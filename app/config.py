@@ -258,8 +258,13 @@ class OutputSettings(_Closed):
     dir: Path = Field(Path("cvm-tune-output"), description="Output volume root.")
     scratch_dir: Path | None = Field(
         None, description="Private in-memory directory where the trainer writes a checkpoint before it is sealed "
-        "(encrypted) onto the output volume; never on the output volume. Unset: /dev/shm when writable, else the "
-        "system temp directory.")
+        "(encrypted) onto the output volume; never on the output volume. It must exist and be a RAM file system "
+        "(tmpfs/ramfs): cvm-tune never creates it. Unset: /dev/shm when writable, else the system temp directory "
+        "(which must then be a tmpfs too).")
+    scratch_unsafe_ok: bool = Field(
+        False, description="Allow a scratch_dir that is not a RAM file system: the adapter and optimizer state of each "
+        "checkpoint then sit in the clear on that disk until sealed and removed. Only for machines whose disk is itself "
+        "inside the TEE's encrypted memory or discarded with it.")
     keep_checkpoints: int = Field(3, ge=1, le=100, description="Sealed checkpoints kept per run (newest first).")
 
 

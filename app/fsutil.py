@@ -8,11 +8,57 @@ across filesystems would fail with EXDEV and would not be atomic).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import stat
 import shutil
 import tempfile
 from collections.abc import Iterator
+from typing import BinaryIO
 from pathlib import Path
+
+
+RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the file system holding ``path`` (``tmpfs``, ``ext4``, …) from /proc/self/mountinfo;
+    None where that cannot be read (not Linux)."""
+    target = os.path.realpath(path)
+    best, fstype = "", None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                fields = line.split()
+                sep = fields.index("-")
+                mount = fields[4].replace("\\040", " ")
+                if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+                    best, fstype = mount, fields[sep + 1]
+    except (OSError, ValueError, IndexError):
+        return None
+    return fstype
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """Open an input file for reading only if it is a regular file: a FIFO, device or directory is refused
+    without blocking (``O_NONBLOCK`` on the open, ``fstat`` on the descriptor actually opened).
+
+    Raises:
+        FileNotFoundError: it does not exist.
+        IsADirectoryError: it is a directory, a FIFO, a socket or a device (``errno.EISDIR``, its text says which).
+        OSError: it cannot be opened.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+            raise IsADirectoryError(errno.EISDIR, f"{path} is {kind}")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def fsync_dir(path: Path) -> None:

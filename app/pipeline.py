@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from attestation import DEFAULT_POLICY, Verdict, verify_bundle
 from attestation import bundle as B
@@ -41,8 +41,9 @@ from app.dataset import DerivedKeySource, KeyFileSource, KeySource, encrypt_file
 from app.dataset.key_request import CvmIdentity, ReleasedKeySource
 from app.dataset.keys import EnvKeySource
 from app.dataset.versions import check_version, record_version
-from app.errors import BaseModelError, ConfigError, CvmTuneError, ExportError, StateError, TeeError
-from app.fsutil import atomic_write_bytes, remove_stale_temps, staged_dir
+from app.errors import BaseModelError, ConfigError, CvmTuneError, DataError, ExportError, StateError, TeeError
+from app.fsutil import RAM_FILESYSTEMS, atomic_write_bytes, filesystem_type, open_regular, remove_stale_temps, staged_dir
+from app.state import check_output_dir
 from app.tee import GuestAgent, Identity, open_guest_agent
 
 Progress = Callable[[str], None]
@@ -114,9 +115,11 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         raise ConfigError(f"run id {run_id!r} is not allowed", fix="use 1-100 letters, digits, '.', '_' or '-', not starting with '.' or '-'")
     timer, t0 = _Timer(), time.perf_counter()
     out = cfg.output.dir.resolve()
+    check_output_dir(out)
     for sub in ("state", "datasets", "models", "runs", "exports"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out / "exports")
+    scratch = _scratch_dir(cfg, out)  # refused before anything starts: plaintext checkpoints live only in RAM
 
     # 1. Guest agent: who are we (app id, compose hash)? Nothing runs without one.
     with ExitStack() as stack:
@@ -143,7 +146,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         owner_pub = bytes.fromhex(dcfg.owner_public_key) if dcfg.owner_public_key else None
         with timer.phase("decrypt_validate"):
             ds_path = _dataset_file(cfg, out, key, progress)
-            with open(ds_path, "rb") as fh:
+            with _open_dataset(ds_path) as fh:
                 stream = open_encrypted(fh, key, owner_public_key=owner_pub)
                 rows, report_rows = parse_jsonl(stream, source=ds_path.name, max_row_bytes=dcfg.max_row_bytes,
                                            dedup=dcfg.dedup, max_plaintext_bytes=dcfg.max_plaintext_bytes)
@@ -246,7 +249,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             result = train(TrainRequest(
                 base_model_dir=base_dir, base_model_name=base_name, rows=rows, run_dir=run_dir, settings=ts,
                 fingerprint=fingerprint, checkpoint_key=ckpt_key, inputs=inputs,
-                scratch_dir=_scratch_dir(cfg, out), keep_checkpoints=cfg.output.keep_checkpoints,
+                scratch_dir=scratch, keep_checkpoints=cfg.output.keep_checkpoints,
                 on_step_end=step_end, on_event=lambda t, d: recorder.record(run_id, t, d),
                 on_log=lambda m: progress(f"  step {m['step']}/{ts.max_steps}  loss {m['loss']:.4f}"),
                 on_batch_change=batch_changed))
@@ -360,7 +363,12 @@ def _disk_errors(what: str) -> Iterator[None]:
 
 
 def _scratch_dir(cfg: Config, out: Path) -> Path:
-    """Private directory for the trainer's plaintext checkpoints: RAM when possible, never the volume."""
+    """Private directory for the trainer's plaintext checkpoints: RAM, never the output volume.
+
+    Raises:
+        ConfigError: the directory is missing, on the output volume, or not a RAM file system (unless
+            ``output.scratch_unsafe_ok``).
+    """
     import os
     import tempfile
 
@@ -368,9 +376,18 @@ def _scratch_dir(cfg: Config, out: Path) -> Path:
     if base is None:
         shm = Path("/dev/shm")
         base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+    if not Path(base).is_dir():
+        raise ConfigError(f"output.scratch_dir {base} does not exist (cvm-tune never creates it)",
+                          fix="point output.scratch_dir at an existing tmpfs such as /dev/shm")
     path = Path(base).resolve() / f"cvm-tune-{sha256_hex(str(out).encode())[:12]}"
     if path == out or out in path.parents:
         raise ConfigError(f"output.scratch_dir {base} is on the output volume", fix="point it at /dev/shm or a tmpfs")
+    fs = filesystem_type(path.parent)
+    if fs not in RAM_FILESYSTEMS and not cfg.output.scratch_unsafe_ok:
+        raise ConfigError(f"output.scratch_dir {base} is on a {fs or 'unknown'} file system, not in RAM: plaintext "
+                          "checkpoints would be written to disk",
+                          fix="point output.scratch_dir at a tmpfs (/dev/shm; in Docker: shm_size), or set "
+                          "output.scratch_unsafe_ok: true if that disk never leaves the TEE")
     return path
 
 
@@ -415,6 +432,19 @@ def _dataset_file(cfg: Config, out: Path, key: bytes, progress: Progress) -> Pat
     return dst
 
 
+def _open_dataset(path: Path) -> BinaryIO:
+    """The encrypted dataset, opened without blocking on a FIFO and refused unless it is a regular file."""
+    try:
+        return open_regular(path)
+    except FileNotFoundError:
+        raise DataError(f"dataset {path} does not exist", fix="set dataset.path to the encrypted dataset file (.cvmds)") from None
+    except IsADirectoryError as exc:
+        raise DataError(f"dataset {exc.strerror}, not an encrypted dataset file",
+                        fix="set dataset.path to the encrypted dataset file (.cvmds)") from None
+    except OSError as exc:
+        raise DataError(f"cannot read dataset {path}: {exc.strerror}") from exc
+
+
 def _base_model(cfg: Config, out: Path, build_tiny_model: Callable[[Path], None]) -> tuple[Path, str]:
     if cfg.base_model.source == "tiny-llama":
         path = out / "models" / "tiny-llama"
@@ -434,7 +464,8 @@ def _pick_run(out: Path, fingerprint: str, requested: str | None) -> tuple[str, 
         if state.exists():
             s = json.loads(state.read_text())
             if s["status"] == "exported":
-                raise StateError(f"run {requested} was already exported", fix="choose a new --run-id")
+                raise StateError(f"run {requested} was already exported to {s.get('bundle') or out / 'exports' / requested}",
+                                 fix="a run is exported once: verify that bundle, or train again under a new --run-id")
             if s["fingerprint"] != fingerprint:
                 raise StateError(f"run {requested} was started with other inputs (config, dataset or base model)",
                                  fix="choose a new --run-id")

@@ -39,6 +39,7 @@ from attestation.eventlog import Event, parse_event_log
 from attestation.gpu import check as gpu_check
 from attestation.hashing import files_digest, sha256_file, sha256_hex, tree_files
 from attestation.policy import Policy
+from attestation.quote import MAX_QUOTE_BYTES
 from attestation.safe_yaml import MAX_DEPTH, depth
 from attestation.verify import QuoteFindings, Verdict, verify_quote
 
@@ -73,6 +74,10 @@ def verify_bundle(
         raise BundleError(f"{root} is not a directory", fix="pass the exports/<run_id> directory of a bundle")
     if not (root / B.MANIFEST).is_file():
         raise BundleError(f"{root} has no {B.MANIFEST}: not a cvm-tune export bundle")
+    if base_model_dir is not None and not Path(base_model_dir).is_dir():
+        raise BundleError(f"base model directory {base_model_dir} is missing", fix="pass the local copy of the base model")
+    if dataset_file is not None and not Path(dataset_file).is_file():
+        raise BundleError(f"dataset file {dataset_file} is missing or not a file", fix="pass the encrypted dataset (.cvmds)")
     f = QuoteFindings()
     manifest_bytes = _read(root / B.MANIFEST)
     manifest = _files_and_manifest(f, root, manifest_bytes)
@@ -94,13 +99,13 @@ def verify_bundle(
     return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
 
 
-def _read(path: Path) -> bytes:
+def _read(path: Path, limit: int = MAX_FILE) -> bytes:
     with open(path, "rb") as fh:
-        return fh.read(MAX_FILE)
+        return fh.read(limit)
 
 
 def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> B.Manifest | None:
-    present, odd = set(), []
+    present, odd, dirs = set(), [], set()
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             full = Path(dirpath) / name
@@ -109,6 +114,8 @@ def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> 
                 odd.append(full.relative_to(root).as_posix())
             elif stat.S_ISREG(mode):
                 present.add(full.relative_to(root).as_posix())
+            else:
+                dirs.add(full.relative_to(root).as_posix())
     manifest = None
     try:
         doc = json.loads(manifest_bytes)
@@ -124,7 +131,9 @@ def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> 
     expected = set(B.hashed_files(manifest)) | set(B.ATTESTATION_FILES)
     extra = sorted(present - expected - set(B.OPTIONAL_FILES))
     missing = sorted(expected - present)
+    wanted_dirs = {str(Path(p).parent) for p in expected | set(B.OPTIONAL_FILES)} - {"."}
     problems = [*(f"unexpected file {p}" for p in extra), *(f"missing {p}" for p in missing),
+                *(f"unexpected directory {d}/" for d in sorted(dirs - wanted_dirs)),
                 *(f"{p} is a symlink or special file" for p in odd)]
     f.add("bundle.files", "fail" if problems else "pass", "; ".join(problems) or f"{len(present)} files, none unexpected")
     return manifest
@@ -132,12 +141,16 @@ def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> 
 
 def _quote_bytes(f: QuoteFindings, root: Path) -> bytes | None:
     try:
-        raw = _read(root / B.QUOTE_BIN)
+        raw = _read(root / B.QUOTE_BIN, MAX_QUOTE_BYTES + 1)
     except OSError:
         f.add("quote.parse", "fail", f"{B.QUOTE_BIN} missing or unreadable")
         return None
+    if not raw or len(raw) > MAX_QUOTE_BYTES:
+        f.add("quote.parse", "fail", f"{B.QUOTE_BIN} is " + ("empty" if not raw else f"larger than {MAX_QUOTE_BYTES} bytes")
+              + ": not a TDX quote")
+        return None
     try:
-        hex_ok = _read(root / B.QUOTE_HEX).strip().decode("ascii").lower() == raw.hex()
+        hex_ok = _read(root / B.QUOTE_HEX, 2 * MAX_QUOTE_BYTES + 2).strip().decode("ascii").lower() == raw.hex()
     except (OSError, UnicodeDecodeError):
         hex_ok = False
     f.add("quote.hex", "pass" if hex_ok else "fail", "quote.hex = hex(quote.bin)" if hex_ok else "quote.hex differs from quote.bin")

@@ -106,3 +106,175 @@ def test_lock_survives_removal_of_the_state_directory(tmp_path: Path) -> None:
                 pass
     with run_lock(out):  # released on exit
         pass
+
+
+# --- every bad input gets its documented exit code, and nothing is written ---------------------------------------
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """One demo run: (its bundle, the simulator policy file)."""
+    root = tmp_path_factory.mktemp("demo")
+    cfg = root / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"output": {"dir": str(root / "out")}, "training": {"max_steps": 2, "save_steps": 2}}))
+    assert main(["run", "--config", str(cfg)]) == 0
+    return next((root / "out" / "exports").iterdir()), root / "out" / "simulator-test-policy.yaml"
+
+
+def _files(root: Path) -> set[str]:
+    return {p.relative_to(root).as_posix() for p in root.rglob("*")} if root.exists() else set()
+
+
+def _write(tmp: Path, text: str | bytes, name: str = "c.yaml") -> str:
+    p = tmp / name
+    p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    return str(p)
+
+
+CONFIG_CASES = {
+    "not UTF-8": b"output: {dir: \xff\xfe}\n",
+    "100k deep": "a: " + "[" * 100_000 + "]" * 100_000 + "\n",
+    "33 levels deep": "a: " + "[" * 33 + "]" * 33 + "\n",
+    "duplicate key": "training: {max_steps: 3}\ntraining: {max_steps: 4}\n",
+    "duplicate nested key": "training: {max_steps: 3, max_steps: 4}\n",
+    "learning_rate .inf": "training: {learning_rate: .inf}\n",
+    "learning_rate .nan": "training: {learning_rate: .nan}\n",
+    "max_steps true": "training: {max_steps: true}\n",
+    "max_steps 1e32": "training: {max_steps: 1e32}\n",
+    "batch 1e20": "training: {per_device_batch_size: 100000000000000000000}\n",
+    "over 1 MiB": "# " + "x" * (1 << 20) + "\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_bad_config_is_exit_2_and_writes_nothing(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _write(tmp_path, CONFIG_CASES[case])
+    before = _files(tmp_path)
+    for command in ("run", "validate-config", "status"):
+        assert main([command, "--config", cfg] if command != "validate-config" else [command, cfg]) == 2, command
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "Traceback" not in err
+    assert _files(tmp_path) == before
+
+
+def test_bad_paths_and_arguments(tmp_path: Path, demo: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    bundle, policy = demo
+    key = tmp_path / "k"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    (tmp_path / "file").write_text("x")
+    os.mkfifo(tmp_path / "fifo")
+
+    configs = iter(range(100))
+
+    def run_cfg(**sections: object) -> list[str]:
+        data = {"output": {"dir": str(tmp_path / "out")}, **sections}
+        return ["run", "--config", _write(tmp_path, yaml.safe_dump(data), f"run{next(configs)}.yaml")]
+
+    def dataset(path: Path) -> dict:
+        return {"source": "encrypted-file", "path": str(path), "key": {"source": "file", "file": str(key)}}
+
+    cases = [
+        (run_cfg(dataset=dataset(tmp_path / "missing.cvmds")), 3, "does not exist"),
+        (run_cfg(dataset=dataset(tmp_path)), 3, "is a directory"),
+        (run_cfg(dataset=dataset(tmp_path / "fifo")), 3, "is a FIFO"),  # refused without blocking
+        (["run", "--config", _write(tmp_path, f"output: {{dir: {tmp_path / 'file'}}}\n", "f.yaml")], 2, "not a directory"),
+        (["status", "--config", _write(tmp_path, f"output: {{dir: {tmp_path / 'file'}}}\n", "f.yaml")], 2, "not a directory"),
+        (run_cfg(output={"dir": str(tmp_path / "out"), "scratch_dir": str(tmp_path / "no" / "such")}), 2, "never creates it"),
+        (run_cfg(output={"dir": str(tmp_path / "out"), "scratch_dir": str(tmp_path)}), 2, "not in RAM"),
+        (["verify", str(bundle), "--policy", str(policy), "--dataset", str(tmp_path / "missing.cvmds")], 2, "missing"),
+        (["verify", str(bundle), "--policy", str(policy), "--base-model", str(tmp_path / "missing")], 2, "missing"),
+        (["verify", str(bundle), "--now", "99999999999999999999"], 2, "outside"),
+        (["verify-quote", str(bundle / "quote.bin"), "--now", "-1"], 2, "outside"),
+        (["status", "-n", "99999999999999999999"], 2, "outside"),
+        (["status", "-n", "-1"], 2, "outside"),
+        (["--debug", "run"] + run_cfg(dataset={**dataset(tmp_path / "x"), "key": {"source": "file", "file": str(tmp_path / "nokey")}})[1:], 4, "key file"),
+        (["--debug", "verify", str(tmp_path / "nonexistent")], 2, "not a directory"),
+    ]
+    before = _files(tmp_path)
+    assert {'k', 'fifo', 'file', 'run0.yaml'} <= before
+    for argv, code, words in cases:
+        try:
+            rc = main(argv)
+        except SystemExit as exc:  # argparse's usage errors
+            rc = exc.code
+        err = capsys.readouterr().err
+        assert (rc, words in err) == (code, True), (argv, err)
+        assert ("Traceback" in err) == ("--debug" in argv), argv
+    after = _files(tmp_path)
+    assert {f for f in after - before if not f.startswith("out/")} <= {"out"}  # nothing outside the volume, no scratch
+    assert not [f for f in after if f.startswith(("out/exports/", "out/runs/", "out/datasets/"))]  # nothing run or exported
+
+
+def test_status_reads_without_creating_the_volume_and_reports_a_damaged_db(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    cfg = _write(tmp_path, f"output: {{dir: {out}}}\n")
+    assert main(["status", "--config", cfg]) == 0 and not out.exists()
+    from app.state import RunDB
+
+    db = RunDB(out)
+    for i in range(40):  # enough rows for the table to span several pages
+        db.upsert(f"run-{i:03}", slot=f"2026-11-{i:03}", slot_time="t", status="succeeded", reason="x" * 300)
+    db.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    db.close()
+    path = out / "state" / "runs.sqlite"
+    data = bytearray(path.read_bytes())
+    data[4096:] = bytes(b ^ 0x5A for b in data[4096:])  # every page after the schema page flipped
+    path.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["status", "--config", cfg]) == 7
+    err = capsys.readouterr().err
+    assert err.startswith("error: run database") and "Traceback" not in err
+
+
+BUNDLE_DAMAGE = {
+    "empty quote.bin": lambda b: (b / "quote.bin").write_bytes(b""),
+    "10 MB quote.bin": lambda b: (b / "quote.bin").write_bytes(bytes(10 << 20)),
+    "empty directory adapter/sub": lambda b: (b / "adapter" / "sub").mkdir(),
+    "empty directory extra": lambda b: (b / "extra").mkdir(),
+    "manifest 100k deep": lambda b: (b / "manifest.json").write_text("[" * 100_000 + "]" * 100_000),
+    "manifest 40 deep": lambda b: (b / "manifest.json").write_text("[" * 40 + "]" * 40),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BUNDLE_DAMAGE))
+def test_damaged_bundle_is_rejected_not_an_internal_error(case: str, tmp_path: Path, demo: tuple[Path, Path],
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    bundle, policy = demo
+    copy = tmp_path / bundle.name
+    shutil.copytree(bundle, copy)
+    assert main(["verify", str(copy), "--policy", str(policy)]) == 0
+    BUNDLE_DAMAGE[case](copy)
+    capsys.readouterr()
+    assert main(["verify", str(copy), "--policy", str(policy)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("REJECTED") and "FAIL" in out
+
+
+def test_rerunning_an_exported_run_names_its_bundle(tmp_path: Path, demo: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    bundle, _ = demo
+    cfg = _write(tmp_path, yaml.safe_dump({"output": {"dir": str(bundle.parent.parent)}, "training": {"max_steps": 2, "save_steps": 2}}))
+    assert main(["run", "--config", cfg, "--run-id", bundle.name]) == 7
+    err = capsys.readouterr().err
+    assert str(bundle) in err and "new --run-id" in err
+
+
+def test_verify_into_a_closed_pipe_keeps_the_verdict(demo: tuple[Path, Path], tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    bundle, policy = demo
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    script = ("import sys; from app.cli import main; sys.stdout = open(sys.stdout.fileno(), 'w', buffering=1, closefd=False); "
+              "sys.exit(main(sys.argv[1:]))")
+    for _ in range(3):
+        p = subprocess.Popen([sys.executable, "-c", script, "verify", str(bundle), "--policy", str(policy)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        p.stdout.close()  # the reader is gone before the verdict is printed
+        err = p.stderr.read().decode()
+        assert p.wait(60) == 0, err
+        assert "internal error" not in err and "Traceback" not in err

@@ -41,7 +41,7 @@ from app.dataset.release import (
     request_sha256,
 )
 from app.errors import DatasetFormatError, KeyGrantError, KeyReleasePendingError, KeySourceError, StateError
-from app.fsutil import atomic_write_bytes
+from app.fsutil import atomic_write_bytes, open_regular
 from attestation.dataset_sig import owner_key_id
 from attestation.hashing import canonical_json
 
@@ -96,10 +96,10 @@ class ReleasedKeySource:
             StateError: sealed state unreadable or unwritable.
         """
         try:
-            with open(self._dataset, "rb") as fh:
+            with open_regular(self._dataset) as fh:
                 header = read_header(fh)
         except OSError as exc:
-            raise DatasetFormatError(f"cannot read dataset {self._dataset.name}: {exc.strerror}") from None
+            raise DatasetFormatError(f"cannot read dataset {self._dataset}: {exc.strerror}") from None
         seal = self._seal_key()
         sealed = self._state / f"dataset-{hashlib.sha256(header.dataset_id.encode()).hexdigest()[:16]}.json"
         key = self._unseal_dataset_key(sealed, seal, header.dataset_id)

@@ -45,6 +45,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
 from app.dataset.format import open_encrypted, read_header
 from app.errors import ConfigError, KeyReleaseRefusedError, WrongKeyError
+from app.fsutil import open_regular
 from attestation import Policy, parse_collateral, parse_event_log, verify_quote
 from attestation.dataset_sig import owner_key_id, public_key_bytes
 from attestation.errors import AttestationError
@@ -177,7 +178,7 @@ def _dataset_header(path: Path) -> Any:
 def key_opens(path: Path, key: bytes) -> bool:
     """Whether ``key`` passes the dataset's key check (nothing is decrypted)."""
     try:
-        with open(path, "rb") as fh:
+        with open_regular(path) as fh:
             open_encrypted(fh, key)
     except WrongKeyError:
         return False
