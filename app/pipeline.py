@@ -40,7 +40,7 @@ from app.config import Config
 from app.dataset import DerivedKeySource, KeyFileSource, KeySource, encrypt_file, open_encrypted, parse_jsonl
 from app.dataset.key_request import CvmIdentity, ReleasedKeySource
 from app.dataset.keys import EnvKeySource
-from app.dataset.versions import check_version, record_version
+from app.dataset.versions import check_version, rebuild_if_missing, record_version
 from app.errors import BaseModelError, ConfigError, CvmTuneError, DataError, ExportError, StateError, TeeError
 from app.fsutil import RAM_FILESYSTEMS, atomic_write_bytes, filesystem_type, open_regular, remove_stale_temps, staged_dir
 from app.state import check_output_dir
@@ -161,6 +161,8 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
                 "owner_key_id": sig.owner_key_id if sig else None, "commitment": sig.commitment if sig else None,
                 "validation": {"rows_read": report_rows.rows_total, "duplicates_dropped": report_rows.duplicates_dropped},
             }
+            if rebuilt := rebuild_if_missing(out / "state", AuditLog(out / "state" / "audit.jsonl").entries):
+                progress(f"state: dataset-versions.json was missing; rebuilt {rebuilt} dataset version(s) from the audit chain")
             check_version(out / "state", dataset["dataset_id"], dataset["dataset_version"], dataset["plaintext_sha256"])
         signer = f", signed by owner key {sig.owner_key_id[:16]}…" if sig else ", not owner-signed"
         progress(f"dataset: {ds_path.name} v{dataset['dataset_version']} decrypted in memory and authenticated "
@@ -209,6 +211,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             recorder = AuditRecorder(log, agent, require_emit=cfg.tee.emit_events == "required")
             commitment = {
                 "config_sha256": sha256_hex(config_bytes), "training_config_sha256": sha256_hex(cfg.training_json()),
+                "dataset_id": dataset["dataset_id"], "dataset_version": dataset["dataset_version"],
                 "dataset_encrypted_sha256": dataset["encrypted_sha256"],
                 "dataset_plaintext_sha256": dataset["plaintext_sha256"],
                 "base_model_tree_sha256": base_tree, "code_source_sha256": code_sha}

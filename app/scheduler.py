@@ -21,6 +21,7 @@ no state, forgets missed runs and knows no time zone without pytz, so every deci
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -205,7 +206,7 @@ class Service:
         run_id, sched = slot.run_id, self.cfg.schedule
         if (self.out / "exports" / run_id).is_dir():  # exported, but the process died before recording it
             self._finish(run_id, row, "succeeded", "recovered: the bundle was already exported",
-                         bundle=str(self.out / "exports" / run_id))
+                         bundle=str(self.out / "exports" / run_id), **_bundle_record(self.out / "exports" / run_id))
             return f"recovered: {run_id}"
         recovered_crash = row is not None and row.status == "running"
         attempts = (row.attempts if row else 0) + 1
@@ -338,6 +339,21 @@ def _beat(service: Service) -> None:
             service.heartbeat()
         except Exception:  # never let the heartbeat thread die silently
             logger.exception("heartbeat failed")
+
+
+def _bundle_record(bundle: Path) -> dict[str, Any]:
+    """Metrics and audit head of an exported bundle, for a run whose database row was lost (kill -9 between the
+    export's rename and the row update, or a deleted run database): the bundle holds the same report."""
+    record: dict[str, Any] = {}
+    try:
+        record["metrics"] = json.loads((bundle / "report" / "report.json").read_bytes())
+    except (OSError, ValueError):
+        pass
+    try:
+        record["audit_head"] = json.loads((bundle / "manifest.json").read_bytes())["audit"]["head"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return record
 
 
 def health(cfg: Config, *, now: datetime | None = None) -> tuple[bool, str]:

@@ -278,3 +278,33 @@ def test_verify_into_a_closed_pipe_keeps_the_verdict(demo: tuple[Path, Path], tm
         err = p.stderr.read().decode()
         assert p.wait(60) == 0, err
         assert "internal error" not in err and "Traceback" not in err
+
+
+def test_deleted_version_record_is_rebuilt_from_the_audit_chain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+    from importlib import resources
+
+    from app.dataset import encrypt_file, write_key_file
+
+    key = os.urandom(32)
+    write_key_file(tmp_path / "key", key)
+    sample = Path(str(resources.files("app") / "data" / "sample.jsonl"))
+    for version in (1, 2):
+        encrypt_file(sample, tmp_path / f"v{version}.cvmds", key, dataset_id="rows", dataset_version=version)
+
+    def run(version: int) -> int:
+        cfg = {"output": {"dir": str(tmp_path / "out")}, "training": {"max_steps": 1, "save_steps": 1},
+               "dataset": {"source": "encrypted-file", "path": str(tmp_path / f"v{version}.cvmds"),
+                           "key": {"source": "file", "file": str(tmp_path / "key")}}}
+        return main(["run", "--config", _write(tmp_path, yaml.safe_dump(cfg))])
+
+    assert run(2) == 0
+    versions = tmp_path / "out" / "state" / "dataset-versions.json"
+    versions.unlink()  # tampered state: the rollback record removed
+    exports = _files(tmp_path / "out" / "exports")
+    capsys.readouterr()
+    assert run(1) == 3  # DatasetRollbackError: the chain still says v2 was trained
+    out, err = capsys.readouterr()
+    assert "rebuilt 1 dataset version(s) from the audit chain" in out and "older than v2" in err
+    assert _files(tmp_path / "out" / "exports") == exports
+    assert json.loads(versions.read_text())["datasets"]["rows"]["version"] == 2

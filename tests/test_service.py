@@ -271,9 +271,14 @@ def test_crash_counts_as_an_attempt_and_an_exported_run_is_recovered(tmp_path: P
     assert svc.tick() == "failed: nightly-2026-11-20 gave up"  # crash loops are bounded
     assert "died" in svc.db.get("nightly-2026-11-20").reason
     clock.advance(days=1)
-    (tmp_path / "out" / "exports" / "nightly-2026-11-21").mkdir(parents=True)  # exported, then killed before the DB write
+    bundle = tmp_path / "out" / "exports" / "nightly-2026-11-21"
+    (bundle / "report").mkdir(parents=True)  # exported, then killed before the DB write
+    (bundle / "report" / "report.json").write_text(json.dumps({"steps": 30, "losses": [[30, 5.9]]}))
+    (bundle / "manifest.json").write_text(json.dumps({"audit": {"head": "ab" * 32}}))
     assert svc.tick() == "recovered: nightly-2026-11-21"
     assert runner.ids == []
+    row = svc.db.get("nightly-2026-11-21")  # the row carries what the bundle says, not an empty record
+    assert (row.status, row.metrics["steps"], row.audit_head) == ("succeeded", 30, "ab" * 32)
 
 
 # --- lock (cases 42, 43) ---------------------------------------------------------------------------------

@@ -37,6 +37,39 @@ def _load(state_dir: Path) -> dict[str, dict]:
     return obj["datasets"]
 
 
+def rebuild_if_missing(state_dir: Path, audit_entries: list) -> int:
+    """Recreate the version record from the audit chain when the file is gone but runs were recorded.
+
+    ``run.start``/``run.resume`` entries commit to ``dataset_id``, ``dataset_version`` and the plaintext hash, so
+    deleting this file does not reopen rollbacks. Returns how many dataset ids were restored (0: nothing to do).
+
+    Raises:
+        StateError: the file is missing, the chain records runs, and none of them names its dataset version
+            (a chain written before versions were recorded): refuse rather than train unprotected.
+    """
+    path = Path(state_dir) / FILE
+    if path.exists():
+        return 0
+    opens = [e for e in audit_entries if e.type in ("run.start", "run.resume")]
+    if not opens:
+        return 0
+    best: dict[str, dict] = {}
+    for e in opens:
+        ds_id, version, digest = e.data.get("dataset_id"), e.data.get("dataset_version"), e.data.get("dataset_plaintext_sha256")
+        if isinstance(ds_id, str) and isinstance(version, int) and isinstance(digest, str):
+            if ds_id not in best or version >= best[ds_id]["version"]:
+                best[ds_id] = {"version": version, "plaintext_sha256": digest}
+    if not best:
+        raise StateError(f"{path} is missing, but the audit log records {len(opens)} runs: the rollback record was removed",
+                         fix="restore state/dataset-versions.json from a backup of the output volume")
+    data = json.dumps({"schema": SCHEMA, "datasets": dict(sorted(best.items()))}, indent=2, sort_keys=True).encode()
+    try:
+        atomic_write_bytes(path, data + b"\n")
+    except OSError as exc:
+        raise StateError(f"cannot rebuild {path}: {exc.strerror}") from exc
+    return len(best)
+
+
 def check_version(state_dir: Path, dataset_id: str, version: int, plaintext_sha256: str) -> int | None:
     """Refuse a rollback; returns the last version trained on (``None`` for a new dataset id).
 
