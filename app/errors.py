@@ -174,3 +174,26 @@ class StateError(CvmTuneError):
 
 class ExportError(StateError):
     """The export bundle could not be written; no partial bundle is left behind."""
+
+
+_DISK_ERRNOS = frozenset({28, 122, 30, 5, 27})  # ENOSPC, EDQUOT, EROFS, EIO, EFBIG
+_DISK_WORDS = ("No space left on device", "Disk quota exceeded", "failed writing file", "Read-only file system")
+
+
+def disk_error(exc: BaseException, where: str) -> StateError | None:
+    """A StateError (exit 7, "free space") when ``exc`` or its cause is a full, read-only or failing disk.
+
+    Libraries wrap the OSError (torch's serializer raises RuntimeError "failed writing file"): the cause chain
+    and the message are both looked at. None when it is not a disk problem (the caller keeps its own category).
+    """
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            break
+        if (isinstance(seen, OSError) and seen.errno in _DISK_ERRNOS) or any(w in str(seen) for w in _DISK_WORDS):
+            detail = seen.strerror if isinstance(seen, OSError) and seen.strerror else "write failed"
+            return StateError(f"{where}: {detail}",
+                              fix="free space on the output volume and the scratch tmpfs (/dev/shm), then run again: "
+                              "the run resumes from its last sealed checkpoint")
+        seen = seen.__cause__ or seen.__context__
+    return None

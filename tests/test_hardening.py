@@ -308,3 +308,49 @@ def test_deleted_version_record_is_rebuilt_from_the_audit_chain(tmp_path: Path, 
     assert "rebuilt 1 dataset version(s) from the audit chain" in out and "older than v2" in err
     assert _files(tmp_path / "out" / "exports") == exports
     assert json.loads(versions.read_text())["datasets"]["rows"]["version"] == 2
+
+
+def test_latest_pointer_replaced_by_a_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    real = _stop_after(monkeypatch, 4)
+    cfg = _cfg(tmp_path)
+    assert main(["run", "--config", str(cfg), "--run-id", "r1"]) == 6
+    latest = tmp_path / "out" / "runs" / "r1" / "checkpoints" / "LATEST"
+    latest.unlink()
+    latest.mkdir()  # tampered: the pointer is now a directory
+    monkeypatch.setattr(app.training, "train", real)
+    capsys.readouterr()
+    rc = main(["run", "--config", str(cfg), "--run-id", "r1"])
+    err = capsys.readouterr().err
+    assert rc == 7 and "LATEST" in err and "internal error" not in err
+    assert _exports(tmp_path) == []
+
+
+def test_disk_full_while_training_or_building_the_model_is_a_state_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    import errno
+
+    import torch
+    import transformers
+
+    def full(*_a: object, **_k: object) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file data/0: "
+                           "file write failed")
+
+    monkeypatch.setattr(torch, "save", full)  # the optimizer state of the first checkpoint cannot be written
+    assert main(["run", "--config", str(_cfg(tmp_path))]) == 7
+    err = capsys.readouterr().err
+    assert "writing a checkpoint or the adapter failed" in err and "free space" in err
+    assert _exports(tmp_path) == []
+    monkeypatch.undo()
+
+    def no_space(*_a: object, **_k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", no_space)
+    out2 = tmp_path / "second"
+    out2.mkdir()
+    assert main(["run", "--config", str(_cfg(out2))]) == 7
+    err = capsys.readouterr().err
+    assert "building the tiny base model" in err and "No space left on device" in err
+    assert not (out2 / "out" / "models" / "tiny-llama").exists()

@@ -42,7 +42,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.errors import BaseModelError, CvmTuneError, StateError, TrainingError
+from app.errors import BaseModelError, CvmTuneError, StateError, TrainingError, disk_error
 
 from . import LossDiverged, TrainingInterrupted, TrainingStopped, TrainRequest, TrainResult, launch, set_offline_env
 from .batch import BatchPlan, OutOfMemory, guard_eval, initial_plan, is_oom, retry_budget, run_with_backoff, step_watch
@@ -251,6 +251,8 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
             if is_oom(exc):
                 raise OutOfMemory(f"CUDA out of memory in training: {_first_line(exc)}", phase="train",
                                   first_step=watch.steps == 0, at_step=watch.last_step) from exc
+            if (disk := disk_error(exc, "writing a checkpoint or the adapter failed")) is not None:
+                raise disk from exc
             raise TrainingError(f"training failed: {_first_line(exc)}") from exc
         return trainer, time.perf_counter() - start, current
 

@@ -105,6 +105,20 @@ def latest_name(checkpoints_dir: Path) -> str | None:
     return name if _CKPT_RE.match(name) else None
 
 
+def _point_latest(checkpoints_dir: Path, name: str) -> None:
+    """Move ``LATEST`` to ``name`` atomically.
+
+    Raises:
+        StateError: it cannot be written (disk full, or ``LATEST`` replaced by a directory).
+    """
+    try:
+        atomic_write_bytes(checkpoints_dir / LATEST, f"{name}\n".encode())
+    except OSError as exc:
+        raise StateError(f"cannot update {checkpoints_dir / LATEST}: {exc.strerror or type(exc).__name__}",
+                         fix=f"make {LATEST} a file again (remove what is there; it is repaired from the newest complete "
+                         "checkpoint) and free space on the output volume") from exc
+
+
 def _seal_file(src: Path, dst: Path, key: bytes, metadata: dict[str, Any]) -> tuple[str, str, int]:
     with open(src, "rb") as fin, open(dst, "xb") as fout:
         res = encrypt_stream(fin, fout, key, dataset_id=_BLOB_ID, dataset_version=int(metadata["step"]),
@@ -163,7 +177,7 @@ def seal_checkpoint(src: Path, checkpoints_dir: Path, *, key: bytes, fingerprint
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
-        atomic_write_bytes(checkpoints_dir / LATEST, f"{final.name}\n".encode())
+        _point_latest(checkpoints_dir, final.name)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         for _step, path in checkpoint_dirs(checkpoints_dir)[keep:]:
@@ -278,7 +292,7 @@ def restore_checkpoint(checkpoints_dir: Path, *, key: bytes, fingerprint: str, i
             continue
         logger.info("resuming from %s", path.name)
         if latest != path.name:
-            atomic_write_bytes(checkpoints_dir / LATEST, f"{path.name}\n".encode())
+            _point_latest(checkpoints_dir, path.name)
         return ResumeChoice(path=restored, step=step, rejected=rejected)
     return ResumeChoice(path=None, step=None, rejected=rejected)
 

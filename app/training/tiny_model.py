@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from app.errors import BaseModelError
+from app.errors import BaseModelError, disk_error
 from app.fsutil import fsync_dir, fsync_tree
 
 from . import set_offline_env
@@ -193,6 +193,8 @@ def build_tiny_model(out_dir: Path) -> None:
     except BaseModelError:
         raise
     except Exception as exc:
+        if (disk := disk_error(exc, f"building the tiny base model in {out_dir} failed")) is not None:
+            raise disk from exc
         raise BaseModelError(
             f"building the tiny base model failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
             fix="check free space and permissions on the output volume",
