@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import typing
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -47,6 +48,9 @@ def _rows(model: type[BaseModel], prefix: str = "") -> list[str]:
             continue
         desc = (field.description or "").replace("|", "\\|").replace("\n", " ")
         rows.append(f"| `{path}` | {_type(annotation)} | {_default(field)} | {desc} |")
+        for member in typing.get_args(annotation):  # a union with a section, e.g. trusted_root: "intel" | {...}
+            if isinstance(member, type) and issubclass(member, BaseModel):
+                rows.extend(_rows(member, path + "."))
     return rows
 
 
