@@ -1,6 +1,6 @@
 """``cvm-tune`` command line. The only module that prints (with ``app.cli_owner``, the data owner's commands).
 
-Exit codes (also in the README):
+Exit codes (also in docs/exit-codes.md):
   0  success / bundle or quote accepted
   1  verification rejected (one line per failed check)
   2  usage, config, policy or input error (missing file, unreadable bundle or quote)
@@ -140,7 +140,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
-    """compose-hash, app-compose, env encrypt, bundles (the dstack deployment tools; README 'Deploy to dstack')."""
+    """compose-hash, app-compose, env encrypt, bundles (the dstack deployment tools; docs/deploy.md)."""
     h = sub.add_parser("compose-hash", help="dstack's compose-hash and app-id of an app-compose.json, and its audit",
                        description="SHA-256 of the exact file bytes (what the CVM measures into RTMR3 and MRCONFIGID), the "
                        "app-id it implies, and what must change before it can be trusted. Exit 1 if the audit finds anything.")
@@ -167,7 +167,7 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser("env", help="dstack encrypted environment variables").add_subparsers(dest="env_command", required=True, metavar="ACTION")
     ee = e.add_parser("encrypt", help="encrypt variables to a CVM's env public key (dstack-sdk)",
                       description="Values come from a file or this process's environment, never the command line. Encrypted env "
-                      "is confidential but forgeable by the host: see README 'Secrets and encrypted env'.")
+                      "is confidential but forgeable by the host: see docs/deploy.md, 'Secrets and encrypted env'.")
     ee.add_argument("--public-key", required=True, metavar="HEX", help="the app's env encryption public key (X25519)")
     src = ee.add_mutually_exclusive_group(required=True)
     src.add_argument("--env-file", type=Path, metavar="FILE", help="NAME=value lines")
@@ -260,7 +260,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"Export bundle: {res.bundle_dir}")
     for name, verdict in res.verdicts:
         failed = ", ".join(c.name for c in verdict.failed)
-        print(f"Verdict ({name}): {verdict.summary()}" + (f" — failed: {failed}" if failed else ""))
+        note = " (expected: the simulator's test CA is not trusted by the default policy)" if (
+            failed and res.policy_file and name == "default") else ""
+        print(f"Verdict ({name}): {verdict.summary()}" + (f" — failed: {failed}" if failed else "") + note)
     cmd = f"cvm-tune verify {res.bundle_dir}" + (f" --policy {res.policy_file}" if res.policy_file else "")
     print(f"Verify again: {cmd}")
     return 0

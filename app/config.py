@@ -74,7 +74,7 @@ class TeeSettings(_Closed):
 
 
 class KeySettings(_Closed):
-    """Where the dataset key comes from (README "Dataset keys": what each source does NOT protect)."""
+    """Where the dataset key comes from (docs/data-owner.md, "Where the dataset key comes from": what each source does NOT protect)."""
 
     source: Literal["getkey", "file", "release", "env"] = Field(
         "getkey",
@@ -187,7 +187,7 @@ class GpuTrainingSettings(_Closed):
         1, ge=1, le=8,
         description="Training processes (one per GPU, DDP). >1: the HF backend only; on a machine without CUDA the "
         "processes run on the CPU with gloo (for testing). Hopper CC mode: DDP traffic between GPUs is slow and, "
-        "over NVLink, not encrypted (see README).",
+        "over NVLink, not encrypted (see docs/gpu.md, Multi-GPU).",
     )
     quantization: Literal["none", "4bit"] = Field(
         "none", description="4bit: QLoRA (NF4 base weights via bitsandbytes; CUDA only). none: bf16/fp32 base weights."

@@ -75,7 +75,7 @@ def render_deployment(template: str, image: str, settings: C.AppComposeSettings,
     doc = C.load(raw)
     if problems := C.audit(doc):
         raise ConfigError("the app-compose would fail its audit: " + "; ".join(problems),
-                          fix="fix docker-compose.yaml (see README 'Deploy to dstack')")
+                          fix="fix docker-compose.yaml (see docs/deploy.md)")
     digest = C.compose_hash(raw)
     return Deployment(text, raw, digest, C.app_id(doc, digest))
 

@@ -2,7 +2,7 @@
 
 Every error a user can cause or fix derives from :class:`CvmTuneError`. The CLI catches it
 once, prints ``error: <message>`` and ``fix: <what to do>`` and exits with the category's code
-(documented in the README, "Exit codes"). Anything else is a bug: the CLI prints one line and
+(documented in docs/exit-codes.md). Anything else is a bug: the CLI prints one line and
 exits 70 (a traceback only with ``--debug``).
 """
 

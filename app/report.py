@@ -50,7 +50,7 @@ def build(*, run_id: str, slot: str | None, timings: dict[str, float], train: An
         },
         "memory": {"peak_rss_bytes": int(rss), "peak_gpu_bytes": train.peak_gpu_memory_bytes},
         "data_validation": {"rows_total": rows.rows_total, "rows_kept": rows.rows_kept,
-                            "rows_rejected": rows.rows_total - rows.rows_kept, "by_kind": dict(sorted(rows.by_kind.items())),
+                            "duplicates_dropped": rows.duplicates_dropped, "by_kind": dict(sorted(rows.by_kind.items())),
                             **(validation or {})},
         "resume": {"from_step": train.resumed_from_step,
                    "rejected_checkpoints": [{"checkpoint": n, "reason": r} for n, r in train.rejected_checkpoints]},

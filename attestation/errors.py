@@ -41,7 +41,7 @@ class CollateralError(AttestationError):
 class PolicyError(AttestationError):
     """The policy file is invalid."""
 
-    default_fix = "correct the policy file (YAML; see README 'Verification policy')"
+    default_fix = "correct the policy file (YAML; see docs/verifier.md, 'Policy file')"
 
 
 class BundleError(AttestationError):

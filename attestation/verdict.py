@@ -1,7 +1,7 @@
 """The verifier's result: named checks, the findings behind them, and the ``--json`` schema.
 
 A :class:`Verdict` accepts iff no :class:`Check` failed. :meth:`Verdict.to_json` is the stable
-``cvm-tune/verdict/v1`` document (README, "--json"); fields are only ever added within v1.
+``cvm-tune/verdict/v1`` document (docs/verifier.md, "--json"); fields are only ever added within v1.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Verdict:
         return line
 
     def to_json(self) -> dict[str, Any]:
-        """The stable ``--json`` schema (see README, "verify --json")."""
+        """The stable ``--json`` schema (see docs/verifier.md, "--json")."""
         f = self.findings
         td = f.quote.td if f.quote else None
         return {

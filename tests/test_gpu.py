@@ -4,7 +4,7 @@ Skipped cleanly without CUDA (and, per test, without Unsloth or a second GPU). E
 happens in a fresh interpreter: Unsloth must be imported before transformers/TRL/PEFT and patches them
 process-wide, and the socket guard must be in place before any of them is imported.
 
-On the lent GPU machine (offline; see README "GPU path"):
+On the lent GPU machine (offline; see docs/gpu.md):
     mkdir -p /tmp/site /tmp/extras && tar xzf .gpu/site.tgz -C /tmp/site && tar xzf .gpu/extras.tgz -C /tmp/extras
     PYTHONPATH=/tmp/site:/tmp/extras:$PWD python3 -m pytest -m gpu -v
 """

@@ -5,7 +5,7 @@ TEST-PKI re-signed variants of a real quote (``tests/forge.py``) only where none
 a Revoked or freshly OutOfDate TCB level). Case 58 (tampered event log) is the event-log part of
 ``test_verifier_tamper.py``; case 53's verifier side (``require_rtmr3_audit``) is in
 ``test_pipeline.py``. What is not the verifier's (51/52 agent handling, 63's published run
-counter, 64's dev-image flag) is listed in the README, "What the verifier does not check".
+counter, 64's dev-image flag) is listed in docs/verifier.md, "What the verifier does not check".
 """
 
 from __future__ import annotations

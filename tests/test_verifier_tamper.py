@@ -7,7 +7,7 @@ without ``pck_certificate_chain``): padding, certification-data type and length 
 and — when the collateral carries the PCK chain — the quote's whole PEM chain; the verifier must
 accept none.
 
-The padding rule (README, "Quote padding"): the signed region ends where the declared signature
+The padding rule (docs/verifier.md, "Quote padding"): the signed region ends where the declared signature
 data ends; real dstack quotes carry zero bytes after it, so zero bytes there are accepted and any
 non-zero byte is rejected (``quote.padding``). The property tests below state exactly that.
 """

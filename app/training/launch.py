@@ -25,7 +25,7 @@
 
 Why not re-execute the whole CLI under torchrun: every rank would decrypt the dataset, ask the guest
 agent for keys and need rank-0 gating around audit events, export and quote. Confidential-computing
-caveat (README, "Multi-GPU"): on Hopper, CC-mode DDP traffic crosses encrypted bounce buffers and
+caveat (docs/gpu.md, "Multi-GPU"): on Hopper, CC-mode DDP traffic crosses encrypted bounce buffers and
 is slow; in multi-GPU protected-PCIe mode NVLink traffic is not encrypted.
 
 This module imports no torch at import time (spawned workers import it after setting their env).
