@@ -6,7 +6,8 @@ Exit codes (also in docs/exit-codes.md):
   2  usage, config, policy or input error (missing file, unreadable bundle or quote)
   3  dataset error   4  key error   5  guest agent / attestation error
   6  training error  7  state / export error   70  internal error (bug: rerun with --debug)
-``run``/``serve`` when another process holds the output volume's lock: "skipped: locked", exit 0.
+  130 interrupted     141 stdout closed by its reader (verify/verify-quote keep the verdict's code)
+``--debug`` adds the traceback and keeps the code. ``run``/``serve`` when another process holds the output volume's lock: "skipped: locked", exit 0.
 A SIGTERM during ``run``/``serve`` checkpoints at the next step boundary and exits 0.
 ``status --health``: 0 healthy, 1 unhealthy (one line saying why).
 """

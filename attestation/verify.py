@@ -138,6 +138,12 @@ def _signature_steps(f: QuoteFindings, q: Quote, policy: Policy, now: int, coll:
     f.add("collateral.chains", "fail" if problems else "pass",
           "; ".join(problems) or "canonical PEM chains to the trusted root; CRLs signed by their issuers")
     root_name = "Intel SGX root CA" if root is None else f"test root '{policy.trusted_root.name}'"
+    chain_failed = problems or any(c.name == "quote.cert_chain" and c.status == "fail" for c in f.checks)
+    if chain_failed:
+        # dcap-qvl is only handed chains that reach the trusted root: certificate/CRL chains that do not can make
+        # its certificate library abort the whole process (an assertion in its CRL path) instead of failing.
+        f.add("quote.signature", "fail", f"not checked: the quote's or the collateral's chains do not reach the {root_name}")
+        return
     res = dcap_verify(q.raw, coll, root_der=root, now=now)
     if not res.ok:
         f.add("quote.signature", "fail", f"dcap-qvl rejected it against the {root_name}: {res.error}")

@@ -354,3 +354,20 @@ def test_disk_full_while_training_or_building_the_model_is_a_state_error(tmp_pat
     err = capsys.readouterr().err
     assert "building the tiny base model" in err and "No space left on device" in err
     assert not (out2 / "out" / "models" / "tiny-llama").exists()
+
+
+def test_a_policy_root_that_does_not_anchor_the_chains_is_rejected_without_calling_dcap_qvl(
+        tmp_path: Path, demo: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by the CLI fuzz suite: with this root (two subject bytes changed), dcap-qvl's certificate library hit an
+    assertion in its CRL path and aborted the whole process. The chains are checked first; dcap-qvl never sees it."""
+    bundle, policy = demo
+    doc = yaml.safe_load(policy.read_text())
+    der = bytearray.fromhex(doc["trusted_root"]["der_hex"])
+    der[95] ^= 162
+    der[213] ^= 215
+    doc["trusted_root"]["der_hex"] = der.hex()
+    bad = tmp_path / "policy.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    assert main(["verify", str(bundle), "--policy", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "quote.signature: not checked" in out
