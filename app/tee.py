@@ -192,6 +192,41 @@ def resolve_endpoint(settings: TeeSettings) -> str:
     return endpoint
 
 
+SIM_DIR_PREFIX = "cvm-tune-sim-"
+
+
+def remove_stale_simulator_dirs(parent: Path) -> list[str]:
+    """Delete embedded-simulator socket directories left by killed processes (kill -9 skips the cleanup).
+
+    A directory is stale when it is ours (same uid) and nothing answers on its socket; a live simulator of
+    another process is left alone. Returns the names removed.
+    """
+    import shutil
+    import socket
+
+    removed = []
+    for d in parent.glob(f"{SIM_DIR_PREFIX}*"):
+        try:
+            if not d.is_dir() or d.is_symlink() or d.stat().st_uid != os.getuid():
+                continue
+            sock = d / "dstack.sock"
+            if sock.exists():
+                with socket.socket(socket.AF_UNIX) as probe:
+                    probe.settimeout(0.5)
+                    try:
+                        probe.connect(str(sock))
+                        continue  # alive
+                    except OSError:
+                        pass
+            elif time.time() - d.stat().st_mtime < 60:
+                continue  # being set up right now
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
+        except OSError:
+            continue
+    return removed
+
+
 @contextlib.contextmanager
 def open_guest_agent(settings: TeeSettings) -> Iterator[GuestAgent]:
     """Connect to (or start) the guest agent and check it answers Info.
@@ -202,7 +237,8 @@ def open_guest_agent(settings: TeeSettings) -> Iterator[GuestAgent]:
     if settings.mode == "embedded-simulator":
         from app.simulator import GuestAgentSimulator, SimulatorServer
 
-        with tempfile.TemporaryDirectory(prefix="cvm-tune-sim-") as tmp:  # 0700: only this user reaches the keys
+        remove_stale_simulator_dirs(Path(tempfile.gettempdir()))
+        with tempfile.TemporaryDirectory(prefix=SIM_DIR_PREFIX) as tmp:  # 0700: only this user reaches the keys
             sim = GuestAgentSimulator()
             with SimulatorServer(sim, socket_path=Path(tmp) / "dstack.sock") as server:
                 agent = GuestAgent(DstackClient(server.endpoint, timeout=settings.timeout_s),

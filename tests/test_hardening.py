@@ -371,3 +371,24 @@ def test_a_policy_root_that_does_not_anchor_the_chains_is_rejected_without_calli
     assert main(["verify", str(bundle), "--policy", str(bad)]) == 1
     out = capsys.readouterr().out
     assert "quote.signature: not checked" in out
+
+
+def test_stale_simulator_socket_dirs_are_removed_live_ones_kept(tmp_path: Path) -> None:
+    import socket
+
+    from app.tee import remove_stale_simulator_dirs
+
+    stale, live, fresh = (tmp_path / f"cvm-tune-sim-{n}" for n in ("stale", "live", "fresh"))
+    for d in (stale, live, fresh):
+        d.mkdir()
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(stale / "dstack.sock"))
+    dead.close()  # what a kill -9 leaves: the socket file, nobody listening
+    alive = socket.socket(socket.AF_UNIX)
+    alive.bind(str(live / "dstack.sock"))
+    alive.listen()
+    try:
+        assert remove_stale_simulator_dirs(tmp_path) == ["cvm-tune-sim-stale"]
+        assert live.is_dir() and fresh.is_dir() and not stale.exists()
+    finally:
+        alive.close()
