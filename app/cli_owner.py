@@ -91,7 +91,7 @@ def _encrypt(args: argparse.Namespace) -> int:
     for item in args.meta:
         name, sep, value = item.partition("=")
         if not sep:
-            raise ConfigError(f"--meta {item!r} is not KEY=VALUE")
+            raise ConfigError(f"--meta {item!r} is not KEY=VALUE", fix="pass metadata as --meta KEY=VALUE (repeatable)")
         meta[name] = value
     owner = load_owner_key(args.owner_key)
     if not args.input.is_file():
@@ -112,10 +112,11 @@ def _inspect(args: argparse.Namespace) -> int:
     from app.dataset import read_header
     from app.dataset.owner import load_public_key
     from app.errors import DatasetSignatureError, DataError
+    from app.fsutil import open_regular
     from attestation.dataset_sig import TrailerError, read_signed_file
 
     try:
-        with open(args.file, "rb") as fh:
+        with open_regular(args.file) as fh:
             header = read_header(fh)
         size = args.file.stat().st_size
     except OSError as exc:

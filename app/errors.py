@@ -27,7 +27,7 @@ class ConfigError(CvmTuneError):
 
     exit_code = 2
     category = "config"
-    default_fix = "correct the configuration (see `cvm-tune schema`) and run again"
+    default_fix = "correct the configuration (fields: docs/configuration.md, `cvm-tune schema`) or the command's arguments (`cvm-tune COMMAND --help`)"
 
 
 class DataError(CvmTuneError):

@@ -38,6 +38,8 @@ KILL_POINTS = {
     "sealed, LATEST not yet moved": ("app.training.checkpoints", "atomic_write_bytes", (1, 6)),
     "mid audit append": ("app.audit", "fsync_dir", (1, 8)),
     "mid export staging": ("app.report", "write", (1, 1)),
+    "export staged, self-verification running": ("app.pipeline", "_publish_gate", (1, 1)),
+    "bundle published, run state not yet updated": ("app.pipeline", "_write_state", (2, 2)),
 }
 _INJECT = """
 import importlib, os, signal, sys
@@ -156,6 +158,25 @@ def trial(root: Path, rng: random.Random, *, steps: int, save_steps: int, ref: P
     }
 
 
+def lock_removal(root: Path, *, steps: int, save_steps: int, ref: Path) -> dict[str, Any]:
+    """Delete state/lock (and the whole state/ directory's lock file) while a run trains, start a second
+    `serve --once`: it must say 'skipped: locked'; the first run must finish with a bundle that verifies."""
+    cfg = write_config(root, steps=steps, save_steps=save_steps)
+    log, log2 = root / "log.txt", root / "log2.txt"
+    proc = start(cfg, log)
+    first_step_time(proc, log)
+    lock = root / "out" / "state" / "lock"
+    lock.unlink(missing_ok=True)
+    second = start(cfg, log2)
+    second.wait(timeout=600)
+    refused = second.returncode == 0 and "skipped: locked" in log2.read_text()
+    proc.wait(timeout=600)
+    b = bundle(cfg)
+    return {"kill_point": "state/lock deleted mid-run, second serve --once started", "killed": False,
+            "second_refused": refused, "completed": b is not None,
+            "max_abs_diff": adapter_diff(b, ref) if b else None, "verified": verdict(b, cfg) if b else False}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kills", type=int, default=10)
@@ -184,6 +205,10 @@ def main() -> None:
             root.mkdir()
             trials.append(trial(root, rng, steps=args.steps, save_steps=args.save_steps, ref=ref, train_seconds=train_seconds))
             print(json.dumps(trials[-1]), flush=True)
+        root = Path(tmp) / "lock"
+        root.mkdir()
+        lock_trial = lock_removal(root, steps=args.steps, save_steps=args.save_steps, ref=ref)
+        print(json.dumps(lock_trial), flush=True)
     killed = [t for t in trials if t["killed"]]
     identical = [t for t in killed if t["completed"] and t["max_abs_diff"] is not None and t["max_abs_diff"] <= TOLERANCE]
     lost = [t["work_lost_steps"] for t in killed if t["work_lost_steps"] is not None]
@@ -194,10 +219,12 @@ def main() -> None:
         "resumed_identical": len(identical), "tolerance": TOLERANCE, "all_verified": all(t["verified"] for t in trials),
         "work_lost_steps_max": max(lost, default=0), "work_lost_steps_mean": round(sum(lost) / len(lost), 2) if lost else 0,
         "within_one_interval": all(x <= args.save_steps for x in lost), "results": trials,
+        "lock_removed_mid_run": lock_trial,
     }
     print(f"{len(identical)}/{len(killed)} killed runs resumed to an identical adapter (|diff| <= {TOLERANCE}); "
           f"work lost per kill: max {summary['work_lost_steps_max']} steps, mean {summary['work_lost_steps_mean']} "
-          f"(checkpoint interval {args.save_steps}); all bundles verified: {summary['all_verified']}")
+          f"(checkpoint interval {args.save_steps}); all bundles verified: {summary['all_verified']}; "
+          f"lock removed mid-run: second run refused {lock_trial['second_refused']}, first verified {lock_trial['verified']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(summary, indent=2) + "\n")
