@@ -33,3 +33,18 @@ def simulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Simul
         server.stop()
         if short_dir is not None:
             short_dir.cleanup()
+
+
+@pytest.fixture(scope="session")
+def demo_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """One short demo run shared by the tests that only read its output: (bundle dir, simulator policy file).
+    Tests that change the bundle copy it first."""
+    import yaml
+
+    from app.cli import main
+
+    root = tmp_path_factory.mktemp("demo-bundle")
+    cfg = root / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"output": {"dir": str(root / "out")}, "training": {"max_steps": 2, "save_steps": 2}}))
+    assert main(["run", "--config", str(cfg)]) == 0
+    return next((root / "out" / "exports").iterdir()), root / "out" / "simulator-test-policy.yaml"

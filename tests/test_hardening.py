@@ -110,14 +110,9 @@ def test_lock_survives_removal_of_the_state_directory(tmp_path: Path) -> None:
 
 # --- every bad input gets its documented exit code, and nothing is written ---------------------------------------
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """One demo run: (its bundle, the simulator policy file)."""
-    root = tmp_path_factory.mktemp("demo")
-    cfg = root / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({"output": {"dir": str(root / "out")}, "training": {"max_steps": 2, "save_steps": 2}}))
-    assert main(["run", "--config", str(cfg)]) == 0
-    return next((root / "out" / "exports").iterdir()), root / "out" / "simulator-test-policy.yaml"
+@pytest.fixture
+def demo(demo_bundle: tuple[Path, Path]) -> tuple[Path, Path]:
+    return demo_bundle
 
 
 def _files(root: Path) -> set[str]:
