@@ -25,7 +25,8 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
     if as_json:
         return json.dumps({"schema": STATUS_SCHEMA, "output": str(out), "heartbeat": beat,
                            "next_slot": {"run_id": nxt.run_id, "at": iso(nxt.at)},
-                           "runs": [r.__dict__ for r in rows]}, indent=2, sort_keys=True)
+                           "runs": [r.__dict__ for r in rows],
+                           "adhoc_runs": adhoc_runs(out, {r.id for r in rows}, limit)}, indent=2, sort_keys=True)
     lines = [f"cvm-tune service on {out}  (schedule {cfg.schedule.time} {cfg.schedule.timezone})"]
     if beat is None:
         lines.append("heartbeat: none (the service has not run on this volume)")
@@ -47,10 +48,28 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
         table.append((r.id, r.slot_time.replace("T", " ").rstrip("Z"), r.status, str(r.attempts),
                       (r.finished_at or "").replace("T", " ").rstrip("Z"),
                       str(losses[-1][0]) if losses else "", f"{losses[-1][1]:.4f}" if losses else "", tail))
-    if len(table) == 1:
+    adhoc = adhoc_runs(out, {r.id for r in rows}, limit)
+    if len(table) == 1 and not adhoc:
         lines.append("no runs yet")
-    else:
+    elif len(table) > 1:
         widths = [max(len(row[i]) for row in table) for i in range(len(_HEAD) - 1)]
         for row in table:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
+    if adhoc:
+        lines += ["", "ad-hoc runs (cvm-tune run), newest first:"]
+        lines += [f"  {a['run_id']}  {a['status']:8}  started {a['started_at']}  {a.get('bundle') or ''}".rstrip()
+                  for a in adhoc]
     return "\n".join(lines)
+
+
+def adhoc_runs(out: Path, scheduled: set[str], limit: int) -> list[dict[str, str]]:
+    """Runs started with ``cvm-tune run`` (``runs/<id>/state.json``) that are not service slots, newest first."""
+    found = []
+    for state in (out / "runs").glob("*/state.json") if (out / "runs").is_dir() else ():
+        try:
+            s = json.loads(state.read_bytes())
+        except (OSError, ValueError):
+            continue
+        if isinstance(s, dict) and s.get("run_id") not in scheduled and isinstance(s.get("started_at"), str):
+            found.append({k: str(s.get(k) or "") for k in ("run_id", "status", "started_at", "bundle")})
+    return sorted(found, key=lambda a: a["started_at"], reverse=True)[:limit]

@@ -95,5 +95,6 @@ def test_unexpected_exception_is_one_line_without_traceback(monkeypatch: pytest.
     assert main(["schema"]) == 70
     err = capsys.readouterr().err
     assert "internal error: RuntimeError: surprise" in err and "Traceback" not in err
-    with pytest.raises(RuntimeError):
-        main(["--debug", "schema"])
+    assert main(["--debug", "schema"]) == 70  # --debug adds the traceback, the exit code stays
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "RuntimeError: surprise" in err

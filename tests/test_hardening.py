@@ -387,3 +387,16 @@ def test_stale_simulator_socket_dirs_are_removed_live_ones_kept(tmp_path: Path) 
         assert live.is_dir() and fresh.is_dir() and not stale.exists()
     finally:
         alive.close()
+
+
+def test_status_lists_ad_hoc_runs(tmp_path: Path, demo: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    bundle, _ = demo
+    cfg = _write(tmp_path, yaml.safe_dump({"output": {"dir": str(bundle.parent.parent)}}))
+    capsys.readouterr()
+    assert main(["status", "--config", cfg]) == 0
+    text = capsys.readouterr().out
+    assert "no runs yet" not in text and "ad-hoc runs (cvm-tune run)" in text
+    assert f"{bundle.name}  exported" in text and str(bundle) in text
+    assert main(["status", "--config", cfg, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["run_id"] for r in doc["adhoc_runs"]] == [bundle.name] and doc["runs"] == []
