@@ -14,11 +14,13 @@ A SIGTERM during ``run``/``serve`` checkpoints at the next step boundary and exi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from attestation import AttestationError, Verdict
@@ -28,7 +30,10 @@ from app import cli_owner
 from app.errors import ConfigError, CvmTuneError
 
 EXIT_REJECTED = 1
+EXIT_STATE = 7
 EXIT_INTERNAL = 70
+MAX_UNIX_TIME = 253402300799  # 9999-12-31T23:59:59Z
+MAX_STATUS_ROWS = 10000
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,14 +67,14 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--config", type=Path, metavar="FILE", help="YAML configuration (see `cvm-tune schema`)")
     st.add_argument("--health", action="store_true", help="health check for Docker HEALTHCHECK: exit 0 healthy, 1 not")
     st.add_argument("--json", action="store_true", help="machine-readable status (schema cvm-tune/status/v1)")
-    st.add_argument("-n", type=int, default=10, metavar="N", help="rows to show (default 10)")
+    st.add_argument("-n", type=_row_count, default=10, metavar="N", help="rows to show, 1-10000 (default 10)")
 
     v = sub.add_parser("verify", help="verify an export bundle",
                        description="Check a bundle's quote (dcap-qvl), report_data binding, file hashes, RTMR0-3 replay "
                        "and audit chain under a policy. Exit 0 accepted, 1 rejected, 2 input error.")
     v.add_argument("bundle", type=Path, metavar="BUNDLE", help="the exports/<run_id> directory")
     v.add_argument("--policy", type=Path, metavar="FILE", help="YAML policy (default: built-in, Intel root, UpToDate only)")
-    v.add_argument("--now", type=int, metavar="UNIX_SECONDS", help="verification time (default: now); pins time for tests")
+    v.add_argument("--now", type=_unix_time, metavar="UNIX_SECONDS", help="verification time (default: now); pins time for tests")
     v.add_argument("--json", action="store_true", help="print the machine-readable verdict (schema cvm-tune/verdict/v1)")
     v.add_argument("--collateral", type=Path, metavar="FILE", help="use this collateral JSON instead of the bundle's")
     v.add_argument("--base-model", type=Path, metavar="DIR", help="also check a local copy of the base model against the manifest")
@@ -86,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--event-log", type=Path, metavar="FILE", help="dstack event log: a JSON list, or JSON with an event_log member")
     q.add_argument("--report-data", metavar="HEX", help="expected report_data (at most 64 bytes; shorter is zero-padded)")
     q.add_argument("--policy", type=Path, metavar="FILE", help="YAML policy (default: built-in, Intel root, UpToDate only)")
-    q.add_argument("--now", type=int, metavar="UNIX_SECONDS", help="verification time (default: now); pins time for tests")
+    q.add_argument("--now", type=_unix_time, metavar="UNIX_SECONDS", help="verification time (default: now); pins time for tests")
     q.add_argument("--json", action="store_true", help="print the machine-readable verdict (schema cvm-tune/verdict/v1)")
 
     co = sub.add_parser("collateral", help="fetch a quote's collateral from a PCCS (network)",
@@ -181,22 +186,79 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return _COMMANDS[args.command](args)
+        code = _COMMANDS[args.command](args)
+        _flush_stdout()
+        return code
     except (CvmTuneError, AttestationError) as exc:
-        if args.debug:
-            raise
-        print(f"error: {exc.message}", file=sys.stderr)
-        print(f"fix: {exc.fix}", file=sys.stderr)
-        return exc.exit_code
+        return _fail(args, f"error: {exc.message}", exc.fix, exc.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): nothing failed; never a traceback at exit
+        _silence_stdout()
+        return 0
+    except OSError as exc:  # disk full, read-only or vanished volume outside a wrapped write: a state error
+        where = f" ({exc.filename})" if exc.filename else ""
+        return _fail(args, f"error: I/O error{where}: {exc.strerror or type(exc).__name__}",
+                     "check free space and permissions on the output volume, then run again (runs resume)", EXIT_STATE)
     except Exception as exc:  # a bug: one line, no traceback unless --debug
-        if args.debug:
-            raise
-        print(f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
-        print("fix: rerun with --debug and report the traceback", file=sys.stderr)
-        return EXIT_INTERNAL
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return _fail(args, f"internal error: {type(exc).__name__}: {first}", "rerun with --debug and report the traceback",
+                     EXIT_INTERNAL)
+
+
+def _fail(args: argparse.Namespace, message: str, fix: str, code: int) -> int:
+    """Two lines on stderr (a traceback first with --debug); the exit code is the category's either way."""
+    if args.debug:
+        traceback.print_exc()
+    print(message, file=sys.stderr)
+    print(f"fix: {fix}", file=sys.stderr)
+    return code
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot fail on a closed pipe."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def _flush_stdout() -> None:
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+
+
+def _say(message: str) -> None:
+    """Progress output that survives a closed pipe (the run goes on; its output is dropped)."""
+    try:
+        print(message, flush=True)
+    except BrokenPipeError:
+        _silence_stdout()
+
+
+def _unix_time(text: str) -> int:
+    """``--now``: whole seconds between 1970 and 9999-12-31."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of seconds") from None
+    if not 0 <= value <= MAX_UNIX_TIME:
+        raise argparse.ArgumentTypeError(f"{text} is outside 0..{MAX_UNIX_TIME} (year 9999)")
+    return value
+
+
+def _row_count(text: str) -> int:
+    """``status -n``: 1..10000 rows."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= value <= MAX_STATUS_ROWS:
+        raise argparse.ArgumentTypeError(f"{text} is outside 1..{MAX_STATUS_ROWS}")
+    return value
 
 
 def _stop_on_sigterm() -> list[str]:
@@ -220,7 +282,7 @@ def _run(args: argparse.Namespace) -> int:
     hooks = RunHooks(should_stop=lambda: f"{flag[0]} received" if flag else None)
     try:
         with run_lock(cfg.output.dir):
-            res = run_once(cfg, progress=lambda m: print(m, flush=True), run_id=args.run_id, hooks=hooks)
+            res = run_once(cfg, progress=_say, run_id=args.run_id, hooks=hooks)
     except Locked as exc:
         print(f"skipped: locked ({exc} is held by another cvm-tune process)", flush=True)
         return 0
@@ -242,7 +304,7 @@ def _serve(args: argparse.Namespace) -> int:
     from app.scheduler import serve
 
     cfg = load_config(args.config)
-    outcome = serve(cfg, once=args.once, progress=lambda m: print(m, flush=True))
+    outcome = serve(cfg, once=args.once, progress=_say)
     print(f"service: {outcome}", flush=True)
     return 0
 
@@ -274,6 +336,15 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _print_verdict(verdict: Verdict, *, as_json: bool) -> int:
+    try:
+        _show_verdict(verdict, as_json=as_json)
+    except BrokenPipeError:  # `verify … | head -1`: the verdict stands, only its printout was cut
+        _silence_stdout()
+    _flush_stdout()
+    return 0 if verdict.accepted else EXIT_REJECTED
+
+
+def _show_verdict(verdict: Verdict, *, as_json: bool) -> None:
     if as_json:
         print(json.dumps(verdict.to_json(), indent=2))
     else:
@@ -286,7 +357,6 @@ def _print_verdict(verdict: Verdict, *, as_json: bool) -> int:
         if verdict.accepted:
             passed = sum(c.status == "pass" for c in verdict.checks)
             print(f"{passed} checks passed; TCB {verdict.findings.tcb_status}")
-    return 0 if verdict.accepted else EXIT_REJECTED
 
 
 def _verify_quote(args: argparse.Namespace) -> int:

@@ -91,7 +91,7 @@ def _encrypt(args: argparse.Namespace) -> int:
     for item in args.meta:
         name, sep, value = item.partition("=")
         if not sep:
-            raise ConfigError(f"--meta {item!r} is not KEY=VALUE")
+            raise ConfigError(f"--meta {item!r} is not KEY=VALUE", fix="write each --meta as KEY=VALUE")
         meta[name] = value
     owner = load_owner_key(args.owner_key)
     if not args.input.is_file():

@@ -9,19 +9,41 @@ dataset on a mounted volume and a pinned base model. ``cvm-tune schema`` prints 
 from __future__ import annotations
 
 import json
+import typing
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from attestation.limits import loads_yaml, read_regular
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from app.errors import ConfigError
 
 HEX64 = r"^[0-9a-f]{64}$"
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB; refuse before parsing anything bigger
+MAX_CONFIG_DEPTH = 32  # nesting of YAML mappings/sequences
+MAX_NUMBER = 2**53  # no setting needs a larger magnitude (and floats stop being exact integers here)
+
+
+def _allows_bool(annotation: Any) -> bool:
+    if annotation is bool:
+        return True
+    return any(_allows_bool(a) or a is True or a is False for a in typing.get_args(annotation))
 
 
 class _Closed(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _plain_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """No true/false where a number is meant, no magnitude beyond 2**53, no inf/NaN (``allow_inf_nan``)."""
+        if isinstance(value, bool):
+            field = cls.model_fields.get(info.field_name or "")
+            if field is not None and not _allows_bool(field.annotation):
+                raise ValueError("true/false is not allowed here (write a number or a string)")
+        elif isinstance(value, (int, float)) and abs(value) > MAX_NUMBER:
+            raise ValueError(f"{value!r} is out of range (magnitude at most 2**53)")
+        return value
 
 
 class TeeSettings(_Closed):
@@ -242,8 +264,11 @@ class OutputSettings(_Closed):
     dir: Path = Field(Path("cvm-tune-output"), description="Output volume root.")
     scratch_dir: Path | None = Field(
         None, description="Private in-memory directory where the trainer writes a checkpoint before it is sealed "
-        "(encrypted) onto the output volume; never on the output volume. Unset: /dev/shm when writable, else the "
-        "system temp directory.")
+        "(encrypted) onto the output volume; never on the output volume. It must exist and be a tmpfs/ramfs "
+        "mount (plaintext checkpoints never touch a disk); it is never created. Unset: /dev/shm.")
+    scratch_unsafe_ok: bool = Field(
+        False, description="Allow a scratch_dir that is not tmpfs/ramfs (or no /dev/shm): the adapter and optimizer "
+        "state are then written in the clear to that disk until sealed. Only for development machines.")
     keep_checkpoints: int = Field(3, ge=1, le=100, description="Sealed checkpoints kept per run (newest first).")
 
 
@@ -325,14 +350,8 @@ def load_config(path: Path | None) -> Config:
     """
     if path is None:
         return Config()
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}", fix="pass an existing YAML file") from exc
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config {path} is not valid YAML: {exc}".splitlines()[0]) from exc
+    data = loads_yaml(read_regular(path, MAX_CONFIG_BYTES, ConfigError, "config"), ConfigError, f"config {path}",
+                      max_depth=MAX_CONFIG_DEPTH)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -344,3 +363,4 @@ def load_config(path: Path | None) -> Config:
             f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
         )
         raise ConfigError(f"config {path} is invalid: {problems}") from exc
+

@@ -10,9 +10,28 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
+
+
+def open_regular(path: Path, error: Callable[..., Exception], what: str, fix: str) -> BinaryIO:
+    """Open a regular file for reading without ever blocking on a FIFO (``O_NONBLOCK``, then ``S_ISREG``).
+
+    Raises:
+        error: missing, unreadable, a directory, a FIFO, a device or a socket.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror}", fix=fix) from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise error(f"{what} {path} is not a regular file", fix=fix)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def fsync_dir(path: Path) -> None:
@@ -92,3 +111,68 @@ def remove_stale_temps(parent: Path) -> list[str]:
                     entry.unlink(missing_ok=True)
                 removed.append(entry.name)
     return removed
+
+
+def remove_dead_pid_dirs(parent: Path, prefix: str) -> list[str]:
+    """Best effort: delete ``<prefix><pid>-*`` directories of this user whose process is gone (kill -9 leftovers)."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in Path(parent).glob(f"{prefix}*"):
+            pid = entry.name[len(prefix):].split("-", 1)[0]
+            if not pid.isdigit() or entry.is_symlink() or not entry.is_dir() or entry.stat().st_uid != os.getuid():
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry.name)
+            except OSError:  # alive, owned by someone else
+                continue
+    return removed
+
+
+RAM_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the mount holding ``path`` (Linux ``/proc/self/mounts``); ``None`` when unknown."""
+    try:
+        lines = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    target = str(Path(path).resolve())
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = fields[1].encode().decode("unicode_escape")  # \040 = space
+        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best):
+            best, kind = mount, fields[2]
+    return kind
+
+
+def scratch_dir(requested: Path | None, out: Path, *, unsafe_ok: bool = False) -> Path:
+    """Private directory for the trainer's plaintext checkpoints: a RAM filesystem, never the volume.
+
+    ``requested`` (``output.scratch_dir``) must already exist: it is never created. Unset: /dev/shm.
+
+    Raises:
+        ConfigError: the directory is missing, on the output volume, or not tmpfs/ramfs (unless ``unsafe_ok``).
+    """
+    from attestation.hashing import sha256_hex
+
+    from app.errors import ConfigError
+
+    fix = "point output.scratch_dir at an existing tmpfs (e.g. /dev/shm), or set output.scratch_unsafe_ok: true"
+    base = Path(requested) if requested is not None else Path("/dev/shm")
+    if not base.is_dir():
+        raise ConfigError(f"scratch directory {base} does not exist (it is never created)", fix=fix)
+    path = base.resolve() / f"cvm-tune-{sha256_hex(str(out).encode())[:12]}"
+    if path == out or out in path.parents:
+        raise ConfigError(f"output.scratch_dir {base} is on the output volume", fix="point it at /dev/shm or a tmpfs")
+    kind = filesystem_type(base)
+    if kind not in RAM_FILESYSTEMS and not unsafe_ok:
+        raise ConfigError(f"scratch directory {base} is on {kind or 'an unknown filesystem'}, not tmpfs: plaintext "
+                          "checkpoints would be written to disk", fix=fix)
+    return path

@@ -352,7 +352,7 @@ def health(cfg: Config, *, now: datetime | None = None) -> tuple[bool, str]:
         return False, f"heartbeat is {age:.0f} s old (limit {cfg.schedule.health_max_age_s:g} s)"
     if "refused" in str(beat.get("last_outcome", "")):
         return False, str(beat["last_outcome"])
-    rows = RunDB(out).recent(1)
+    rows = RunDB.recent_if_present(out, 1)
     if rows and rows[0].status == "failed" and rows[0].next_attempt_at is None:
         return False, f"{rows[0].id} failed and will not be retried: {rows[0].reason}"
     return True, f"healthy: heartbeat {age:.0f} s old, {beat.get('state')}"

@@ -1,7 +1,8 @@
 """Service state on the output volume: the run lock, the run database, the heartbeat, the rollback anchor.
 
-* ``state/lock`` — ``fcntl.flock`` (exclusive, non-blocking). The kernel drops it when the holder
-  dies, so a crash (kill -9, power loss) leaves nothing to clean up; the file itself stays.
+* the run lock — ``fcntl.flock`` (exclusive, non-blocking) on the output directory's own fd, so
+  deleting or replacing any file cannot side-step it. The kernel drops it when the holder dies, so
+  a crash (kill -9, power loss) leaves nothing to clean up. ``state/lock`` holds the pid (for people).
 * ``state/runs.sqlite`` — one row per scheduled slot (``RunDB``). SQLite commits are atomic and
   durable (``synchronous=FULL``), so a kill at any point leaves the last committed state.
 * ``state/heartbeat.json`` — written atomically every service tick and training step.
@@ -26,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from app.errors import StateError
+from app.errors import ConfigError, StateError
 from app.fsutil import atomic_write_bytes
 
 STATUSES = ("pending", "running", "succeeded", "failed", "skipped")
@@ -37,7 +38,13 @@ _COLUMNS = ("id", "slot", "slot_time", "status", "reason", "attempts", "next_att
 
 
 def state_dir(out: Path) -> Path:
-    """``<output>/state`` (created)."""
+    """``<output>/state`` (created).
+
+    Raises:
+        ConfigError: ``out`` exists and is not a directory.
+    """
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(f"output.dir {out} is not a directory", fix="point output.dir at a directory")
     path = Path(out) / "state"
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -61,22 +68,24 @@ class Locked(Exception):
 def run_lock(out: Path) -> Iterator[Path]:
     """Hold the output volume's exclusive lock for the duration of the block.
 
-    Each call opens its own file description, so a second thread of the same process is refused
-    exactly like a second process.
+    The flock is taken on the output directory itself (its open fd), not on a file inside it: a
+    stray ``rm state/lock`` cannot hand a second process a fresh lock. ``state/lock`` only records
+    the holder's pid for people. Each call opens its own file description, so a second thread of the
+    same process is refused exactly like a second process.
 
     Raises:
         Locked: somebody else holds it (the caller logs ``skipped: locked`` and exits 0).
     """
-    path = state_dir(out) / "lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    out = Path(out)
+    info = state_dir(out) / "lock"
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise Locked(str(path)) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())  # informational only: the lock is the flock
-        yield path
+            raise Locked(str(out)) from None
+        atomic_write_bytes(info, f"{os.getpid()}\n".encode())  # informational only: the lock is the flock
+        yield out
     finally:
         os.close(fd)  # releases the flock
 
@@ -138,15 +147,44 @@ class RunDB:
     def close(self) -> None:
         self.conn.close()
 
+    @classmethod
+    def recent_if_present(cls, out: Path, limit: int) -> list[RunRow]:
+        """Read-only callers (``status``): the newest rows, or none when there is no database; creates nothing.
+
+        Raises:
+            ConfigError: ``out`` exists but is not a directory.
+            StateError: the database is damaged.
+        """
+        if Path(out).exists() and not Path(out).is_dir():
+            raise ConfigError(f"output.dir {out} is not a directory", fix="point output.dir at a directory")
+        if not (Path(out) / "state" / "runs.sqlite").is_file():
+            return []
+        db = cls(out)
+        try:
+            return db.recent(limit)
+        finally:
+            db.close()
+
+    @contextlib.contextmanager
+    def _damaged(self) -> Iterator[None]:
+        """A flipped page or truncated file surfaces on read: a StateError, not a crash."""
+        try:
+            yield
+        except (sqlite3.Error, ValueError) as exc:
+            raise StateError(f"run database {self.path} is unusable: {exc}",
+                             fix="check the output volume; restore state/runs.sqlite from a backup") from exc
+
     def get(self, run_id: str) -> RunRow | None:
-        cur = self.conn.execute(f"SELECT {','.join(_COLUMNS)} FROM runs WHERE id = ?", (run_id,))
-        row = cur.fetchone()
+        with self._damaged():
+            cur = self.conn.execute(f"SELECT {','.join(_COLUMNS)} FROM runs WHERE id = ?", (run_id,))
+            row = cur.fetchone()
         return _row(row) if row else None
 
     def recent(self, limit: int = 10) -> list[RunRow]:
         """Newest slots first."""
-        cur = self.conn.execute(f"SELECT {','.join(_COLUMNS)} FROM runs ORDER BY slot DESC LIMIT ?", (limit,))
-        return [_row(r) for r in cur.fetchall()]
+        with self._damaged():
+            cur = self.conn.execute(f"SELECT {','.join(_COLUMNS)} FROM runs ORDER BY slot DESC LIMIT ?", (limit,))
+            return [_row(r) for r in cur.fetchall()]
 
     def newest_slot(self) -> str | None:
         return self.conn.execute("SELECT MAX(slot) FROM runs").fetchone()[0]

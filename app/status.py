@@ -18,7 +18,7 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
     """The status text (a table) or JSON document."""
     out = Path(cfg.output.dir).resolve()
     now = now or datetime.now(timezone.utc)
-    rows = RunDB(out).recent(limit)
+    rows = RunDB.recent_if_present(out, limit)  # a read: never creates the output directory
     beat = read_heartbeat(out)
     nxt = DailySchedule(cfg.schedule.time, cfg.schedule.timezone).next(now)
     if as_json:

@@ -31,9 +31,11 @@ from dstack_sdk import DstackClient
 
 from app.config import TeeSettings
 from app.errors import NoTeeError, TeeError
+from app.fsutil import remove_dead_pid_dirs
 
 SOCKET_PATHS = ("/var/run/dstack.sock", "/run/dstack.sock", "/var/run/dstack/dstack.sock", "/run/dstack/dstack.sock")
 SIMULATOR_REV_PREFIX = "cvm-tune-simulator"
+SIM_TMP_PREFIX = "cvm-tune-sim-"
 _RETRIES = 3
 
 
@@ -202,7 +204,8 @@ def open_guest_agent(settings: TeeSettings) -> Iterator[GuestAgent]:
     if settings.mode == "embedded-simulator":
         from app.simulator import GuestAgentSimulator, SimulatorServer
 
-        with tempfile.TemporaryDirectory(prefix="cvm-tune-sim-") as tmp:  # 0700: only this user reaches the keys
+        remove_dead_pid_dirs(Path(tempfile.gettempdir()), SIM_TMP_PREFIX)  # left behind by a kill -9
+        with tempfile.TemporaryDirectory(prefix=f"{SIM_TMP_PREFIX}{os.getpid()}-") as tmp:  # 0700: only this user reaches the keys
             sim = GuestAgentSimulator()
             with SimulatorServer(sim, socket_path=Path(tmp) / "dstack.sock") as server:
                 agent = GuestAgent(DstackClient(server.endpoint, timeout=settings.timeout_s),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attestation.hashing import canonical_json, sha256_hex
+from attestation.limits import loads_json
 
 GENESIS = "0" * 64
 EVENT_PREFIX = "cvm-tune."
@@ -66,10 +67,7 @@ def parse_entry(line: bytes) -> AuditEntry:
     Raises:
         AuditFormatError: not JSON, not canonical, unknown type or fields.
     """
-    try:
-        obj = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise AuditFormatError("audit line is not JSON") from exc
+    obj = loads_json(line, AuditFormatError, "audit line")
     if not isinstance(obj, dict) or set(obj) != _KEYS or obj["v"] != 1:
         raise AuditFormatError("audit line does not have the v1 fields")
     if canonical_json(obj) != line:

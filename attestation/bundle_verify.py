@@ -26,6 +26,7 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -38,6 +39,8 @@ from attestation.errors import AttestationError, BundleError
 from attestation.eventlog import Event, parse_event_log
 from attestation.gpu import check as gpu_check
 from attestation.hashing import files_digest, sha256_file, sha256_hex, tree_files
+from attestation.inputs import MAX_QUOTE_INPUT_BYTES
+from attestation.limits import MAX_DEPTH, json_depth_ok, read_regular
 from attestation.policy import Policy
 from attestation.verify import QuoteFindings, Verdict, verify_quote
 
@@ -58,15 +61,27 @@ def verify_bundle(
     ``collateral`` overrides the bundle's collateral.json (fresh collateral from a PCCS).
 
     Raises:
-        BundleError: the directory does not exist or holds no manifest.json (not a bundle at all).
+        BundleError: the directory does not exist or holds no readable manifest.json (not a bundle at all),
+            the manifest is nested beyond the input depth limit, or ``base_model_dir``/``dataset_file``
+            is missing.
     """
     root = Path(bundle_dir)
     if not root.is_dir():
         raise BundleError(f"{root} is not a directory", fix="pass the exports/<run_id> directory of a bundle")
     if not (root / B.MANIFEST).is_file():
         raise BundleError(f"{root} has no {B.MANIFEST}: not a cvm-tune export bundle")
+    if base_model_dir is not None and not Path(base_model_dir).is_dir():
+        raise BundleError(f"base model directory {base_model_dir} is missing", fix="pass the local base model directory")
+    if dataset_file is not None and not Path(dataset_file).is_file():
+        raise BundleError(f"dataset file {dataset_file} is missing or not a regular file",
+                          fix="pass the encrypted dataset file (.cvmds)")
     f = QuoteFindings()
-    manifest_bytes = _read(root / B.MANIFEST)
+    try:
+        manifest_bytes = _read(root / B.MANIFEST)
+    except OSError as exc:
+        raise BundleError(f"cannot read {root / B.MANIFEST}: {exc}") from exc
+    if not json_depth_ok(manifest_bytes):
+        raise BundleError(f"{root / B.MANIFEST} is nested deeper than {MAX_DEPTH} levels: not a cvm-tune manifest")
     manifest = _files_and_manifest(f, root, manifest_bytes)
     raw = _quote_bytes(f, root)
     coll = collateral if collateral is not None else _bundle_collateral(f, root)
@@ -86,13 +101,22 @@ def verify_bundle(
     return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
 
 
-def _read(path: Path) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read(MAX_FILE)
+class _Unreadable(OSError):
+    def __init__(self, message: str, *, fix: str | None = None) -> None:
+        super().__init__(message)
+
+
+def _read(path: Path, limit: int = MAX_FILE) -> bytes:
+    """A regular file's bytes, at most ``limit`` (a FIFO is refused without blocking).
+
+    Raises:
+        OSError: missing, not a regular file, or larger than ``limit``.
+    """
+    return read_regular(path, limit, _Unreadable, "bundle file")
 
 
 def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> B.Manifest | None:
-    present, odd = set(), []
+    present, odd, dirs = set(), [], set()
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             full = Path(dirpath) / name
@@ -101,6 +125,8 @@ def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> 
                 odd.append(full.relative_to(root).as_posix())
             elif stat.S_ISREG(mode):
                 present.add(full.relative_to(root).as_posix())
+            else:
+                dirs.add(full.relative_to(root).as_posix())
     manifest = None
     try:
         manifest = B.Manifest.model_validate(json.loads(manifest_bytes))
@@ -113,17 +139,19 @@ def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> 
     expected = set(B.hashed_files(manifest)) | set(B.ATTESTATION_FILES)
     extra = sorted(present - expected - set(B.OPTIONAL_FILES))
     missing = sorted(expected - present)
+    needed_dirs = {p.rsplit("/", 1)[0] for p in expected if "/" in p}
     problems = [*(f"unexpected file {p}" for p in extra), *(f"missing {p}" for p in missing),
-                *(f"{p} is a symlink or special file" for p in odd)]
+                *(f"{p} is a symlink or special file" for p in odd),
+                *(f"unexpected directory {p}" for p in sorted(dirs - needed_dirs))]
     f.add("bundle.files", "fail" if problems else "pass", "; ".join(problems) or f"{len(present)} files, none unexpected")
     return manifest
 
 
 def _quote_bytes(f: QuoteFindings, root: Path) -> bytes | None:
     try:
-        raw = _read(root / B.QUOTE_BIN)
-    except OSError:
-        f.add("quote.parse", "fail", f"{B.QUOTE_BIN} missing or unreadable")
+        raw = _read(root / B.QUOTE_BIN, MAX_QUOTE_INPUT_BYTES)
+    except OSError as exc:
+        f.add("quote.parse", "fail", f"{B.QUOTE_BIN} missing, unreadable or too large: {exc}")
         return None
     try:
         hex_ok = _read(root / B.QUOTE_HEX).strip().decode("ascii").lower() == raw.hex()
@@ -232,21 +260,30 @@ def _audit(f: QuoteFindings, root: Path, m: B.Manifest, policy: Policy) -> None:
 
 
 def _entry_contents(entries: list[AuditEntry], m: B.Manifest) -> list[str]:
-    """The entries must commit to the same hashes as the manifest (nothing taken on trust)."""
-    want = {
-        "run.start": {
-            "config_sha256": m.files[B.CONFIG],
-            "dataset_encrypted_sha256": m.dataset.encrypted_sha256,
-            "dataset_plaintext_sha256": m.dataset.plaintext_sha256,
-            "base_model_tree_sha256": m.base_model.tree_sha256,
-            "code_source_sha256": m.code.source_sha256,
-        },
+    """The entries must commit to the same hashes as the manifest (nothing taken on trust).
+
+    A resumed run's ``run.resume`` entry commits anew to its inputs: what a resume may change (the
+    full config outside training, the ciphertext bytes, the code) must match the manifest in the LAST
+    start/resume commitment; the dataset plaintext and base model must match in every one.
+    """
+    inputs = {
+        "config_sha256": m.files[B.CONFIG],
+        "dataset_encrypted_sha256": m.dataset.encrypted_sha256,
+        "dataset_plaintext_sha256": m.dataset.plaintext_sha256,
+        "base_model_tree_sha256": m.base_model.tree_sha256,
+        "code_source_sha256": m.code.source_sha256,
+    }
+    fixed = ("dataset_plaintext_sha256", "base_model_tree_sha256")
+    commits = [e for e in entries if e.type == "run.start" or (e.type == "run.resume" and "config_sha256" in e.data)]
+    want: dict[str, dict[str, Any]] = {
         "train.done": {"global_step": m.training.global_step, "adapter_sha256": {k: m.files[k] for k in B.ADAPTER_FILES}},
         "export": {"artifacts_sha256": files_digest({k: m.files[k] for k in B.ARTIFACT_FILES})},
     }
     problems = []
     for e in entries:
         expected = want.get(e.type)
+        if any(e is c for c in commits):
+            expected = inputs if e is commits[-1] else {k: inputs[k] for k in fixed}
         if expected is not None and any(e.data.get(k) != v for k, v in expected.items()):
             problems.append(f"{e.type} entry (seq {e.seq}) commits to different hashes than the manifest")
     return problems

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attestation.errors import EventLogError
+from attestation.limits import loads_json
 
 RUNTIME_EVENT_TYPE = 0x08000001
 BOOT_TRUSTED_NAMES = ("app-id", "compose-hash", "instance-id", "key-provider")
@@ -69,10 +70,7 @@ def parse_event_log(data: str | bytes | list[Any]) -> tuple[Event, ...]:
         EventLogError: not a JSON list of well-formed events.
     """
     if isinstance(data, (str, bytes)):
-        try:
-            data = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise EventLogError(f"event log is not valid JSON: {exc}") from exc
+        data = loads_json(data, EventLogError, "event log")
     if not isinstance(data, list):
         raise EventLogError("event log must be a JSON list of events")
     if len(data) > MAX_EVENTS:

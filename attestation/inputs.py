@@ -15,13 +15,13 @@ more memory than a small one. Every failure is an :class:`~attestation.errors.At
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from attestation.dcap import MAX_COLLATERAL_BYTES, Collateral, parse_collateral
 from attestation.errors import AttestationError, CollateralError, EventLogError, QuoteParseError, ReportDataError
 from attestation.eventlog import Event, parse_event_log
+from attestation.limits import loads_json, read_regular
 
 MAX_QUOTE_INPUT_BYTES = 4 << 20  # a quote file: raw, hex, or a GetQuote JSON response with its event log
 MAX_EVENT_LOG_BYTES = 16 << 20
@@ -33,11 +33,7 @@ def read_bounded(path: Path, limit: int, error: type[AttestationError], what: st
     Raises:
         error: unreadable, empty, or longer than ``limit`` (one message naming the file).
     """
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(limit + 1)
-    except OSError as exc:
-        raise error(f"cannot read {what} {path}: {exc.strerror}", fix=f"pass an existing {what} file") from exc
+    data = read_regular(path, limit, error, what)
     if not data:
         raise error(f"{what} {path} is empty")
     if len(data) > limit:
@@ -81,10 +77,7 @@ def decode_quote_input_with_log(data: bytes, *, source: str = "quote") -> tuple[
 
 
 def _json(data: bytes, error: type[AttestationError], source: str) -> Any:
-    try:
-        return json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise error(f"{source} looks like JSON but does not parse: {str(exc)[:200]}") from exc
+    return loads_json(data, error, source)
 
 
 def _looks_like_hex(data: bytes) -> bool:

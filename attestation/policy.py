@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from attestation.audit import ENTRY_TYPES, EVENT_PREFIX
 from attestation.errors import PolicyError
 from attestation.inputs import read_bounded
+from attestation.limits import loads_yaml
 
 TCB_STATUSES = (
     "UpToDate",
@@ -177,11 +178,7 @@ def load_policy(path: Path | None) -> Policy:
     """
     if path is None:
         return DEFAULT_POLICY
-    text = read_bounded(Path(path), MAX_POLICY_BYTES, PolicyError, "policy")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise PolicyError(f"policy {path} is not valid YAML") from exc
+    data = loads_yaml(read_bounded(Path(path), MAX_POLICY_BYTES, PolicyError, "policy"), PolicyError, f"policy {path}")
     if not isinstance(data, dict):
         raise PolicyError(f"policy {path} must be a YAML mapping")
     try:

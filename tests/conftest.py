@@ -33,3 +33,19 @@ def simulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Simul
         server.stop()
         if short_dir is not None:
             short_dir.cleanup()
+
+
+@pytest.fixture(scope="session")
+def sim_bundle(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One small simulator run, shared read-only: ``dir`` (exports/<run_id>), ``policy`` (its test-CA policy),
+    ``config`` (the YAML it ran with). Copy the bundle before changing anything in it."""
+    import yaml
+
+    from app.cli import main
+
+    root = tmp_path_factory.mktemp("sim-bundle")
+    cfg = root / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"output": {"dir": str(root / "out")}, "training": {"max_steps": 2, "save_steps": 2}}))
+    assert main(["run", "--config", str(cfg)]) == 0
+    return {"dir": next((root / "out" / "exports").iterdir()), "policy": root / "out" / "simulator-test-policy.yaml",
+            "config": cfg}

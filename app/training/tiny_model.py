@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from app.errors import BaseModelError
+from app.errors import BaseModelError, StateError
 from app.fsutil import fsync_dir, fsync_tree
 
 from . import set_offline_env
@@ -192,6 +192,9 @@ def build_tiny_model(out_dir: Path) -> None:
         logger.info("built tiny base model in %s", out_dir)
     except BaseModelError:
         raise
+    except OSError as exc:  # disk full / read-only volume: the output volume's state, not a training problem
+        raise StateError(f"building the tiny base model under {out_dir.parent} failed: {exc.strerror or type(exc).__name__}",
+                         fix="check free space and permissions on the output volume") from exc
     except Exception as exc:
         raise BaseModelError(
             f"building the tiny base model failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
