@@ -237,3 +237,114 @@ def test_stale_simulator_temp_dirs_are_removed(tmp_path: Path) -> None:
     (dead / "dstack.sock").write_text("")
     assert remove_dead_pid_dirs(tmp_path, "cvm-tune-sim-") == [dead.name]
     assert not dead.exists() and alive.exists() and other.exists()
+
+
+# --- bundles and verifier inputs ----------------------------------------------------------------------------
+
+
+def _copy(bundle: Path, tmp: Path) -> Path:
+    import shutil
+
+    dst = tmp / bundle.name
+    shutil.copytree(bundle, dst)
+    return dst
+
+
+@pytest.mark.parametrize("extra", ["adapter/sub", "extra", "report/deeper/still"])
+def test_bundle_with_an_empty_directory_is_rejected(extra: str, sim_bundle: dict, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    b = _copy(sim_bundle["dir"], tmp_path)
+    (b / extra).mkdir(parents=True)
+    rc, out, _err = _run(capsys, "verify", str(b), "--policy", str(sim_bundle["policy"]))
+    assert rc == 1 and f"unexpected directory {extra.split('/')[0] if extra.startswith('extra') else extra}" in out
+
+
+@pytest.mark.parametrize("size", [0, 100, 10 << 20])
+def test_bundle_quote_bin_damaged_or_oversized_is_rejected(size: int, sim_bundle: dict, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    b = _copy(sim_bundle["dir"], tmp_path)
+    original = (b / "quote.bin").read_bytes()
+    (b / "quote.bin").write_bytes((original * (size // len(original) + 1))[:size])
+    rc, out, err = _run(capsys, "verify", str(b), "--policy", str(sim_bundle["policy"]))
+    assert rc == 1 and "FAIL quote.parse" in out and "Traceback" not in err
+    if size > 4 << 20:
+        assert "too large" in out
+
+
+def test_bundle_quote_bin_fifo_does_not_block(sim_bundle: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    b = _copy(sim_bundle["dir"], tmp_path)
+    (b / "quote.bin").unlink()
+    os.mkfifo(b / "quote.bin")
+    rc, out, _err = _run(capsys, "verify", str(b), "--policy", str(sim_bundle["policy"]))
+    assert rc == 1 and "symlink or special file" in out
+
+
+def test_deep_manifest_is_an_input_error(sim_bundle: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    b = _copy(sim_bundle["dir"], tmp_path)
+    (b / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    rc, _out, err = _run(capsys, "verify", str(b), "--policy", str(sim_bundle["policy"]))
+    assert rc == 2
+    _two_lines(err, "nested deeper")
+
+
+def test_deep_policy_and_event_log_are_input_errors(sim_bundle: dict, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text("a: " + "[" * 50_000 + "]" * 50_000 + "\n")
+    rc, _out, err = _run(capsys, "verify", str(sim_bundle["dir"]), "--policy", str(policy))
+    assert rc == 2
+    _two_lines(err, "nested deeper")
+    log = tmp_path / "log.json"
+    log.write_text("[" * 100_000 + "]" * 100_000)
+    rc, _out, err = _run(capsys, "verify-quote", str(sim_bundle["dir"] / "quote.bin"), "--event-log", str(log),
+                         "--policy", str(sim_bundle["policy"]))
+    assert rc == 2
+    _two_lines(err, "nested deeper")
+    dup = tmp_path / "dup.yaml"
+    dup.write_text(sim_bundle["policy"].read_text() + "\nname: again\n")
+    rc, _out, err = _run(capsys, "verify", str(sim_bundle["dir"]), "--policy", str(dup))
+    assert rc == 2
+    _two_lines(err, "duplicate key")
+
+
+def test_verify_with_missing_dataset_or_base_model_is_an_input_error(sim_bundle: dict, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    for flag, words in (("--dataset", "missing"), ("--base-model", "missing")):
+        rc, _out, err = _run(capsys, "verify", str(sim_bundle["dir"]), "--policy", str(sim_bundle["policy"]), flag,
+                             str(tmp_path / "nonexistent"))
+        assert rc == 2, (flag, err)
+        _two_lines(err, words)
+
+
+def test_verify_into_a_closed_pipe_keeps_the_verdict(sim_bundle: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import sys
+
+    for policy, want in ((sim_bundle["policy"], 0), (None, 1)):
+        r, w = os.pipe()
+        os.close(r)  # `| head -1` already exited
+        stream = io.TextIOWrapper(os.fdopen(w, "wb", buffering=0), write_through=True)
+        monkeypatch.setattr(sys, "stdout", stream)
+        argv = ["verify", str(sim_bundle["dir"]), *(["--policy", str(policy)] if policy else [])]
+        assert main(argv) == want  # accepted stays 0, rejected stays 1; never 70
+        print("after the pipe closed")  # stdout now points at /dev/null: no error at exit
+        stream.close()
+        monkeypatch.undo()
+
+
+def test_disk_full_outside_a_wrapped_write_is_a_state_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import errno
+
+    import app.training.tiny_model as tiny
+
+    def full(*_a: object, **_k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tiny, "fsync_tree", full)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"output:\n  dir: {tmp_path / 'out'}\n")
+    rc, _out, err = _run(capsys, "run", "--config", str(cfg))
+    assert rc == 7
+    _two_lines(err, "tiny base model", "No space left")
+    assert list((tmp_path / "out" / "exports").iterdir()) == []
