@@ -266,6 +266,7 @@ def _audit_start_stage(cfg: Config, out: Path, ag: AgentStage, ds: DatasetStage,
     commits = {"config_sha256": sha256_hex(run.config_bytes),
                "dataset_encrypted_sha256": ds.meta["encrypted_sha256"],
                "dataset_plaintext_sha256": ds.meta["plaintext_sha256"],
+               "dataset_id": ds.meta["dataset_id"], "dataset_version": ds.meta["dataset_version"],
                "base_model_tree_sha256": base.tree, "code_source_sha256": run.code_sha}
     if run.resuming:  # inputs outside the fingerprint (output.*, schedule.*, code) may have changed: commit anew
         recorder.record(run.run_id, "run.resume", {"fingerprint": run.fingerprint, **commits})

@@ -21,6 +21,7 @@ no state, forgets missed runs and knows no time zone without pytz, so every deci
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -205,7 +206,7 @@ class Service:
         run_id, sched = slot.run_id, self.cfg.schedule
         if (self.out / "exports" / run_id).is_dir():  # exported, but the process died before recording it
             self._finish(run_id, row, "succeeded", "recovered: the bundle was already exported",
-                         bundle=str(self.out / "exports" / run_id))
+                         bundle=str(self.out / "exports" / run_id), **recovered_fields(self.out / "exports" / run_id))
             return f"recovered: {run_id}"
         recovered_crash = row is not None and row.status == "running"
         attempts = (row.attempts if row else 0) + 1
@@ -292,6 +293,20 @@ class Service:
 
         hooks = RunHooks(should_stop=should_stop, on_step=on_step, slot=iso(slot.at))
         return run_once(self.cfg, progress=self.progress, run_id=run_id, hooks=hooks)
+
+
+def recovered_fields(bundle: Path) -> dict[str, Any]:
+    """Steps, losses and audit head of a published bundle, for a run row the process died before writing."""
+    from attestation.limits import InputLimitError, loads_json, read_regular
+
+    def load(rel: str) -> Any:
+        return loads_json(read_regular(bundle / rel, 16 << 20, InputLimitError, rel), InputLimitError, rel)
+
+    fields: dict[str, Any] = {}
+    with contextlib.suppress(InputLimitError, KeyError, TypeError):  # a damaged bundle: the row stays without them
+        fields["audit_head"] = str(load("manifest.json")["audit"]["head"])
+        fields["metrics"] = load("report/report.json")
+    return fields
 
 
 def serve(cfg: Config, *, once: bool, progress: Callable[[str], None], clock: Clock | None = None) -> str:

@@ -22,6 +22,14 @@ MAX_DEPTH = 64  # nesting of JSON arrays/objects and YAML sequences/mappings in 
 ErrorFactory = Callable[..., Exception]  # an error class taking (message, *, fix=...)
 
 
+class InputLimitError(ValueError):
+    """A plain error for callers without their own category (message, optional fix)."""
+
+    def __init__(self, message: str, *, fix: str | None = None) -> None:
+        super().__init__(message)
+        self.fix = fix
+
+
 def read_regular(path: Path, limit: int, error: ErrorFactory, what: str) -> bytes:
     """Read a regular file of at most ``limit`` bytes (opened non-blocking; never a FIFO or device).
 

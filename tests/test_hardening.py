@@ -3,6 +3,7 @@ and nothing is written for it."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
@@ -348,3 +349,40 @@ def test_disk_full_outside_a_wrapped_write_is_a_state_error(tmp_path: Path, monk
     assert rc == 7
     _two_lines(err, "tiny base model", "No space left")
     assert list((tmp_path / "out" / "exports").iterdir()) == []
+
+
+# --- tampered state ----------------------------------------------------------------------------------------------
+
+
+def test_deleting_dataset_versions_does_not_reopen_a_rollback(sim_bundle: dict, tmp_path: Path) -> None:
+    import shutil
+
+    from app.dataset.versions import check_version
+    from app.errors import DatasetRollbackError
+
+    state = tmp_path / "state"
+    shutil.copytree(sim_bundle["dir"].parent.parent / "state", state)
+    (state / "dataset-versions.json").unlink()  # the tamper
+    start = json.loads((sim_bundle["dir"] / "audit.jsonl").read_text().splitlines()[0])["data"]
+    ds_id, version = start["dataset_id"], start["dataset_version"]
+    with pytest.raises(DatasetRollbackError):  # the same version with other content: refused from the audit chain
+        check_version(state, ds_id, version, "0" * 64)
+    assert check_version(state, ds_id, version, start["dataset_plaintext_sha256"]) == version
+    assert check_version(state, ds_id, version + 1, "1" * 64) == version
+
+
+def test_a_recovered_run_row_keeps_steps_loss_and_audit_head(sim_bundle: dict, tmp_path: Path) -> None:
+    import shutil
+
+    from app.scheduler import Service
+
+    out = tmp_path / "out"
+    cfg = Config.model_validate({"output": {"dir": str(out)}})
+    svc = Service(cfg, runner=lambda **_kw: pytest.fail("must not train again"))
+    slot = svc.schedule.due(svc.clock.now())
+    shutil.copytree(sim_bundle["dir"], out / "exports" / slot.run_id)  # exported, then kill -9 before the DB write
+    assert svc.tick() == f"recovered: {slot.run_id}"
+    row = svc.db.get(slot.run_id)
+    manifest = json.loads((out / "exports" / slot.run_id / "manifest.json").read_text())
+    assert row.status == "succeeded" and row.audit_head == manifest["audit"]["head"]
+    assert row.metrics["losses"] and row.metrics["run_id"] == manifest["run_id"]

@@ -14,6 +14,7 @@ signature it is only as authentic as the dataset key.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from app.errors import DatasetRollbackError, StateError
@@ -21,6 +22,7 @@ from app.fsutil import atomic_write_bytes
 
 SCHEMA = "cvm-tune/dataset-versions/v1"
 FILE = "dataset-versions.json"
+AUDIT_FILE = "audit.jsonl"  # app.audit's chain, in the same state directory
 
 
 def _load(state_dir: Path) -> dict[str, dict]:
@@ -28,13 +30,37 @@ def _load(state_dir: Path) -> dict[str, dict]:
     try:
         obj = json.loads(path.read_bytes())
     except FileNotFoundError:
-        return {}
+        return _from_audit(Path(state_dir), path)
     except (OSError, ValueError) as exc:
         raise StateError(f"{path} is unreadable: {type(exc).__name__}",
                          fix="restore it from a backup (deleting it disables rollback protection until the next run)") from exc
     if not isinstance(obj, dict) or obj.get("schema") != SCHEMA or not isinstance(obj.get("datasets"), dict):
         raise StateError(f"{path} is not a {SCHEMA} file")
     return obj["datasets"]
+
+
+def _from_audit(state_dir: Path, path: Path) -> dict[str, dict]:
+    """The file is gone (deleted?): rebuild the record from the audit chain's run.start/run.resume entries,
+    which commit to every dataset version trained on, so deleting the file does not re-open a rollback."""
+    from attestation.audit import AuditFormatError, parse_lines
+
+    try:
+        entries = parse_lines((state_dir / AUDIT_FILE).read_bytes())
+    except FileNotFoundError:
+        return {}
+    except (OSError, AuditFormatError) as exc:
+        raise StateError(f"{path} is missing and the audit chain is unreadable: {exc}",
+                         fix="restore the output volume's state/ directory from a backup") from exc
+    datasets: dict[str, dict] = {}
+    for e in entries:
+        d = e.data
+        if e.type in ("run.start", "run.resume") and isinstance(d.get("dataset_version"), int):
+            last = datasets.get(d["dataset_id"])
+            if last is None or d["dataset_version"] >= last["version"]:
+                datasets[d["dataset_id"]] = {"version": d["dataset_version"], "plaintext_sha256": d["dataset_plaintext_sha256"]}
+    if datasets:
+        logging.getLogger(__name__).warning("%s was missing: dataset versions rebuilt from the audit chain", path)
+    return datasets
 
 
 def check_version(state_dir: Path, dataset_id: str, version: int, plaintext_sha256: str) -> int | None:
