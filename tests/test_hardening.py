@@ -386,3 +386,22 @@ def test_a_recovered_run_row_keeps_steps_loss_and_audit_head(sim_bundle: dict, t
     manifest = json.loads((out / "exports" / slot.run_id / "manifest.json").read_text())
     assert row.status == "succeeded" and row.audit_head == manifest["audit"]["head"]
     assert row.metrics["losses"] and row.metrics["run_id"] == manifest["run_id"]
+
+
+def test_scratch_full_while_saving_a_checkpoint_is_a_state_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import errno
+
+    import transformers
+
+    def full(*_a: object, **_k: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(transformers.Trainer, "_save_checkpoint", full)
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(f"output:\n  dir: {tmp_path / 'out'}\ntraining:\n  max_steps: 2\n  save_steps: 1\n")
+    rc, _out, err = _run(capsys, "run", "--config", str(cfg))
+    assert rc == 7
+    _two_lines(err, "checkpoint", "No space left")
+    assert "training and base_model settings" not in err
+    assert list((tmp_path / "out" / "exports").iterdir()) == []

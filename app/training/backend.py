@@ -251,6 +251,10 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
             if is_oom(exc):
                 raise OutOfMemory(f"CUDA out of memory in training: {_first_line(exc)}", phase="train",
                                   first_step=watch.steps == 0, at_step=watch.last_step) from exc
+            if isinstance(exc, OSError):  # scratch (RAM) or volume full while the trainer saved: not a training problem
+                raise StateError(f"writing a checkpoint failed: {exc.strerror or _first_line(exc)}",
+                                 fix="free space in output.scratch_dir (RAM) and on the output volume; the run "
+                                 "resumes from its last sealed checkpoint") from exc
             raise TrainingError(f"training failed: {_first_line(exc)}") from exc
         return trainer, time.perf_counter() - start, current
 
