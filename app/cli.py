@@ -1,14 +1,16 @@
 """``cvm-tune`` command line. The only module that prints (with ``app.cli_owner``, the data owner's commands).
 
-Exit codes (also in the README):
+Exit codes (docs/exit-codes.md has the table per command and the input limits):
   0  success / bundle or quote accepted
-  1  verification rejected (one line per failed check)
-  2  usage, config, policy or input error (missing file, unreadable bundle or quote)
+  1  verification rejected (one line per failed check); status --health: unhealthy
+  2  usage, config, policy or input error (missing, unreadable, oversized or too deeply nested input)
   3  dataset error   4  key error   5  guest agent / attestation error
-  6  training error  7  state / export error   70  internal error (bug: rerun with --debug)
+  6  training error  7  state / export error (volume full or damaged, bundle failed its own verification)
+  70 internal error (bug: rerun with --debug)   130 interrupted
 ``run``/``serve`` when another process holds the output volume's lock: "skipped: locked", exit 0.
 A SIGTERM during ``run``/``serve`` checkpoints at the next step boundary and exits 0.
-``status --health``: 0 healthy, 1 unhealthy (one line saying why).
+``--debug`` keeps every exit code; it adds the traceback and debug logs. A closed stdout pipe
+(``| head``) does not change the exit code.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Fault injection: SIGKILL a `cvm-tune serve --once` run at N random points, resume, compare adapters.
 
-    python bench/faults.py [--kills N] [--seed S] [--steps 24] [--save-steps 4] [--out bench/results/faults-cpu.json]
+    python bench/faults.py [--kills N] [--seed S] [--steps 24] [--save-steps 4] [--points WORD] [--out bench/results/faults-cpu.json]
 
 Each trial gets a fresh output volume and is killed once with SIGKILL, either from outside at a
 random moment of training (after a random step, plus a random delay up to one mean step time: like a
@@ -10,7 +10,12 @@ the LATEST pointer, mid audit append, mid export staging: see ``KILL_POINTS``). 
 resumed from, the work lost (last step logged before the kill minus the resume step; target <= one
 checkpoint interval, ``--save-steps``), the max |difference| between the resumed adapter and an
 uninterrupted run's (target: identical within 1e-5), and the verifier's verdict on the resumed
-bundle.
+bundle. ``--points WORD`` limits the in-process kill points to those whose name contains WORD (e.g.
+``export``) and always kills in-process.
+
+Lock removal (once per invocation): while a ``serve --once`` trains, ``state/lock`` is deleted and a
+second ``serve --once`` starts; it must print ``skipped: locked`` and exit 0 while the first finishes
+with a bundle that verifies.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ KILL_POINTS = {
     "sealed, LATEST not yet moved": ("app.training.checkpoints", "atomic_write_bytes", (1, 6)),
     "mid audit append": ("app.audit", "fsync_dir", (1, 8)),
     "mid export staging": ("app.report", "write", (1, 1)),
+    "export: quote staged, before self-verification": ("app.publish", "self_verify", (1, 1)),
+    "export: bundle renamed, run state and DB not yet written": ("app.pipeline", "write_run_state", (2, 2)),
 }
 _INJECT = """
 import importlib, os, signal, sys
@@ -122,10 +129,31 @@ def first_step_time(proc: subprocess.Popen, log: Path) -> float:
     return time.monotonic()
 
 
-def trial(root: Path, rng: random.Random, *, steps: int, save_steps: int, ref: Path, train_seconds: float) -> dict[str, Any]:
+def lock_removal(root: Path, *, steps: int, save_steps: int) -> dict[str, Any]:
+    """Delete state/lock while a run trains, start a second one: it must be refused; the first must finish."""
+    cfg = write_config(root, steps=steps, save_steps=save_steps)
+    first = start(cfg, root / "first.txt")
+    first_step_time(first, root / "first.txt")
+    lock = root / "out" / "state" / "lock"
+    lock.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    second = start(cfg, root / "second.txt")
+    second.wait(timeout=600)
+    second_s = time.monotonic() - t0
+    first_running = first.poll() is None
+    first.wait(timeout=600)
+    b = bundle(cfg)
+    out = (root / "second.txt").read_text(errors="replace")
+    return {"second_refused": second.returncode == 0 and "skipped: locked" in out, "second_exit": second.returncode,
+            "second_seconds": round(second_s, 2), "first_still_running_when_refused": first_running,
+            "first_completed": b is not None, "verified": verdict(b, cfg) if b else False}
+
+
+def trial(root: Path, rng: random.Random, *, steps: int, save_steps: int, ref: Path, train_seconds: float,
+          points: str | None = None) -> dict[str, Any]:
     cfg = write_config(root, steps=steps, save_steps=save_steps)
     log = root / "log.txt"
-    if rng.random() < 0.5:  # from outside, at a random moment of training (robust to a slow machine)
+    if points is None and rng.random() < 0.5:  # from outside, at a random moment of training (robust to a slow machine)
         after, delay = rng.randint(1, steps), rng.random() * train_seconds / steps
         point, proc = f"SIGKILL {delay:.2f} s after step {after} was logged", start(cfg, log)
         while proc.poll() is None and last_step(log) < after:
@@ -136,7 +164,7 @@ def trial(root: Path, rng: random.Random, *, steps: int, save_steps: int, ref: P
             proc.send_signal(signal.SIGKILL)
             proc.wait()
     else:
-        name = rng.choice(sorted(KILL_POINTS))
+        name = rng.choice(sorted(k for k in KILL_POINTS if points is None or points in k))
         mod, fn, (lo, hi) = KILL_POINTS[name]
         n = rng.randint(lo, hi)
         point, proc = f"{name} ({fn} call {n})", start(cfg, log, kill_at=f"{mod}:{fn}:{n}")
@@ -162,6 +190,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=6)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--save-steps", type=int, default=4)
+    ap.add_argument("--points", metavar="WORD", help="only in-process kill points whose name contains WORD")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -182,8 +211,12 @@ def main() -> None:
         for i in range(args.kills):
             root = Path(tmp) / f"t{i}"
             root.mkdir()
-            trials.append(trial(root, rng, steps=args.steps, save_steps=args.save_steps, ref=ref, train_seconds=train_seconds))
+            trials.append(trial(root, rng, steps=args.steps, save_steps=args.save_steps, ref=ref, train_seconds=train_seconds,
+                                points=args.points))
             print(json.dumps(trials[-1]), flush=True)
+        (Path(tmp) / "lock").mkdir()
+        lock = lock_removal(Path(tmp) / "lock", steps=args.steps, save_steps=args.save_steps)
+        print(json.dumps({"lock_removal": lock}), flush=True)
     killed = [t for t in trials if t["killed"]]
     identical = [t for t in killed if t["completed"] and t["max_abs_diff"] is not None and t["max_abs_diff"] <= TOLERANCE]
     lost = [t["work_lost_steps"] for t in killed if t["work_lost_steps"] is not None]
@@ -193,11 +226,14 @@ def main() -> None:
         "reference_train_s": round(train_seconds, 2), "kills": len(killed), "trials": len(trials),
         "resumed_identical": len(identical), "tolerance": TOLERANCE, "all_verified": all(t["verified"] for t in trials),
         "work_lost_steps_max": max(lost, default=0), "work_lost_steps_mean": round(sum(lost) / len(lost), 2) if lost else 0,
-        "within_one_interval": all(x <= args.save_steps for x in lost), "results": trials,
+        "within_one_interval": all(x <= args.save_steps for x in lost), "points": args.points,
+        "lock_removal": lock, "results": trials,
     }
     print(f"{len(identical)}/{len(killed)} killed runs resumed to an identical adapter (|diff| <= {TOLERANCE}); "
           f"work lost per kill: max {summary['work_lost_steps_max']} steps, mean {summary['work_lost_steps_mean']} "
-          f"(checkpoint interval {args.save_steps}); all bundles verified: {summary['all_verified']}")
+          f"(checkpoint interval {args.save_steps}); all bundles verified: {summary['all_verified']}; "
+          f"lock removed mid-run: second run refused {lock['second_refused']}, first completed and verified "
+          f"{lock['first_completed'] and lock['verified']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(summary, indent=2) + "\n")

@@ -30,7 +30,8 @@ LONG = settings(max_examples=300, deadline=None, database=None, suppress_health_
 
 # The documented exit codes per command (docs/exit-codes.md).
 CODES = {"validate-config": {0, 2}, "status": {0, 2, 7}, "verify": {0, 1, 2}, "verify-quote": {0, 1, 2},
-         "dataset inspect": {0, 1, 2, 3}, "run": {0, 2, 3, 4, 5, 6, 7}}
+         "dataset inspect": {0, 2, 3, 4}, "run": {0, 2, 3, 4, 5, 6, 7}}
+DOC = Path(__file__).resolve().parent.parent / "docs" / "exit-codes.md"
 
 # ---- mutation strategies ------------------------------------------------------------------------------------
 
@@ -262,6 +263,19 @@ def test_fuzz_bundle_files(sim_bundle: dict[str, Path], data: st.DataObject) -> 
 @given(data=st.data())
 def test_fuzz_policy_quote_and_dataset(sim_bundle: dict[str, Path], data: st.DataObject) -> None:
     policy_quote_and_dataset(sim_bundle, data)
+
+
+def test_the_codes_asserted_here_are_the_documented_ones() -> None:
+    import re
+
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].startswith("`"):
+            for name in re.findall(r"`([^`]+)`", cells[0]):
+                rows[name] = {int(n) for n in re.findall(r"(?<![\w-])(\d+)(?![\w-])", cells[1].split(";")[0])}
+    for command, codes in CODES.items():
+        assert rows[command] == codes, command
 
 
 def test_fuzz_helpers_really_mutate() -> None:
