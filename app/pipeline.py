@@ -42,6 +42,7 @@ from app.dataset.keys import EnvKeySource
 from app.dataset.versions import check_version, record_version
 from app.errors import BaseModelError, ConfigError, CvmTuneError, ExportError, StateError, TeeError
 from app.fsutil import atomic_write_bytes, remove_stale_temps, staged_dir
+from app.model_card import card_inputs, model_card
 from app.tee import GuestAgent, Identity, open_guest_agent
 
 Progress = Callable[[str], None]
@@ -239,7 +240,8 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
 
         with timer.phase("train"):
             result = train(TrainRequest(
-                base_model_dir=base_dir, base_model_name=base_name, rows=rows, run_dir=run_dir, settings=ts,
+                base_model_dir=base_dir, base_model_name=cfg.base_model.hub_id or base_name,
+                base_model_revision=cfg.base_model.revision, rows=rows, run_dir=run_dir, settings=ts,
                 fingerprint=fingerprint, checkpoint_key=ckpt_key, inputs=inputs,
                 scratch_dir=_scratch_dir(cfg, out), keep_checkpoints=cfg.output.keep_checkpoints,
                 on_step_end=step_end, on_event=lambda t, d: recorder.record(run_id, t, d),
@@ -270,10 +272,10 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             (stage / B.CONFIG).write_bytes(config_bytes)
             (stage / B.APP_COMPOSE).write_bytes(compose_bytes)
             (stage / B.GPU_EVIDENCE).write_bytes(gpu.data)
-            last_loss = result.losses[-1][1] if result.losses else None
-            (stage / B.MODEL_CARD).write_bytes(export.model_card(
-                run_id=run_id, base_model=base_name, base_tree=base_tree, dataset=dataset, backend=result.backend,
-                steps=result.global_step, last_loss=last_loss, simulated=simulated))
+            model_dirs = export.finish_model_dirs(stage, base_dir=base_dir, get_key=agent.get_key, merged=cfg.export.merged,
+                                                  shard_mb=cfg.export.merged_shard_mb)  # tokenizer, merged/, model.sig
+            (stage / B.MODEL_CARD).write_bytes(model_card(card_inputs(
+                cfg, run_id, simulated, base_name, base_tree, dataset, result, code_sha, model_dirs.public_key_pem)))
             effective_batch = result.batch.get("effective", ts.per_device_batch_size * ts.gradient_accumulation_steps)
             run_report = report.build(run_id=run_id, slot=hooks.slot, timings=timer.t, train=result,
                                       effective_batch_size=effective_batch,
@@ -289,7 +291,8 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
                 "code": {"package": "cvm-tune", "version": app.__version__, "source_sha256": code_sha},
                 "backend": {"name": result.backend, "device": result.device,
                             "libraries": export.library_versions(result.library_versions)},
-                "base_model": {"name": base_name, "source": cfg.base_model.source, "tree_sha256": base_tree, "files": base_files},
+                "base_model": {"name": base_name, "source": cfg.base_model.source, "tree_sha256": base_tree, "files": base_files,
+                               "hub_id": cfg.base_model.hub_id, "revision": cfg.base_model.revision},
                 "dataset": dataset,
                 "tee": {"mode": cfg.tee.mode, "app_id": ident.app_id, "instance_id": ident.instance_id,
                         "compose_hash": ident.compose_hash, "agent_version": ident.version, "agent_rev": ident.rev},
@@ -301,9 +304,10 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
                 "audit": {"head": entries[-1].hash, "start_prev": entries[0].prev, "first_seq": entries[0].seq,
                           "entries": len(entries), "rtmr3": recorder.rtmr3 or "unsupported"},
                 "files": {**artifacts, B.AUDIT: sha256_file(stage / B.AUDIT), B.GPU_EVIDENCE: gpu.info.evidence_sha256,
-                          **{rel: sha256_file(p) for rel, p in report_files.items()}},
+                          **{rel: sha256_file(p) for rel, p in report_files.items()}, **model_dirs.files},
                 "gpu": gpu.info.model_dump(mode="json"),
                 "build": build,
+                "signing": model_dirs.signing,
             })
             (stage / B.MANIFEST).write_bytes(manifest)
             with timer.phase("quote"):
