@@ -322,7 +322,8 @@ class ExportSettings(_Closed):
                          "card front matter (a Hub license id such as apache-2.0, or 'other'): usually the base model's.")
     merged: bool = Field(False, description="Also write the base + LoRA merged weights (merge_and_unload, sharded "
                          "safetensors) under merged/, hashed and signed like the adapter. Large: the full model size.")
-    merged_shard_mb: int = Field(4096, ge=1, le=65536, description="Largest merged safetensors shard, in MB.")
+    merged_max_shard_size: str = Field("4GB", pattern=r"^[1-9][0-9]{0,5}(KB|MB|GB)$", description="Largest merged "
+                                       "safetensors shard (transformers' max_shard_size, e.g. 4GB or 500MB).")
 
 
 class Config(_Closed):

@@ -70,7 +70,7 @@ class ModelDirs:
 
 
 def finish_model_dirs(stage: Path, *, base_dir: Path, get_key: Callable[[str, str], bytes], merged: bool,
-                      shard_mb: int) -> ModelDirs:
+                      max_shard_size: str) -> ModelDirs:
     """Complete ``stage/adapter`` (the base tokenizer), write ``stage/merged`` when asked, and sign each directory.
 
     The adapter files themselves are already there (the trainer's, committed by the ``train.done`` audit entry).
@@ -87,7 +87,7 @@ def finish_model_dirs(stage: Path, *, base_dir: Path, get_key: Callable[[str, st
     _check_names(adapter)
     signed = ["adapter"]
     if merged:
-        _write_merged(stage / "merged", base_dir, adapter, tokenizer, shard_mb)
+        _write_merged(stage / "merged", base_dir, adapter, tokenizer, max_shard_size)
         signed.append("merged")
     key = signing.derive_key(get_key)
     for d in signed:
@@ -98,7 +98,7 @@ def finish_model_dirs(stage: Path, *, base_dir: Path, get_key: Callable[[str, st
                       "public_key_pem": signing.public_key_pem(key), "signed": signed}, files)
 
 
-def _write_merged(out: Path, base_dir: Path, adapter: Path, tokenizer: Any, shard_mb: int) -> None:
+def _write_merged(out: Path, base_dir: Path, adapter: Path, tokenizer: Any, max_shard_size: str) -> None:
     """base + LoRA merged (``merge_and_unload``) on the CPU, in the base's dtype, as sharded safetensors."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -106,7 +106,7 @@ def _write_merged(out: Path, base_dir: Path, adapter: Path, tokenizer: Any, shar
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype="auto", local_files_only=True)
     model = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     out.mkdir()
-    model.save_pretrained(str(out), safe_serialization=True, max_shard_size=f"{shard_mb}MB")
+    model.save_pretrained(str(out), safe_serialization=True, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(str(out))
     _check_names(out)
 

@@ -273,7 +273,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             (stage / B.APP_COMPOSE).write_bytes(compose_bytes)
             (stage / B.GPU_EVIDENCE).write_bytes(gpu.data)
             model_dirs = export.finish_model_dirs(stage, base_dir=base_dir, get_key=agent.get_key, merged=cfg.export.merged,
-                                                  shard_mb=cfg.export.merged_shard_mb)  # tokenizer, merged/, model.sig
+                                                  max_shard_size=cfg.export.merged_max_shard_size)  # tokenizer, merged/, model.sig
             (stage / B.MODEL_CARD).write_bytes(model_card(card_inputs(
                 cfg, run_id, simulated, base_name, base_tree, dataset, result, code_sha, model_dirs.public_key_pem)))
             effective_batch = result.batch.get("effective", ts.per_device_batch_size * ts.gradient_accumulation_steps)
