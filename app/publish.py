@@ -1,10 +1,10 @@
 """``cvm-tune publish``: a verified export bundle as a Hugging Face Hub model repository (outside the CVM).
 
 The repository is the PEFT adapter at its root (adapter_config.json, weights, tokenizer, ``model.sig``), the bundle's
-model card as its README.md, and every other bundle file under ``attestation/`` (manifest, quote, event log, audit,
-collateral, config, app-compose, GPU evidence, run report, and ``merged/`` when exported). Nothing is changed: a
-relying party re-assembles the bundle (``attestation/`` + README.md + the root files as ``adapter/``) and verifies
-it, or checks the root with ``model_signing verify key`` (ignoring ``attestation`` and ``README.md``).
+model card as its README.md, ``merged/`` when exported, and every other bundle file under ``attestation/`` (manifest,
+quote, event log, audit, collateral, config, app-compose, GPU evidence, run report). No file is changed: a relying
+party re-assembles the bundle (``attestation/`` + README.md + merged/ + the root's other files as ``adapter/``) and
+verifies it, or checks the root with ``model_signing verify key`` (ignoring ``attestation``, ``merged``, ``README.md``).
 The bundle is verified first under the given policy; a rejected bundle is never uploaded.
 """
 
@@ -53,8 +53,8 @@ def stage_repo(bundle: Path, dest: Path) -> Path:
         rel = src.relative_to(bundle)
         if rel.parts[0] == "adapter":
             target = dest / Path(*rel.parts[1:])
-        elif rel.as_posix() == B.MODEL_CARD:
-            target = dest / B.MODEL_CARD
+        elif rel.parts[0] == "merged" or rel.as_posix() == B.MODEL_CARD:
+            target = dest / rel
         else:
             target = dest / ATTESTATION_DIR / rel
         target.parent.mkdir(parents=True, exist_ok=True)
