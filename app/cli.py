@@ -380,7 +380,7 @@ def _compose_hash(args: argparse.Namespace) -> int:
     digest = C.compose_hash(raw)
     out = {"compose_hash": digest, "app_id": C.app_id(doc, digest, pinned_app_id=args.app_id),
            "mr_config_id": C.mr_config_id_v1(digest), "kms_enabled": bool(doc.get("kms_enabled")),
-           "images": C.images(doc) if doc.get("runner") == "docker-compose" else {}, "problems": C.audit(doc)}
+           "images": C.images(doc) if doc.get("runner") == "docker-compose" else {}, "problems": C.audit(doc, raw)}
     if args.json:
         print(json.dumps(out, indent=2))
     else:

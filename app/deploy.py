@@ -73,7 +73,7 @@ def render_deployment(template: str, image: str, settings: C.AppComposeSettings,
     settings = C.AppComposeSettings(**{**settings.__dict__, "allowed_envs": allowed})
     raw = C.render(text, settings, style=style)
     doc = C.load(raw)
-    if problems := C.audit(doc):
+    if problems := C.audit(doc, raw):
         raise ConfigError("the app-compose would fail its audit: " + "; ".join(problems),
                           fix="fix docker-compose.yaml (see README 'Deploy to dstack')")
     digest = C.compose_hash(raw)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -118,20 +119,70 @@ def render(docker_compose_text: str, s: AppComposeSettings, *, style: Style = "v
     return json.dumps(doc, indent=4, ensure_ascii=False).encode()
 
 
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when built in; same results as SafeLoader
+
+
+@dataclass(frozen=True)
+class ParsedCompose:
+    """A docker-compose text: its values (safe-loaded) and the line of every mapping key / list item (1-based)."""
+
+    doc: dict[str, Any]
+    lines: dict[tuple[Any, ...], int]
+    text_lines: tuple[str, ...]
+    duplicates: tuple[str, ...] = ()
+
+    def at(self, *path: Any) -> str:
+        """`` (line N: `text`)`` for the nearest node of ``path`` that has a line (merge keys and aliases have none)."""
+        while path and path not in self.lines:
+            path = path[:-1]
+        n = self.lines.get(path)
+        return f" (line {n}: `{self.text_lines[n - 1].strip()}`)" if n else ""
+
+
+def _node_lines(node: yaml.Node, path: tuple[Any, ...], out: dict[tuple[Any, ...], int], dups: list[tuple[str, int]]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.value != "<<":
+                if (*path, key.value) in out:  # PyYAML keeps the last, Docker Compose refuses: never guess
+                    dups.append((key.value, key.start_mark.line + 1))
+                out.setdefault((*path, key.value), key.start_mark.line + 1)
+                _node_lines(value, (*path, key.value), out, dups)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out.setdefault((*path, i), item.start_mark.line + 1)
+            _node_lines(item, (*path, i), out, dups)
+
+
+def parse_compose(docker_compose_text: str) -> ParsedCompose:
+    """Parse a docker-compose text with PyYAML (safe loader) and keep each key's line.
+
+    Raises:
+        ComposeError: not YAML or no services mapping.
+    """
+    try:
+        doc = yaml.load(docker_compose_text, Loader=LOADER)  # noqa: S506 - LOADER is a safe loader
+        root = yaml.compose(docker_compose_text, Loader=LOADER)
+    except yaml.YAMLError as exc:
+        raise ComposeError(f"docker_compose_file is not valid YAML: {str(exc).splitlines()[0]}") from exc
+    svcs = doc.get("services") if isinstance(doc, dict) else None
+    if not isinstance(svcs, dict) or not all(isinstance(v, dict) for v in svcs.values()):
+        raise ComposeError("docker_compose_file has no `services` mapping")
+    lines: dict[tuple[Any, ...], int] = {}
+    dups: list[tuple[str, int]] = []
+    if root is not None:
+        _node_lines(root, (), lines, dups)
+    text_lines = tuple(docker_compose_text.splitlines())
+    return ParsedCompose(doc, lines, text_lines, tuple(f"duplicate key `{k}` (line {n}: `{text_lines[n - 1].strip()}`)"
+                                                         for k, n in dups))
+
+
 def services(docker_compose_text: str) -> dict[str, dict[str, Any]]:
     """The ``services`` mapping of a docker-compose text.
 
     Raises:
         ComposeError: not YAML or no services mapping.
     """
-    try:
-        doc = yaml.safe_load(docker_compose_text)
-    except yaml.YAMLError as exc:
-        raise ComposeError(f"docker_compose_file is not valid YAML: {str(exc).splitlines()[0]}") from exc
-    svcs = doc.get("services") if isinstance(doc, dict) else None
-    if not isinstance(svcs, dict) or not all(isinstance(v, dict) for v in svcs.values()):
-        raise ComposeError("docker_compose_file has no `services` mapping")
-    return svcs
+    return parse_compose(docker_compose_text).doc["services"]
 
 
 def images(app_compose: dict[str, Any]) -> dict[str, str | None]:
@@ -160,37 +211,169 @@ def env_entries(svc: dict[str, Any]) -> dict[str, str | None]:
     return out
 
 
-def audit(app_compose: dict[str, Any]) -> list[str]:
-    """What must change before this app-compose can be trusted with a dataset key (empty: nothing found)."""
+# Host paths through which a container reaches the guest agent (its sockets, the legacy tappd API) or everything (the
+# Docker socket: it can start a container with any mount). /var/run is a symlink to /run in the CVM.
+AGENT_PATHS = ("/run/dstack.sock", "/run/tappd.sock", "/run/dstack", "/run/docker.sock")
+SOCKET_SOURCES = ("/run/dstack.sock", "/run/dstack/dstack.sock")  # the socket itself, under the SDK's search paths
+HOST_NAMESPACES = ("network_mode", "net", "pid", "ipc", "userns_mode")
+INTERPOLATED = re.compile(r"\$(\{|[A-Za-z_])")
+GUARDED_KEYS = ("image", "privileged", "network_mode", "net", "pid", "ipc", "userns_mode", "cap_add", "devices",
+                "volumes", "volumes_from", "security_opt", "device_cgroup_rules", "deploy", "gpus")
+
+
+def host_path(source: str) -> str:
+    """A bind source normalized the way the kernel resolves it (``..``, ``//``, trailing ``/``, /var/run -> /run)."""
+    p = posixpath.normpath(source)
+    p = "/" + p.lstrip("/") if p.startswith("/") else p
+    return "/run" + p[len("/var/run"):] if p == "/var/run" or p.startswith("/var/run/") else p
+
+
+def _binds(svc: dict[str, Any]) -> list[tuple[int, str | None, str]]:
+    """(index, host source or None for a named volume, raw entry) of a service's ``volumes`` (short and long syntax)."""
+    out: list[tuple[int, str | None, str]] = []
+    for i, v in enumerate(svc.get("volumes") or []):
+        if isinstance(v, dict):
+            src, kind = str(v.get("source") or ""), v.get("type", "volume")
+            out.append((i, src if kind == "bind" or src.startswith(("/", ".", "~")) else None, f"{kind} {src}"))
+        else:
+            src = str(v).split(":")[0]
+            out.append((i, src if src.startswith(("/", ".", "~", "$")) or "/" in src else None, str(v)))
+    return out
+
+
+def _reaches_agent(path: str) -> bool:
+    return path in ("/", "/run", "/var") or any(a == path or a.startswith(path + "/") or path.startswith(a + "/") for a in AGENT_PATHS)
+
+
+def _gpu_reservation_only(devices: Any) -> bool:
+    return isinstance(devices, list) and all(
+        isinstance(d, dict) and d.get("driver", "nvidia") == "nvidia" and list(d.get("capabilities") or []) == ["gpu"]
+        and set(d) <= {"driver", "count", "device_ids", "capabilities", "options"} for d in devices)
+
+
+def _json_line(raw: bytes | None, key: str) -> str:
+    """`` (app-compose.json line N: `"key": value`)`` for a top-level field of the raw file, when given."""
+    text = raw.decode("utf-8", "replace") if raw is not None else ""
+    m = re.search(rf'"{re.escape(key)}"\s*:\s*("(?:[^"\\]|\\.){{0,60}}"?|[^,}}\n]*)', text)
+    if not m:
+        return ""
+    return f" (app-compose.json line {text.count(chr(10), 0, m.start()) + 1}: `{m.group(0)}`)"
+
+
+def _interpolations(value: Any) -> bool:
+    if isinstance(value, str):
+        return bool(INTERPOLATED.search(value.replace("$$", "")))
+    if isinstance(value, dict):
+        return any(_interpolations(k) or _interpolations(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_interpolations(v) for v in value)
+    return False
+
+
+def _service_problems(p: ParsedCompose, name: str, svc: dict[str, Any], socket_holder: str | None) -> list[str]:
+    at = lambda *k: p.at("services", name, *k)  # noqa: E731
+    out: list[str] = []
+    ref = svc.get("image")
+    if svc.get("build") is not None:
+        out.append(f"service {name}: `build:` is not reproducible in a CVM; use a pushed image by digest{at('build')}")
+    if not isinstance(ref, str) or image_digest(ref) is None:
+        out.append(f"service {name}: image {ref!r} is not pinned by digest (name@sha256:<64 hex>){at('image')}")
+    elif image_digest(ref) == PLACEHOLDER_DIGEST:
+        out.append(f"service {name}: image digest is the placeholder; use the pushed image's digest{at('image')}")
+    for key in GUARDED_KEYS:
+        value = svc.get(key)
+        if _interpolations(value):
+            item = next((i for i, v in enumerate(value) if _interpolations(v)), None) if isinstance(value, list) else None
+            out.append(f"service {name}: `{key}` interpolates a variable from the environment, which the host can "
+                       f"forge (dstack's encrypted env is not authenticated); write the value itself"
+                       f"{at(key) if item is None else at(key, item)}")
+    if svc.get("privileged") not in (None, False):
+        out.append(f"service {name}: privileged containers reach every device and the guest agent{at('privileged')}")
+    for key in HOST_NAMESPACES:
+        value = str(svc.get(key) or "")
+        if value == "host" or (key in ("pid", "ipc") and value.startswith(("service:", "container:"))):
+            out.append(f"service {name}: `{key}: {value}` shares a namespace with the CVM or another container{at(key)}")
+    if svc.get("cap_add"):
+        out.append(f"service {name}: cap_add {svc['cap_add']} adds capabilities; remove it{at('cap_add')}")
+    for key in ("devices", "device_cgroup_rules"):
+        if svc.get(key):
+            out.append(f"service {name}: `{key}` maps host devices; only the GPU reservation is allowed{at(key)}")
+    reservations = ((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}
+    if "devices" in reservations and not _gpu_reservation_only(reservations["devices"]):
+        out.append(f"service {name}: device reservation other than `driver: nvidia, capabilities: [gpu]`"
+                   f"{at('deploy', 'resources', 'reservations', 'devices')}")
+    for opt in svc.get("security_opt") or []:
+        if re.search(r"unconfined|label[:=]disable|systempaths", str(opt)):
+            out.append(f"service {name}: security_opt {opt!r} turns off a confinement{at('security_opt')}")
+    if svc.get("volumes_from"):
+        out.append(f"service {name}: volumes_from inherits another container's mounts (the guest-agent socket with "
+                   f"them); mount named volumes instead{at('volumes_from')}")
+    if svc.get("extends"):
+        out.append(f"service {name}: `extends` merges settings this audit does not see; inline them{at('extends')}")
+    for i, src, entry in _binds(svc):
+        if src is None:
+            continue
+        path = host_path(src)
+        if name == socket_holder and path in SOCKET_SOURCES:
+            continue
+        if _reaches_agent(path):
+            out.append(f"service {name} can reach the guest agent (and so the app's keys) through the bind of {src!r}"
+                       f"{at('volumes', i)}")
+        else:
+            out.append(f"service {name}: binds host path {src!r}; only named volumes are allowed (host paths hold "
+                       f"other containers' data and the CVM's files){at('volumes', i)}")
+    return out
+
+
+def audit(app_compose: dict[str, Any], raw: bytes | None = None) -> list[str]:
+    """What must change before this app-compose can be trusted with a dataset key (empty: nothing found).
+
+    Each finding names the offending line: of ``docker_compose_file`` for service settings, of ``raw`` (the
+    app-compose.json bytes, when given) for the file's own fields. Rules: only the trainer may reach the guest agent
+    (its socket, by any path or any parent directory, the legacy tappd socket, the Docker socket); no privileged
+    container, host namespace, added capability, device mapping other than the GPU reservation, inherited mounts or
+    host bind; every image pinned by digest; no variable interpolation in those settings; logs and sysinfo private.
+    """
     problems = []
     if app_compose.get("runner") != "docker-compose":
         return [f"runner is {app_compose.get('runner')!r}: only docker-compose apps can be audited here"]
-    if app_compose.get("public_logs", True):
-        problems.append("public_logs is not false: container logs would be served on the guest agent's public port")
+    for key, what in (("public_logs", "container logs"), ("public_sysinfo", "system information")):
+        if app_compose.get(key, True) is not False:
+            problems.append(f"{key} is not false: {what} would be served on the guest agent's public port{_json_line(raw, key)}")
     if app_compose.get("pre_launch_script"):
         problems.append("pre_launch_script is set: it runs as root before the containers; read it "
-                        "(Phala Cloud adds its own) and pin this compose-hash only if you accept it")
+                        "(Phala Cloud adds its own) and pin this compose-hash only if you accept it"
+                        + _json_line(raw, "pre_launch_script"))
     if int(app_compose.get("swap_size") or 0) > 0:
-        problems.append("swap_size > 0: keep it 0 (dstack best practice)")
-    svcs = services(app_compose["docker_compose_file"])
-    sockets = []
+        problems.append("swap_size > 0: keep it 0 (dstack best practice)" + _json_line(raw, "swap_size"))
+    p = parse_compose(app_compose["docker_compose_file"])
+    svcs = p.doc["services"]
+    sockets = [n for n, svc in svcs.items() if any(s is not None and host_path(s) in SOCKET_SOURCES for _, s, _ in _binds(svc))]
+    holder = SERVICE if SERVICE in svcs else (sockets[0] if len(sockets) == 1 else None)
+    problems += [f"docker_compose_file has a {d}: PyYAML keeps the last value, Docker Compose refuses the file"
+                 for d in p.duplicates]
+    for key in ("include",):
+        if p.doc.get(key):
+            problems.append(f"`{key}` pulls in compose files outside the measured text{p.at(key)}")
+    for section in ("secrets", "configs"):
+        for n, item in (p.doc.get(section) or {}).items():
+            if isinstance(item, dict) and item.get("file"):
+                problems.append(f"{section} {n}: `file: {item['file']}` binds a host file; only named volumes are allowed"
+                                f"{p.at(section, n)}")
+    for n, vol in (p.doc.get("volumes") or {}).items():
+        opts = (vol or {}).get("driver_opts") or {} if isinstance(vol, dict) else {}
+        if opts.get("device") or "bind" in str(opts.get("o", "")):
+            problems.append(f"volume {n}: driver_opts make it a bind of host path {opts.get('device')!r}{p.at('volumes', n)}")
     for name, svc in svcs.items():
-        ref = svc.get("image")
-        if svc.get("build") is not None:
-            problems.append(f"service {name}: `build:` is not reproducible in a CVM; use a pushed image by digest")
-        if not isinstance(ref, str) or image_digest(ref) is None:
-            problems.append(f"service {name}: image {ref!r} is not pinned by digest (name@sha256:<64 hex>)")
-        elif image_digest(ref) == PLACEHOLDER_DIGEST:
-            problems.append(f"service {name}: image digest is the placeholder; use the pushed image's digest")
+        problems += _service_problems(p, name, svc, holder)
         for var, value in env_entries(svc).items():
             if value is not None and SECRET_NAME.search(var) and not var.endswith("_SHA256"):
-                problems.append(f"service {name}: {var} has a value in clear; pass it through from dstack's encrypted env")
+                problems.append(f"service {name}: {var} has a value in clear; pass it through from dstack's encrypted env"
+                                f"{p.at('services', name, 'environment')}")
             if var.endswith("_SHA256") and value == "0" * 64:
-                problems.append(f"service {name}: {var} is the placeholder; set the real hash")
-        if any(isinstance(v, str) and v.split(":")[0] == DSTACK_SOCKET for v in svc.get("volumes") or []):
-            sockets.append(name)
+                problems.append(f"service {name}: {var} is the placeholder; set the real hash{p.at('services', name, 'environment')}")
     if len(sockets) > 1:
         problems.append(f"{DSTACK_SOCKET} is mounted into {sockets}: any container with the socket gets the app's keys")
-    if SERVICE in svcs and sockets != [SERVICE]:
+    if SERVICE in svcs and SERVICE not in sockets:
         problems.append(f"service {SERVICE} does not mount {DSTACK_SOCKET} (it needs the guest agent)")
     return problems

@@ -263,7 +263,11 @@ def test_compose_hash_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["compose-hash", str(tmp_path / "app-compose.json"), "--json"]) == 1, "public_logs: true fails the audit"
     out = json.loads(capsys.readouterr().out)
     assert (out["compose_hash"], out["app_id"]) == (tcb["compose_hash"], tcb["compose_hash"][:40])
-    assert out["problems"] == ["public_logs is not false: container logs would be served on the guest agent's public port"]
+    assert [p.split(" (")[0] for p in out["problems"]] == [
+        "public_logs is not false: container logs would be served on the guest agent's public port",
+        "public_sysinfo is not false: system information would be served on the guest agent's public port",
+        "service launcher can reach the guest agent", "service launcher: binds host path '/tapp'; only named volumes are allowed",
+        "service signer-key-export: binds host path '/var/lib/docker/volumes'; only named volumes are allowed"]
     assert main(["app-compose", "--image", TEST_IMAGE, "--compose", str(REPO / "docker-compose.yaml"), "--out-dir",
                  str(tmp_path / "d"), "--bundles-token-sha256", "ab" * 32]) == 0
     assert main(["compose-hash", str(tmp_path / "d" / "app-compose.json")]) == 0
