@@ -370,27 +370,14 @@ def _validate_config(args: argparse.Namespace) -> int:
 
 
 def _compose_hash(args: argparse.Namespace) -> int:
-    from attestation import compose as C
+    from app.deploy import describe_app_compose, describe_lines
 
     try:
         raw = args.app_compose.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read {args.app_compose}: {exc.strerror}", fix="pass the app-compose.json to hash") from exc
-    doc = C.load(raw)
-    digest = C.compose_hash(raw)
-    out = {"compose_hash": digest, "app_id": C.app_id(doc, digest, pinned_app_id=args.app_id),
-           "mr_config_id": C.mr_config_id_v1(digest), "kms_enabled": bool(doc.get("kms_enabled")),
-           "images": C.images(doc) if doc.get("runner") == "docker-compose" else {}, "problems": C.audit(doc, raw)}
-    if args.json:
-        print(json.dumps(out, indent=2))
-    else:
-        print(f"compose-hash  {digest}")
-        print(f"app-id        {out['app_id'] or 'assigned by the KMS deployment (pass --app-id): not derivable from the file'}")
-        print(f"mr_config_id  {out['mr_config_id']}")
-        for svc, ref in out["images"].items():
-            print(f"image         {svc}: {ref}")
-        for problem in out["problems"]:
-            print(f"PROBLEM       {problem}")
+    out = describe_app_compose(raw, pinned_app_id=args.app_id)
+    print(json.dumps(out, indent=2) if args.json else "\n".join(describe_lines(out)))
     return EXIT_REJECTED if out["problems"] else 0
 
 

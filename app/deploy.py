@@ -19,8 +19,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from attestation import compose as C
+from attestation import mrconfig
 
 from app.bundles import TOKEN_ENV
 from app.errors import ConfigError
@@ -78,6 +80,41 @@ def render_deployment(template: str, image: str, settings: C.AppComposeSettings,
                           fix="fix docker-compose.yaml (see README 'Deploy to dstack')")
     digest = C.compose_hash(raw)
     return Deployment(text, raw, digest, C.app_id(doc, digest))
+
+
+def app_id_text(app_id: str | None, app_compose: dict[str, Any]) -> str:
+    """The app-id line: the id, or why the file alone cannot give it."""
+    if app_id:
+        return app_id
+    return ("none yet: kms_enabled is true, so the deployment assigns it (Phala Cloud: the DstackApp contract address "
+            "`phala deploy` prints; vmm-cli.py deploy --app-id, default compose_hash[:20]); pass it with --app-id")
+
+
+def describe_app_compose(raw: bytes, *, pinned_app_id: str | None) -> dict[str, Any]:
+    """``cvm-tune compose-hash``: compose-hash, app-id, the MRCONFIGID dstack's VMM will set, images, audit findings.
+
+    Raises:
+        ComposeError: not an app-compose.json.
+    """
+    doc = C.load(raw)
+    digest = C.compose_hash(raw)
+    app_id = C.app_id(doc, digest, pinned_app_id=pinned_app_id)
+    version, value, why = mrconfig.expected(doc, digest, app_id if app_id else (digest[:40] if not doc.get("key_provider_id") else None))
+    return {"compose_hash": digest, "app_id": app_id, "app_id_note": app_id_text(app_id, doc),
+            "mr_config_id": value, "mr_config_id_version": version,
+            "mr_config_id_note": f"{version} ({why}) when the host's VMM has use_mrconfigid on (its default); "
+                                 "all zero when it is off, and then only the RTMR3 compose-hash event binds the app",
+            "kms_enabled": bool(doc.get("kms_enabled")),
+            "images": C.images(doc) if doc.get("runner") == "docker-compose" else {}, "problems": C.audit(doc, raw)}
+
+
+def describe_lines(out: dict[str, Any]) -> list[str]:
+    """The human form of :func:`describe_app_compose`."""
+    lines = [f"compose-hash  {out['compose_hash']}", f"app-id        {out['app_id_note']}",
+             f"mr_config_id  {out['mr_config_id'] or 'cannot be computed without the app id'}",
+             f"              {out['mr_config_id_note']}"]
+    lines += [f"image         {svc}: {ref}" for svc, ref in out["images"].items()]
+    return lines + [f"PROBLEM       {p}" for p in out["problems"]]
 
 
 def read_env_file(path: Path) -> dict[str, str]:

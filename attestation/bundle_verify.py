@@ -37,6 +37,7 @@ from attestation.dcap import Collateral, parse_collateral
 from attestation.errors import AttestationError, BundleError
 from attestation.eventlog import Event, parse_event_log
 from attestation.gpu import check as gpu_check
+from attestation.mrconfig import check as mr_config_check
 from attestation.hashing import files_digest, sha256_file, sha256_hex, tree_files
 from attestation.policy import Policy
 from attestation.verify import QuoteFindings, Verdict, verify_quote
@@ -176,8 +177,11 @@ def _compose_and_app_id(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
         problems.append("app-compose.json does not hash to the manifest's compose_hash")
     if measured != m.tee.compose_hash:
         problems.append(f"event-log compose-hash {measured or '(absent)'} differs from the manifest")
-    if config_id[:1] == b"\x01" and config_id[1:33].hex() != m.tee.compose_hash:
-        problems.append("MRCONFIGID does not carry the manifest's compose_hash")
+    if td is not None and f.boot is not None:  # all zero is not a failure here: policy.mr_config_id says it is unbound
+        status, detail = mr_config_check(config_id, compose_hash=m.tee.compose_hash, app_id=f.boot.hex("app-id"),
+                                         key_provider=f.boot.values.get("key-provider"))
+        if status == "fail":
+            problems.append(f"MRCONFIGID: {detail}")
     f.add("compose.hash", "fail" if problems else "pass", "; ".join(problems) or f"compose-hash {m.tee.compose_hash[:16]}… consistent")
     app_id = f.boot.hex("app-id") if f.boot else None
     ok = app_id == m.tee.app_id

@@ -53,7 +53,7 @@ def compose_hash(raw: bytes) -> str:
 
 
 def mr_config_id_v1(compose_hash_hex: str) -> str:
-    """MRCONFIGID as the VMM sets it (v1), hex."""
+    """MRCONFIGID V1, hex (all versions: ``attestation.mrconfig``)."""
     return "01" + compose_hash_hex + "00" * 15
 
 

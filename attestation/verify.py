@@ -26,6 +26,8 @@ Steps (quote level):
 14. ``event_log.names``    RTMR3 names in the policy's boot / app allow-lists, none with ':'
 15. ``policy.measurements`` MRTD/RTMR0-2 in the policy's allow-lists (skip when none listed)
 16. ``policy.compose_hash`` / ``policy.app_id`` from the event log in the policy's lists (skip when none)
+17. ``policy.mr_config_id`` when the policy pins compose-hashes: the quote's MRCONFIGID recomputed (V1/V2) from the
+                           event log's compose-hash, app-id and key-provider; all zero = not bound, said as a skip
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 from attestation.dcap import Collateral, DcapResult, collateral_chain_problems, dcap_verify, quote_chain_problems
 from attestation.errors import QuoteParseError
 from attestation.eventlog import Event, boot_info, name_problems, replay
+from attestation.mrconfig import check as mr_config_check
 from attestation.policy import Policy
 from attestation.quote import Quote, TdReport
 from attestation.roots import INTEL_SGX_ROOT_CA_DER
@@ -210,3 +213,8 @@ def _policy_steps(f: QuoteFindings, td: TdReport, policy: Policy) -> None:
         got = f.boot.hex(event) if f.boot else None
         ok = got is not None and got in allowed
         f.add(name, "pass" if ok else "fail", f"{event} {got or '(absent)'} {'is' if ok else 'is not'} allowed")
+    if policy.compose_hashes:
+        boot = f.boot
+        f.add("policy.mr_config_id", *mr_config_check(
+            td.mr_config_id, compose_hash=boot.hex("compose-hash") if boot else None,
+            app_id=boot.hex("app-id") if boot else None, key_provider=boot.values.get("key-provider") if boot else None))
