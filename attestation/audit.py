@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from attestation.hashing import canonical_json, sha256_hex
@@ -41,7 +42,7 @@ class AuditEntry:
     prev: str
     line: bytes  # exact canonical bytes
 
-    @property
+    @cached_property
     def hash(self) -> str:
         """sha256 of the line: what the next entry's ``prev`` must be."""
         return sha256_hex(self.line)

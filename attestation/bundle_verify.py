@@ -66,11 +66,12 @@ def verify_bundle(
     if not (root / B.MANIFEST).is_file():
         raise BundleError(f"{root} has no {B.MANIFEST}: not a cvm-tune export bundle")
     f = QuoteFindings()
-    manifest_bytes = _read(root / B.MANIFEST)
+    files = _Files(root)
+    manifest_bytes = files.read(B.MANIFEST)
     manifest = _files_and_manifest(f, root, manifest_bytes)
-    raw = _quote_bytes(f, root)
-    coll = collateral if collateral is not None else _bundle_collateral(f, root)
-    events = _events(f, root)
+    raw = _quote_bytes(f, files)
+    coll = collateral if collateral is not None else _bundle_collateral(f, files)
+    events = _events(f, files)
     if raw is not None:
         verify_quote(raw, policy=policy, now=now, collateral=coll, events=events,
                      expected_report_data=B.manifest_report_data(manifest_bytes), findings=f)
@@ -78,29 +79,65 @@ def verify_bundle(
         f.bundle = {"run_id": manifest.run_id, "created_at": manifest.created_at, "audit_head": manifest.audit.head,
                     "audit_last_seq": manifest.audit.first_seq + manifest.audit.entries - 1}
         _file_hashes(f, root, manifest)
-        _compose_and_app_id(f, root, manifest)
-        _build(f, root, manifest)
-        _audit(f, root, manifest, policy)
-        _gpu(f, root, manifest)
+        _compose_and_app_id(f, files, manifest)
+        _build(f, files, manifest)
+        entries = _audit(f, files, manifest, policy)
+        _gpu(f, files, manifest, entries)
         _inputs(f, manifest, base_model_dir, dataset_file)
     return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
 
 
-def _read(path: Path) -> bytes:
+def _read(path: Path | str) -> bytes:
     with open(path, "rb") as fh:
         return fh.read(MAX_FILE)
 
 
+class _Files:
+    """Each bundle file read at most once per verification (its bytes, or the OSError again)."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = str(root)
+        self._got: dict[str, bytes | OSError] = {}
+
+    def read(self, rel: str) -> bytes:
+        got = self._got.get(rel)
+        if got is None:
+            try:
+                got = _read(os.path.join(self._root, rel))
+            except OSError as exc:
+                got = exc
+            self._got[rel] = got
+        if isinstance(got, OSError):
+            raise got
+        return got
+
+    def exists(self, rel: str) -> bool:
+        return os.path.exists(os.path.join(self._root, rel))
+
+
+def _walk(top: str, prefix: str, present: set[str], odd: list[str]) -> None:
+    """Regular files (``present``) and anything else but directories (``odd``) under ``top``,
+    as posix paths relative to the bundle; symlinks are never followed."""
+    try:
+        with os.scandir(top) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError:
+        return  # an unreadable directory: its files are reported missing (as os.walk skips it)
+    for entry in entries:
+        rel = prefix + entry.name
+        mode = entry.stat(follow_symlinks=False).st_mode
+        if stat.S_ISDIR(mode):
+            _walk(entry.path, rel + "/", present, odd)
+        elif stat.S_ISREG(mode):
+            present.add(rel)
+        else:
+            odd.append(rel)
+
+
 def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> B.Manifest | None:
-    present, odd = set(), []
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            full = Path(dirpath) / name
-            mode = os.lstat(full).st_mode
-            if stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
-                odd.append(full.relative_to(root).as_posix())
-            elif stat.S_ISREG(mode):
-                present.add(full.relative_to(root).as_posix())
+    present: set[str] = set()
+    odd: list[str] = []
+    _walk(str(root), "", present, odd)
     manifest = None
     try:
         manifest = B.Manifest.model_validate(json.loads(manifest_bytes))
@@ -119,34 +156,33 @@ def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> 
     return manifest
 
 
-def _quote_bytes(f: QuoteFindings, root: Path) -> bytes | None:
+def _quote_bytes(f: QuoteFindings, files: _Files) -> bytes | None:
     try:
-        raw = _read(root / B.QUOTE_BIN)
+        raw = files.read(B.QUOTE_BIN)
     except OSError:
         f.add("quote.parse", "fail", f"{B.QUOTE_BIN} missing or unreadable")
         return None
     try:
-        hex_ok = _read(root / B.QUOTE_HEX).strip().decode("ascii").lower() == raw.hex()
+        hex_ok = files.read(B.QUOTE_HEX).strip().decode("ascii").lower() == raw.hex()
     except (OSError, UnicodeDecodeError):
         hex_ok = False
     f.add("quote.hex", "pass" if hex_ok else "fail", "quote.hex = hex(quote.bin)" if hex_ok else "quote.hex differs from quote.bin")
     return raw
 
 
-def _bundle_collateral(f: QuoteFindings, root: Path) -> Collateral | None:
-    path = root / B.COLLATERAL
-    if not path.exists():
+def _bundle_collateral(f: QuoteFindings, files: _Files) -> Collateral | None:
+    if not files.exists(B.COLLATERAL):
         return None
     try:
-        return parse_collateral(_read(path))
+        return parse_collateral(files.read(B.COLLATERAL))
     except AttestationError as exc:
         f.add("collateral.parse", "fail", exc.message)
         return None
 
 
-def _events(f: QuoteFindings, root: Path) -> tuple[Event, ...] | None:
+def _events(f: QuoteFindings, files: _Files) -> tuple[Event, ...] | None:
     try:
-        return parse_event_log(_read(root / B.EVENT_LOG))
+        return parse_event_log(files.read(B.EVENT_LOG))
     except (OSError, AttestationError) as exc:
         f.add("event_log.parse", "fail", getattr(exc, "message", f"{B.EVENT_LOG} missing or unreadable"))
         return None
@@ -163,9 +199,9 @@ def _file_hashes(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
     f.add("manifest.files", "fail" if bad else "pass", "; ".join(bad) or f"{len(m.files)} file hashes match")
 
 
-def _compose_and_app_id(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
+def _compose_and_app_id(f: QuoteFindings, files: _Files, m: B.Manifest) -> None:
     try:
-        actual = sha256_hex(_read(root / B.APP_COMPOSE))
+        actual = sha256_hex(files.read(B.APP_COMPOSE))
     except OSError:
         actual = None
     measured = f.boot.hex("compose-hash") if f.boot else None
@@ -184,9 +220,9 @@ def _compose_and_app_id(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
     f.add("tee.app_id", "pass" if ok else "fail", f"app-id {app_id or '(absent)'}" + ("" if ok else f" != manifest {m.tee.app_id}"))
 
 
-def _build(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
+def _build(f: QuoteFindings, files: _Files, m: B.Manifest) -> None:
     try:
-        image = C.images(C.load(_read(root / B.APP_COMPOSE))).get(C.SERVICE)
+        image = C.images(C.load(files.read(B.APP_COMPOSE))).get(C.SERVICE)
     except (OSError, AttestationError):
         image = None  # compose.hash already reports an unreadable app-compose.json
     b = m.build
@@ -207,12 +243,13 @@ def _build(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
         f.add("build.lock", "pass", f"{b.lock_file} sha256 {b.lock_sha256}; every pin installed")
 
 
-def _audit(f: QuoteFindings, root: Path, m: B.Manifest, policy: Policy) -> None:
+def _audit(f: QuoteFindings, files: _Files, m: B.Manifest, policy: Policy) -> list[AuditEntry]:
+    """The audit checks; returns the parsed entries ([] when unreadable) for the GPU check."""
     try:
-        entries = parse_lines(_read(root / B.AUDIT))
+        entries = parse_lines(files.read(B.AUDIT))
     except (OSError, AuditFormatError) as exc:
         f.add("audit.chain", "fail", f"audit.jsonl unreadable: {exc}")
-        return
+        return []
     problems = chain_problems(entries)
     if not entries:
         problems.append("audit.jsonl is empty")
@@ -229,6 +266,7 @@ def _audit(f: QuoteFindings, root: Path, m: B.Manifest, policy: Policy) -> None:
         problems += _entry_contents(entries, m)
     f.add("audit.chain", "fail" if problems else "pass", "; ".join(problems) or f"{len(entries)} entries, head {m.audit.head[:16]}…")
     _audit_rtmr3(f, entries, m, policy)
+    return entries
 
 
 def _entry_contents(entries: list[AuditEntry], m: B.Manifest) -> list[str]:
@@ -261,9 +299,10 @@ def _audit_rtmr3(f: QuoteFindings, entries: list[AuditEntry], m: B.Manifest, pol
         f.add("audit.rtmr3", "fail", "no usable event log to match the audit entries against")
         return
     measured: list[AuditEntry] = []
+    parsed = {e.line: e for e in entries}  # a payload equal to an audit line parses to the same entry
     for ev in f.boot.app_events:
         try:
-            entry = parse_entry(ev.payload)
+            entry = parsed.get(ev.payload) or parse_entry(ev.payload)
         except AuditFormatError:
             entry = None
         if entry is None or ev.event != entry.event_name:
@@ -282,18 +321,14 @@ def _audit_rtmr3(f: QuoteFindings, entries: list[AuditEntry], m: B.Manifest, pol
           "; ".join(problems) or f"{len(lines) - (start or 0)} audit entries measured into RTMR3 and replayed")
 
 
-def _gpu(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
+def _gpu(f: QuoteFindings, files: _Files, m: B.Manifest, entries: list[AuditEntry]) -> None:
     if m.gpu is None:
         f.add("gpu.evidence", "skip", "the manifest records no GPU evidence (bundle from before cvm-tune collected it)")
         return
     try:
-        data: bytes | None = _read(root / B.GPU_EVIDENCE)
+        data: bytes | None = files.read(B.GPU_EVIDENCE)
     except OSError:
         data = None
-    try:
-        entries = parse_lines(_read(root / B.AUDIT))
-    except (OSError, AuditFormatError):
-        entries = []
     status, detail = gpu_check(data, m.gpu, entries)
     f.add("gpu.evidence", status, detail)
 

@@ -31,11 +31,12 @@ from pathlib import Path
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from attestation.hashing import hash_stream
+
 TRAILER_MAGIC = b"CVMTDSIG"
 STATEMENT_LEN = 8 + 32 + 8 + 32 + 32
 TRAILER_LEN = STATEMENT_LEN + 64
 SIGNATURE_DOMAIN = b"cvm-tune/dataset-signature/v2\x00"
-_READ = 1 << 20
 
 
 class TrailerError(ValueError):
@@ -148,10 +149,8 @@ def read_signed_file(path: Path) -> SignedFile:
         fh.seek(size - TRAILER_LEN)
         signature = parse_trailer(fh.read(TRAILER_LEN))
         fh.seek(0)
-        body, whole, left = hashlib.sha256(), None, size - TRAILER_LEN
-        while left and (block := fh.read(min(_READ, left))):
-            body.update(block)
-            left -= len(block)
+        body = hashlib.sha256()
+        hash_stream(fh, body, size - TRAILER_LEN)
         whole = body.copy()
         whole.update(signature.trailer)
     if body.hexdigest() != signature.body_sha256:
