@@ -88,12 +88,12 @@ def child(path: Path, pub_hex: str, limit: int, repeat: int) -> dict:
         threaded.append(mbs)
         digests.add(digest)
     default = fmt.THREADED_HASH_MIN_CHUNK
-    fmt.THREADED_HASH_MIN_CHUNK = 1 << 40  # hash on the calling thread
+    fmt.reader.THREADED_HASH_MIN_CHUNK = 1 << 40  # hash on the calling thread
     for _ in range(repeat):
         mbs, digest = stream_once()
         single.append(mbs)
         digests.add(digest)
-    fmt.THREADED_HASH_MIN_CHUNK = default
+    fmt.reader.THREADED_HASH_MIN_CHUNK = default
     assert len(digests) == 1
     peak = _hwm_mib()  # before the raw loops below allocate their in-memory chunks
 

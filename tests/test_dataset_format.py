@@ -151,7 +151,7 @@ def test_docstring_test_vector_decodes_independently() -> None:
 
 
 def test_vector_is_stable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fmt, "_fresh_salt", lambda: b"\x11" * 32)
+    monkeypatch.setattr(fmt.writer, "_fresh_salt", lambda: b"\x11" * 32)
     data = enc(b'{"text":"hello"}\n', dataset_id="kat", dataset_version=1)
     assert hashlib.sha256(data).hexdigest() in fmt.__doc__
 
@@ -296,7 +296,7 @@ class _SpyAESGCM:
 
 def test_wrong_key_fails_before_any_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     data = enc(plaintext(3 * CS), key=OTHER_KEY)  # another tenant's valid file
-    monkeypatch.setattr(fmt, "AESGCM", _SpyAESGCM)
+    monkeypatch.setattr(fmt.reader, "AESGCM", _SpyAESGCM)
     _SpyAESGCM.calls = 0
     with pytest.raises(WrongKeyError):
         open_encrypted(io.BytesIO(data), KEY)
@@ -620,7 +620,7 @@ def test_encrypt_file_failure_leaves_nothing(tmp_path: Path, monkeypatch: pytest
     dst = tmp_path / "rows.cvmds"
     if existing:
         dst.write_bytes(b"previous good file")
-    monkeypatch.setattr(fmt, "open", lambda p, mode: _FailingFile(Path(p).read_bytes(), 2 * CS, exc), raising=False)
+    monkeypatch.setattr(fmt.writer, "open", lambda p, mode: _FailingFile(Path(p).read_bytes(), 2 * CS, exc), raising=False)
     with pytest.raises(cls) as err:
         encrypt_file(src, dst, KEY, dataset_id="rows", chunk_size=CS)
     assert type(err.value) is cls

@@ -101,7 +101,7 @@ def test_v2_docstring_vector_decodes_independently() -> None:
 
 
 def test_v2_vector_is_reproduced(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fmt, "_fresh_salt", lambda: b"\x11" * 32)
+    monkeypatch.setattr(fmt.writer, "_fresh_salt", lambda: b"\x11" * 32)
     data = enc2(b'{"text":"hello"}\n', dataset_id="kat", dataset_version=1)
     assert hashlib.sha256(data).hexdigest() in fmt.__doc__
 

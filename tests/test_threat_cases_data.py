@@ -251,7 +251,7 @@ def test_case_10_content_replaced_under_the_same_header_and_signature(case: Case
     """Whoever holds the key re-encrypts other rows with the same salt and keeps the owner's trailer."""
     from app.dataset import format as fmt
 
-    monkeypatch.setattr(fmt, "_fresh_salt", lambda: b"\x33" * 32)
+    monkeypatch.setattr(fmt.writer, "_fresh_salt", lambda: b"\x33" * 32)
     genuine = case.write()
     forged = case.write(jsonl([chat_row(i + 100) for i in range(40)]), signer=owner_key(b"\x09" * 32))
     case.ds.write_bytes(forged[:-TRAILER_LEN] + genuine[-TRAILER_LEN:])
