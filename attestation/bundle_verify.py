@@ -99,6 +99,10 @@ class _Files:
         self._root = str(root)
         self._got: dict[str, bytes | OSError] = {}
 
+    @classmethod
+    def of(cls, root: Path | _Files) -> _Files:
+        return root if isinstance(root, _Files) else cls(root)
+
     def read(self, rel: str) -> bytes:
         got = self._got.get(rel)
         if got is None:
@@ -220,9 +224,9 @@ def _compose_and_app_id(f: QuoteFindings, files: _Files, m: B.Manifest) -> None:
     f.add("tee.app_id", "pass" if ok else "fail", f"app-id {app_id or '(absent)'}" + ("" if ok else f" != manifest {m.tee.app_id}"))
 
 
-def _build(f: QuoteFindings, files: _Files, m: B.Manifest) -> None:
+def _build(f: QuoteFindings, root: Path | _Files, m: B.Manifest) -> None:
     try:
-        image = C.images(C.load(files.read(B.APP_COMPOSE))).get(C.SERVICE)
+        image = C.images(C.load(_Files.of(root).read(B.APP_COMPOSE))).get(C.SERVICE)
     except (OSError, AttestationError):
         image = None  # compose.hash already reports an unreadable app-compose.json
     b = m.build
@@ -321,14 +325,21 @@ def _audit_rtmr3(f: QuoteFindings, entries: list[AuditEntry], m: B.Manifest, pol
           "; ".join(problems) or f"{len(lines) - (start or 0)} audit entries measured into RTMR3 and replayed")
 
 
-def _gpu(f: QuoteFindings, files: _Files, m: B.Manifest, entries: list[AuditEntry]) -> None:
+def _gpu(f: QuoteFindings, root: Path | _Files, m: B.Manifest, entries: list[AuditEntry] | None = None) -> None:
+    """``entries``: audit.jsonl as :func:`_audit` parsed it (read here when not given)."""
     if m.gpu is None:
         f.add("gpu.evidence", "skip", "the manifest records no GPU evidence (bundle from before cvm-tune collected it)")
         return
+    files = _Files.of(root)
     try:
         data: bytes | None = files.read(B.GPU_EVIDENCE)
     except OSError:
         data = None
+    if entries is None:
+        try:
+            entries = parse_lines(files.read(B.AUDIT))
+        except (OSError, AuditFormatError):
+            entries = []
     status, detail = gpu_check(data, m.gpu, entries)
     f.add("gpu.evidence", status, detail)
 
