@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import queue
+import threading
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO
@@ -44,38 +47,115 @@ from attestation.dataset_sig import TRAILER_LEN, OwnerSignature
 
 
 class _Hasher:
-    """SHA-256 whose updates may run on one worker thread, in order, one at a time.
+    """SHA-256 whose updates run in order on one worker thread, up to ``depth`` of them queued.
 
-    hashlib releases the GIL on large buffers, so the ciphertext hash, the plaintext hash and
-    AES-GCM (which holds the GIL) proceed in parallel on separate cores. The caller must not
-    modify a buffer until :meth:`wait` returned after its update.
+    hashlib releases the GIL on large buffers, so the plaintext hash proceeds on another core while
+    the caller decrypts the next chunk. Updates must be immutable ``bytes`` (they are queued, not copied).
     """
 
-    def __init__(self, prefix: bytes, threaded: bool) -> None:
-        self._h = hashlib.sha256(prefix)
+    def __init__(self, threaded: bool, depth: int = 2) -> None:
+        self._h = hashlib.sha256()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="cvm-tune-hash") if threaded else None
-        self._pending: Future[None] | None = None
+        self._pending: deque[Future[None]] = deque()
+        self._depth = depth
 
-    def update(self, data: bytes | memoryview) -> None:
-        self.wait()
+    def update(self, data: bytes) -> None:
         if self._pool is None:
             self._h.update(data)
-        else:
-            self._pending = self._pool.submit(self._h.update, data)
-
-    def wait(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+            return
+        while len(self._pending) >= self._depth:
+            self._pending.popleft().result()
+        self._pending.append(self._pool.submit(self._h.update, data))
 
     def hexdigest(self) -> str:
-        self.wait()
+        while self._pending:
+            self._pending.popleft().result()
         return self._h.hexdigest()
 
     def close(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=True)  # finishes a pending update: no thread outlives the stream
+            self._pool.shutdown(wait=True)  # finishes pending updates: no thread outlives the stream
             self._pool = None
+
+
+class _Blocks:
+    """Stage one of decryption: the ciphertext read in blocks of ``size`` bytes and hashed in order.
+
+    Iterating yields ``(block, final)``: ``final`` means end-of-file follows the block (the last
+    block may be short, or empty when nothing follows the header). Threaded, a reader thread fills
+    a ring of buffers and hashes each block (file read and SHA-256 both release the GIL) while the
+    caller decrypts earlier ones (stage two); a yielded block stays valid until the next one is
+    requested. ``hash`` covers every block yielded so far, and is complete once a final block was.
+    """
+
+    RING = 4  # buffers: one being decrypted, one queued, one being read, one spare
+
+    def __init__(self, src: BinaryIO, size: int, prefix: bytes, threaded: bool) -> None:
+        self.hash = hashlib.sha256(prefix)
+        self._src = src
+        self._size = size
+        self._threaded = threaded
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __iter__(self) -> Iterator[tuple[memoryview, bool]]:
+        if not self._threaded:
+            return self._inline()
+        return self._from_thread()
+
+    def _inline(self) -> Iterator[tuple[memoryview, bool]]:
+        cur, nxt = memoryview(bytearray(self._size)), memoryview(bytearray(self._size))
+        n = _fill(self._src, cur)
+        while True:
+            m = _fill(self._src, nxt) if n == self._size else 0  # look ahead: is this block the last one?
+            self.hash.update(cur[:n])
+            yield cur[:n], m == 0
+            if m == 0:
+                return
+            cur, nxt, n = nxt, cur, m
+
+    def _from_thread(self) -> Iterator[tuple[memoryview, bool]]:
+        free: queue.Queue[memoryview | None] = queue.Queue()
+        for _ in range(self.RING):
+            free.put(memoryview(bytearray(self._size)))
+        ready: queue.Queue[tuple[memoryview, int, bool] | BaseException] = queue.Queue()
+        self._thread = threading.Thread(target=self._read_ahead, args=(free, ready), name="cvm-tune-read", daemon=True)
+        self._thread.start()
+        try:
+            held = None
+            while True:
+                item = ready.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if held is not None:
+                    free.put(held)  # the caller is done with the previous block
+                held, n, final = item
+                yield held[:n], final
+                if final:
+                    return
+        finally:
+            self._stop.set()
+            free.put(None)  # wakes a reader waiting for a buffer
+            self._thread.join()
+
+    def _read_ahead(self, free: queue.Queue, ready: queue.Queue) -> None:
+        try:
+            cur = free.get()
+            n = _fill(self._src, cur)
+            while not self._stop.is_set():
+                nxt = free.get() if n == self._size else None
+                if n == self._size and nxt is None:
+                    return  # stopped while waiting for a buffer
+                m = _fill(self._src, nxt) if nxt is not None else 0
+                self.hash.update(cur[:n])
+                ready.put((cur, n, m == 0))
+                if m == 0:
+                    if nxt is not None:
+                        free.put(nxt)
+                    return
+                cur, n = nxt, m
+        except BaseException as exc:  # handed to the caller, raised where it iterates
+            ready.put(exc)
 
 
 class DecryptedStream:
@@ -98,9 +178,9 @@ class DecryptedStream:
         self._aead = AESGCM(payload_key)
         self._aad = aad
         threaded = header.chunk_size >= THREADED_HASH_MIN_CHUNK
-        self._ct_hash = _Hasher(prefix, threaded)
+        self._blocks = _Blocks(src, header.chunk_size + TAG_LEN, prefix, threaded)
         self._ct_size = len(prefix)
-        self._pt_hash = _Hasher(b"", threaded)
+        self._pt_hash = _Hasher(threaded)
         self._pt_size = 0
         self._chunks = 0
         self._started = False
@@ -134,7 +214,7 @@ class DecryptedStream:
     @property
     def ciphertext_sha256(self) -> str:
         self._totals()
-        return self._ct_hash.hexdigest()
+        return self._blocks.hash.hexdigest()
 
     @property
     def chunks(self) -> int:
@@ -145,48 +225,38 @@ class DecryptedStream:
         try:
             yield from self._chunks_of()
         finally:
-            self._ct_hash.close()
             self._pt_hash.close()
 
     def _chunks_of(self) -> Iterator[bytes]:
-        size = self.header.chunk_size + TAG_LEN
-        buf = bytearray(size)  # reused: memory stays at one ciphertext block plus two plaintext chunks
-        view = memoryview(buf)
-        n = _fill(self._src, view)
-        if n == 0:
-            raise TruncatedDatasetError("the stream ended without a final chunk (no chunks after the header)")
-        index = 0
-        while True:
-            peek = self._src.read(1) if n == size else b""  # look ahead: is this block the last one?
-            block = view[:n]
-            self._ct_hash.update(block)  # on the worker thread, while this thread decrypts
-            offset = self._ct_size
-            self._ct_size += n
-            plain = self._open_inner(block, index, offset) if peek else self._open_last(block, index, offset)
-            self._pt_hash.update(plain)
-            self._pt_size += len(plain)
-            self._chunks += 1
-            if not peek:
-                self._check_signed_statement()
-            self._ct_hash.wait()  # ``buf`` is refilled below
-            self.complete = not peek  # the final chunk verified and end-of-file follows it
-            yield plain
-            if self.complete:
-                return
-            index += 1
-            buf[0] = peek[0]
-            n = 1 + _fill(self._src, view[1:])
+        """Stage two: each block (read and hashed by :class:`_Blocks`) decrypted and its plaintext hashed."""
+        blocks = iter(self._blocks)
+        try:
+            for index, (block, final) in enumerate(blocks):
+                if not block:
+                    raise TruncatedDatasetError("the stream ended without a final chunk (no chunks after the header)")
+                offset = self._ct_size
+                self._ct_size += len(block)
+                plain = self._open_last(block, index, offset) if final else self._open_inner(block, index, offset)
+                self._pt_hash.update(plain)
+                self._pt_size += len(plain)
+                self._chunks += 1
+                if final:
+                    self._check_signed_statement()
+                self.complete = final  # the final chunk verified and end-of-file follows it
+                yield plain
+        finally:
+            blocks.close()  # type: ignore[attr-defined]  # a generator: stops and joins the reader thread
 
     def _check_signed_statement(self) -> None:
         """Version 2: the body and plaintext must be exactly what the owner signed; then hash the trailer."""
         sig = self.signature
         if sig is None:
             return
-        if (self._ct_hash.hexdigest() != sig.body_sha256 or self._pt_size != sig.plaintext_size
+        if (self._blocks.hash.hexdigest() != sig.body_sha256 or self._pt_size != sig.plaintext_size
                 or self._pt_hash.hexdigest() != sig.plaintext_sha256):
             raise DatasetSignatureError("the dataset content differs from what the owner signed "
                                         "(body or plaintext hash mismatch): it was re-encrypted or replaced")
-        self._ct_hash.update(sig.trailer)
+        self._blocks.hash.update(sig.trailer)
         self._ct_size += TRAILER_LEN
 
     def _try(self, block: memoryview, index: int, final: bool) -> bytes | None:
