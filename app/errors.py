@@ -174,3 +174,10 @@ class StateError(CvmTuneError):
 
 class ExportError(StateError):
     """The export bundle could not be written; no partial bundle is left behind."""
+
+
+class PrivacyBudgetError(ConfigError):
+    """training.privacy: the run would spend more than the dataset version's lifetime epsilon allows."""
+
+    default_fix = ("lower training.privacy.target_epsilon, raise training.privacy.lifetime_epsilon deliberately, or "
+                   "train on a new dataset version (the budget is kept per dataset version)")

@@ -84,6 +84,7 @@ class TrainRequest:
             one skipped on resume (audit entries; no data).
         on_batch_change: Called with each micro-batch change (OOM back-off, auto batch size):
             ``{"phase", "reason", "at_step", "from", "to"}`` (``app.training.batch``).
+        privacy: The DP-SGD plan (``app.training.privacy.plan``); ``None`` trains without DP.
     """
 
     base_model_dir: Path
@@ -101,6 +102,7 @@ class TrainRequest:
     on_step_end: Callable[[int], str | None] | None = None
     on_event: Callable[[str, dict[str, Any]], None] | None = None
     on_batch_change: Callable[[dict[str, Any]], None] | None = None
+    privacy: Any = None  # app.training.privacy.PrivacyPlan: DP-SGD (None: off)
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,7 @@ class TrainResult:
         batch: Configured and final micro-batch / accumulation, processes, effective batch and
             every adjustment (``app.training.batch.summary``).
         eval_losses: ``(step, eval loss)`` when ``training.eval_fraction`` > 0.
+        privacy: DP-SGD only: the manifest's ``privacy`` block (``app.training.privacy.outcome``).
     """
 
     adapter_dir: Path
@@ -140,6 +143,7 @@ class TrainResult:
     peak_gpu_memory_bytes: int | None = None
     batch: dict[str, Any] = field(default_factory=dict)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    privacy: dict[str, Any] | None = None
 
 
 class TrainingInterrupted(TrainingError):
