@@ -267,7 +267,9 @@ class TrainingSettings(_Closed):
                   "training.gpu.devices > 1 (one process only)": g.devices > 1,
                   f"training.gpu.batching '{g.batching}' (padded only)": g.batching != "padded",
                   f"training.gpu.gradient_checkpointing '{g.gradient_checkpointing}' (auto or off)":
-                  g.gradient_checkpointing in ("on", "unsloth")}
+                  g.gradient_checkpointing in ("on", "unsloth"),
+                  "training.eval_fraction > 0 (held-out rows would be evaluated and reported without DP)":
+                  self.eval_fraction > 0}
             bad = [name for name, hit in dp.items() if hit]
             if bad:
                 raise ValueError(f"training.privacy.mode dp-sgd does not support {'; '.join(bad)}")

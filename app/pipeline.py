@@ -42,6 +42,7 @@ from app.dataset.keys import EnvKeySource
 from app.dataset.versions import check_version, record_version
 from app.errors import BaseModelError, ConfigError, CvmTuneError, ExportError, StateError, TeeError
 from app.fsutil import atomic_write_bytes, remove_stale_temps, staged_dir
+from app.privacy_budget import record_spent
 from app.tee import GuestAgent, Identity, open_guest_agent
 
 Progress = Callable[[str], None]
@@ -105,6 +106,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
     from app.training import TrainingStopped, TrainRequest, build_tiny_model, train  # heavy stack, imported lazily
     from app.training.backend import prepare_backend
     from app.training.checkpoints import CHECKPOINT_GETKEY_PATH
+    from app.training.privacy import plan as privacy_plan
     from app.training.tokens import apply_token_policy
 
     hooks = hooks or RunHooks()
@@ -194,6 +196,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         inputs = {"config": sha256_hex(cfg.training_json()), "dataset": dataset["plaintext_sha256"], "base_model": base_tree}
         fingerprint = sha256_hex(json.dumps(inputs, sort_keys=True).encode())
         run_id, resuming = _pick_run(out, fingerprint, run_id)
+        dp = privacy_plan(cfg.training, rows=len(rows), ledger=out / "state", dataset=dataset, run_id=run_id)  # DP-SGD: exit 2 if it cannot fit
         run_dir = out / "runs" / run_id
         started_at = json.loads((run_dir / "state.json").read_text())["started_at"] if resuming else utc_now()
         record_version(out / "state", dataset["dataset_id"], dataset["dataset_version"], dataset["plaintext_sha256"])
@@ -244,12 +247,15 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
                 scratch_dir=_scratch_dir(cfg, out), keep_checkpoints=cfg.output.keep_checkpoints,
                 on_step_end=step_end, on_event=lambda t, d: recorder.record(run_id, t, d),
                 on_log=lambda m: progress(f"  step {m['step']}/{ts.max_steps}  loss {m['loss']:.4f}"),
-                on_batch_change=batch_changed))
+                on_batch_change=batch_changed, privacy=dp))
         if result.resumed_from_step:
             progress(f"training resumed from checkpoint step {result.resumed_from_step}")
         adapter_hashes = {f"adapter/{p.name}": sha256_file(p) for p in sorted(result.adapter_dir.iterdir())}
         with timer.phase("audit"):
             recorder.record(run_id, "train.done", {"global_step": result.global_step, "adapter_sha256": adapter_hashes})
+            if result.privacy is not None:  # DP-SGD: (ε, δ) spent, audited and added to the dataset version's lifetime total
+                recorder.record(run_id, "privacy.spent", result.privacy)
+                record_spent(out / "state", dataset, run_id, result.privacy)
 
         # 8. Export: stage every file, commit to them in the audit chain, bind the manifest into a quote.
         final = out / "exports" / run_id
@@ -304,6 +310,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
                           **{rel: sha256_file(p) for rel, p in report_files.items()}},
                 "gpu": gpu.info.model_dump(mode="json"),
                 "build": build,
+                **({"privacy": result.privacy} if result.privacy is not None else {}),
             })
             (stage / B.MANIFEST).write_bytes(manifest)
             with timer.phase("quote"):

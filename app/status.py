@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from app.config import Config
+from app.privacy_budget import summary as privacy_summary
 from app.scheduler import DailySchedule
 from app.state import RunDB, iso, read_heartbeat
 
@@ -20,11 +21,12 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
     now = now or datetime.now(timezone.utc)
     rows = RunDB(out).recent(limit)
     beat = read_heartbeat(out)
+    budget = privacy_summary(out / "state")
     nxt = DailySchedule(cfg.schedule.time, cfg.schedule.timezone).next(now)
     if as_json:
         return json.dumps({"schema": STATUS_SCHEMA, "output": str(out), "heartbeat": beat,
                            "next_slot": {"run_id": nxt.run_id, "at": iso(nxt.at)},
-                           "runs": [r.__dict__ for r in rows]}, indent=2, sort_keys=True)
+                           "runs": [r.__dict__ for r in rows], "privacy_budget": budget}, indent=2, sort_keys=True)
     lines = [f"cvm-tune service on {out}  (schedule {cfg.schedule.time} {cfg.schedule.timezone})"]
     if beat is None:
         lines.append("heartbeat: none (the service has not run on this volume)")
@@ -35,6 +37,10 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
     left = nxt.at - now
     lines.append(f"next slot: {nxt.run_id} at {iso(nxt.at)} (in {int(left.total_seconds() // 3600)} h "
                  f"{int(left.total_seconds() % 3600 // 60)} min)")
+    cap = cfg.training.privacy.lifetime_epsilon
+    for b in budget:
+        lines.append(f"privacy: dataset {b['dataset_id']} v{b['dataset_version']}: epsilon {b['epsilon']:.4g} spent in "
+                     f"{b['runs']} run(s) (delta {b['delta']:.3g})" + (f", lifetime cap {cap:g}" if cap is not None else ""))
     lines.append("")
     table = [_HEAD]
     for r in rows:

@@ -163,6 +163,34 @@ class TrainingInfo(_Closed):
     eval_losses: list[tuple[int, float]] | None = None
 
 
+class PrivacyLibraries(_Closed):
+    opacus: str
+    torch: str
+
+
+class PrivacyInfo(_Closed):
+    """DP-SGD as run (``training.privacy``): the mechanism's parameters and the (epsilon, delta) it spent.
+
+    ``rows`` is N after deduplication and the token policy (= ``dataset.rows``); ``sample_rate`` =
+    ``expected_batch_size / rows``; ``steps`` = ``training.global_step``; the verifier checks all three.
+    """
+
+    mechanism: Literal["dp-sgd"]
+    sampling: Literal["poisson"]
+    library: PrivacyLibraries
+    max_grad_norm: float = Field(gt=0)
+    noise_multiplier: float = Field(gt=0)
+    noise_derived: bool
+    sample_rate: float = Field(gt=0, le=1)
+    expected_batch_size: int = Field(ge=1)
+    rows: int = Field(ge=2)
+    steps: int = Field(ge=0)
+    accountant: Literal["rdp", "prv"]
+    epsilon: float = Field(ge=0)
+    delta: float = Field(gt=0, lt=1)
+    target_epsilon: float = Field(gt=0)
+
+
 class AuditInfo(_Closed):
     head: Hex64 = _H64
     start_prev: Hex64 = _H64
@@ -199,3 +227,4 @@ class Manifest(_Closed):
     files: dict[str, Hex64]
     gpu: GpuInfo | None = None  # absent only in bundles from before GPU evidence was recorded
     build: BuildInfo | None = None
+    privacy: PrivacyInfo | None = None  # absent: trained without differential privacy

@@ -18,6 +18,10 @@ Bundle steps (after ``attestation.verify``'s quote steps):
                          verifies under that key and its statement, header and hashes match the manifest
  B14 ``build.image``     the manifest's image is the cvm-tune service's image in app-compose.json, pinned by digest
  B15 ``build.lock``      the run's environment matched the hash lock the image was built from
+ B16 ``privacy.dp``      DP-SGD as run: rows = dataset rows, steps = global step, sample rate = batch / rows,
+                         epsilon within its target, delta below 1/N, the ``privacy.spent`` audit entry = the
+                         manifest's block; the policy's ``max_epsilon`` / ``max_delta`` (a policy with
+                         ``max_epsilon`` rejects a bundle trained without DP)
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import math
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -82,6 +87,7 @@ def verify_bundle(
         _build(f, root, manifest)
         _audit(f, root, manifest, policy)
         _gpu(f, root, manifest)
+        _privacy(f, manifest, policy)
         _inputs(f, manifest, base_model_dir, dataset_file)
     return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
 
@@ -243,8 +249,11 @@ def _entry_contents(entries: list[AuditEntry], m: B.Manifest) -> list[str]:
         },
         "train.done": {"global_step": m.training.global_step, "adapter_sha256": {k: m.files[k] for k in B.ADAPTER_FILES}},
         "export": {"artifacts_sha256": files_digest({k: m.files[k] for k in B.ARTIFACT_FILES})},
+        "privacy.spent": m.privacy.model_dump(mode="json") if m.privacy is not None else {"mechanism": None},
     }
     problems = []
+    if m.privacy is not None and not any(e.type == "privacy.spent" for e in entries):
+        problems.append("the manifest records DP-SGD but the audit chain has no privacy.spent entry")
     for e in entries:
         expected = want.get(e.type)
         if expected is not None and any(e.data.get(k) != v for k, v in expected.items()):
@@ -296,6 +305,36 @@ def _gpu(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
         entries = []
     status, detail = gpu_check(data, m.gpu, entries)
     f.add("gpu.evidence", status, detail)
+
+
+def _privacy(f: QuoteFindings, m: B.Manifest, policy: Policy) -> None:
+    dp = m.privacy
+    if dp is None:
+        if policy.max_epsilon is not None:
+            f.add("privacy.dp", "fail", f"the policy requires differential privacy (max_epsilon {policy.max_epsilon:g}); "
+                  "this run trained without DP-SGD")
+        else:
+            f.add("privacy.dp", "skip", "trained without differential privacy (training.privacy off)")
+        return
+    problems = []
+    if dp.rows != m.dataset.rows:
+        problems.append(f"privacy rows {dp.rows} != dataset rows {m.dataset.rows}")
+    if dp.steps != m.training.global_step:
+        problems.append(f"privacy steps {dp.steps} != global_step {m.training.global_step}")
+    if not math.isclose(dp.sample_rate, dp.expected_batch_size / dp.rows, rel_tol=1e-9):
+        problems.append(f"sample rate {dp.sample_rate:g} != expected batch {dp.expected_batch_size} / {dp.rows} rows")
+    if dp.epsilon > dp.target_epsilon:
+        problems.append(f"epsilon {dp.epsilon:.4g} exceeds the run's target {dp.target_epsilon:g}")
+    if not dp.delta < 1 / dp.rows:
+        problems.append(f"delta {dp.delta:.3g} is not below 1/N = 1/{dp.rows}")
+    if policy.max_epsilon is not None and dp.epsilon > policy.max_epsilon:
+        problems.append(f"epsilon {dp.epsilon:.4g} is above the policy's max_epsilon {policy.max_epsilon:g}")
+    if policy.max_delta is not None and dp.delta > policy.max_delta:
+        problems.append(f"delta {dp.delta:.3g} is above the policy's max_delta {policy.max_delta:g}")
+    shown = (f"(ε, δ) = ({dp.epsilon:.4g}, {dp.delta:.3g}) as run: DP-SGD, Poisson sampling q={dp.sample_rate:.4g} "
+             f"of N={dp.rows} rows, clipping C={dp.max_grad_norm:g}, noise σ={dp.noise_multiplier:.4g}, {dp.steps} steps, "
+             f"{dp.accountant} accountant, opacus {dp.library.opacus}")
+    f.add("privacy.dp", "fail" if problems else "pass", "; ".join([*problems, shown]))
 
 
 def _inputs(f: QuoteFindings, m: B.Manifest, base_model_dir: Path | None, dataset_file: Path | None) -> None:
