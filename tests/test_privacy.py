@@ -200,6 +200,7 @@ def _train(base: Path, run_dir: Path, **kw: Any) -> Any:
                               privacy=plan(s, rows=20), **kw))
 
 
+@pytest.mark.slow  # three DP runs; the pipeline test below covers resume + epsilon in the default suite
 def test_dp_run_epsilon_equals_opacus_and_a_resumed_run_spends_the_same(tiny_model: Path, tmp_path: Path) -> None:
     import torch
     from opacus.accountants import RDPAccountant
@@ -255,16 +256,30 @@ def _policy(tmp: Path, **fields: Any) -> Path:
     return path
 
 
-def test_pipeline_records_verifies_and_budgets_dp(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_pipeline_resumes_records_verifies_and_budgets_dp(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from opacus.accountants import RDPAccountant
+
+    import app.training
     from app.cli import main
 
-    cfg = _cfg(tmp_path, lifetime_epsilon=40.0)
+    real_train = app.training.train
+    monkeypatch.setattr(app.training, "train", lambda req: real_train(dataclasses.replace(req, stop_after_step=2)))
+    cfg = _cfg(tmp_path)
+    assert main(["run", "--config", str(cfg)]) == 6  # killed after the step-2 checkpoint (TrainingInterrupted)
+    monkeypatch.setattr(app.training, "train", real_train)
     assert main(["run", "--config", str(cfg)]) == 0
     bundle = next((tmp_path / "out" / "exports").iterdir())
     manifest = json.loads((bundle / "manifest.json").read_text())
     dp = manifest["privacy"]
+    assert manifest["training"]["resumed_from_step"] == 2
     assert dp["rows"] == manifest["dataset"]["rows"] and dp["steps"] == manifest["training"]["global_step"] == 4
-    assert dp["library"]["opacus"] == "1.6.0" and 0 < dp["epsilon"] <= 30.0
+    assert dp["library"]["opacus"] == "1.6.0" and dp["sample_rate"] == 4 / dp["rows"]
+    acc = RDPAccountant()  # the resumed run spent what 4 uninterrupted steps spend
+    acc.history = [(1.0, dp["sample_rate"], 4)]
+    assert dp["epsilon"] == acc.get_epsilon(delta=dp["delta"]) <= 30.0
     entries = [json.loads(line) for line in (bundle / "audit.jsonl").read_text().splitlines()]
     assert [e["data"] for e in entries if e["type"] == "privacy.spent"] == [dp]
     capsys.readouterr()
@@ -279,7 +294,8 @@ def test_pipeline_records_verifies_and_budgets_dp(tmp_path: Path, capsys: pytest
     assert f"epsilon {dp['epsilon']:.4g} spent in 1 run(s)" in capsys.readouterr().out
     ledger = tmp_path / "out" / "state" / BUDGET_FILE
     before, exports = ledger.read_bytes(), sorted((tmp_path / "out" / "exports").iterdir())
-    assert main(["run", "--config", str(cfg)]) == 2  # a second night would exceed lifetime_epsilon 40
+    capped = _cfg(tmp_path, lifetime_epsilon=round(dp["epsilon"] * 1.5, 3))
+    assert main(["run", "--config", str(capped)]) == 2  # a second night on this dataset version would exceed the cap
     assert "lifetime_epsilon" in capsys.readouterr().err
     assert ledger.read_bytes() == before and sorted((tmp_path / "out" / "exports").iterdir()) == exports
 
