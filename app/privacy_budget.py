@@ -14,12 +14,11 @@ rows shared between versions are the same people: the data owner decides what a 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from app.errors import PrivacyBudgetError, StateError
-from app.fsutil import atomic_write_bytes
+from app.dataset.versions import load_state, save_state
+from app.errors import PrivacyBudgetError
 
 SCHEMA = "cvm-tune/privacy-budget/v1"
 FILE = "privacy-budget.json"
@@ -31,17 +30,7 @@ def _key(dataset_id: str, version: int) -> str:
 
 def load(state_dir: Path) -> dict[str, dict[str, Any]]:
     """``{"<id>@v<version>": {"dataset_id", "dataset_version", "runs": {run_id: {"epsilon", "delta", "status"}}}}``."""
-    path = Path(state_dir) / FILE
-    try:
-        obj = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise StateError(f"{path} is unreadable: {type(exc).__name__}",
-                         fix="restore it from a backup; without it the lifetime privacy budget is unknown") from exc
-    if not isinstance(obj, dict) or obj.get("schema") != SCHEMA or not isinstance(obj.get("datasets"), dict):
-        raise StateError(f"{path} is not a {SCHEMA} file")
-    return obj["datasets"]
+    return load_state(state_dir, FILE, SCHEMA, "restore it from a backup; without it the lifetime privacy budget is unknown")
 
 
 def totals(entry: dict[str, Any], *, exclude: str | None = None) -> tuple[float, float, int]:
@@ -50,20 +39,11 @@ def totals(entry: dict[str, Any], *, exclude: str | None = None) -> tuple[float,
     return sum(float(r["epsilon"]) for r in runs), sum(float(r["delta"]) for r in runs), len(runs)
 
 
-def _write(state_dir: Path, datasets: dict[str, Any]) -> None:
-    data = json.dumps({"schema": SCHEMA, "datasets": dict(sorted(datasets.items()))}, indent=2, sort_keys=True).encode()
-    try:
-        Path(state_dir).mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(Path(state_dir) / FILE, data + b"\n")
-    except OSError as exc:
-        raise StateError(f"cannot record the privacy budget in {state_dir}: {exc.strerror}") from exc
-
-
 def _record(state_dir: Path, dataset_id: str, version: int, run_id: str, run: dict[str, Any]) -> None:
     datasets = load(state_dir)
     entry = datasets.setdefault(_key(dataset_id, version), {"dataset_id": dataset_id, "dataset_version": version, "runs": {}})
     entry["runs"][run_id] = run
-    _write(state_dir, datasets)
+    save_state(state_dir, datasets, what="the privacy budget", file=FILE, schema=SCHEMA)
 
 
 def reserve(state_dir: Path, *, cap: float | None, dataset_id: str, version: int, run_id: str, epsilon: float,
