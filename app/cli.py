@@ -23,12 +23,13 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 from attestation import AttestationError, Verdict
 
 import app
 from app import cli_owner
-from app.errors import ConfigError, CvmTuneError
+from app.errors import ConfigError, CvmTuneError, InputsUnchanged
 
 EXIT_REJECTED = 1
 EXIT_INTERNAL = 70
@@ -87,7 +88,11 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="verify an export bundle",
                        description="Check a bundle's quote (dcap-qvl), report_data binding, file hashes, RTMR0-3 replay "
                        "and audit chain under a policy. Exit 0 accepted, 1 rejected, 2 input error.")
-    v.add_argument("bundle", type=Path, metavar="BUNDLE", help="the exports/<run_id> directory")
+    v.add_argument("bundle", type=Path, nargs="?", metavar="BUNDLE", help="the exports/<run_id> directory")
+    v.add_argument("--parent", type=Path, metavar="PARENT_BUNDLE", help="also verify the bundle BUNDLE continued from "
+                   "and the lineage link between them")
+    v.add_argument("--chain", type=Path, metavar="EXPORTS_DIR", help="instead of BUNDLE: verify every bundle in an "
+                   "exports/ directory and every lineage link, roots first; names the first broken link")
     v.add_argument("--policy", type=Path, metavar="FILE", help="YAML policy (default: built-in, Intel root, UpToDate only)")
     v.add_argument("--now", type=_bounded_int(0, MAX_UNIX_SECONDS), metavar="UNIX_SECONDS", help="verification time (default: now); pins time for tests")
     v.add_argument("--json", action="store_true", help="print the machine-readable verdict (schema cvm-tune/verdict/v1)")
@@ -257,8 +262,11 @@ def _run(args: argparse.Namespace) -> int:
     except TrainingStopped as exc:
         print(f"stopped: {exc.message}; run again to resume", flush=True)
         return 0
+    except InputsUnchanged as exc:
+        print(f"skipped: {exc.message} (nothing new to train on)", flush=True)
+        return 0
     print()
-    print(f"Export bundle: {res.bundle_dir}")
+    print(f"Export bundle: {res.bundle_dir}" + ("" if res.promoted else f" (not promoted: {res.promotion_refused})"))
     for name, verdict in res.verdicts:
         failed = ", ".join(c.name for c in verdict.failed)
         note = " (expected: the simulator's test CA is not trusted by the default policy)" if (
@@ -297,12 +305,67 @@ def _status(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from attestation import load_policy, read_collateral_file, verify_bundle
 
+    if (args.bundle is None) == (args.chain is None):
+        raise ConfigError("verify takes a BUNDLE or --chain EXPORTS_DIR (one of them)",
+                          fix="cvm-tune verify exports/RUN_ID, or cvm-tune verify --chain exports/")
+    if args.chain is not None and (args.parent or args.collateral or args.base_model or args.dataset):
+        raise ConfigError("--chain verifies whole bundles: --parent, --collateral, --base-model and --dataset apply "
+                          "to one BUNDLE", fix="drop them, or verify one bundle at a time")
     policy = load_policy(args.policy)
-    coll = read_collateral_file(args.collateral) if args.collateral is not None else None
     now = args.now if args.now is not None else int(time.time())
+    if args.chain is not None:
+        return _verify_chain(args.chain, policy, now, as_json=args.json)
+    coll = read_collateral_file(args.collateral) if args.collateral is not None else None
     verdict = verify_bundle(args.bundle, policy=policy, now=now, collateral=coll,
                             base_model_dir=args.base_model, dataset_file=args.dataset)
-    return _print_verdict(verdict, as_json=args.json)
+    if args.parent is None:
+        return _print_verdict(verdict, as_json=args.json)
+    from attestation.lineage import check_link
+
+    parent = verify_bundle(args.parent, policy=policy, now=now)
+    problems = check_link(args.bundle, args.parent)
+    ok = verdict.accepted and parent.accepted and not problems
+    try:
+        if args.json:
+            print(json.dumps({"accepted": ok, "bundle": verdict.to_json(), "parent": parent.to_json(),
+                              "link_problems": problems}, indent=2))
+        else:
+            _write_verdict(verdict, as_json=False)
+            print(f"parent {args.parent}: {parent.summary()}")
+            for c in parent.failed:
+                print(f"  FAIL {c.name}: {c.detail}")
+            print("lineage: " + ("the bundle continued from this parent (manifest, adapter and base model hashes match)"
+                                 if not problems else "BROKEN: " + "; ".join(problems)))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+    return 0 if ok else EXIT_REJECTED
+
+
+def _verify_chain(exports: Path, policy: Any, now: int, *, as_json: bool) -> int:
+    from attestation.lineage import verify_chain
+
+    report = verify_chain(exports, policy=policy, now=now)
+    broken = report.first_broken
+    try:
+        if as_json:
+            print(json.dumps(report.to_json(), indent=2))
+        else:
+            print(f"{len(report.links)} bundle(s) in {exports}, policy {policy.name}, roots first:")
+            for link in report.links:
+                where = f"<- {link.parent_run_id}" if link.parent_run_id else "root (from the base model)"
+                mark = " (PROMOTED)" if link.run_id == report.promoted else ""
+                print(f"  {'ok  ' if link.ok else 'FAIL'} {link.run_id}{mark}  {where}")
+                for c in link.verdict.failed:
+                    print(f"         {c.name}: {c.detail}")
+                for problem in link.link_problems:
+                    print(f"         lineage: {problem}")
+            print("chain verified: every bundle accepted and every link holds" if broken is None
+                  else f"first broken link: {broken.run_id}")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+    return 0 if broken is None else EXIT_REJECTED
 
 
 def _print_verdict(verdict: Verdict, *, as_json: bool) -> int:

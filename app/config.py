@@ -100,15 +100,38 @@ class KeySettings(_Closed):
         return self
 
 
+class DownloadSettings(_Closed):
+    """How dataset.source url fetches a version (resumable, bounded)."""
+
+    timeout_s: float = Field(60.0, gt=0, le=3600, description="Connect and read timeout per request.")
+    retries: int = Field(3, ge=0, le=20, description="Retries after the first request (network errors, 5xx, 429), "
+                         "each resuming where the partial download stopped.")
+    retry_backoff_s: float = Field(2.0, ge=0, le=600, description="Wait before the first retry; doubles per retry.")
+    max_bytes: int = Field(64 << 30, gt=0, description="Refuse a larger download (checked against Content-Length and "
+                           "while reading).")
+
+
 class DatasetSettings(_Closed):
     """The encrypted training data."""
 
-    source: Literal["bundled-sample", "encrypted-file"] = Field(
+    source: Literal["bundled-sample", "encrypted-file", "url"] = Field(
         "bundled-sample",
         description="bundled-sample: the demo JSONL shipped with cvm-tune, encrypted on the fly into the output "
-        "volume. encrypted-file: a cvm-tune encrypted dataset at `path`.",
+        "volume. encrypted-file: a cvm-tune encrypted dataset at `path` (a file, or a directory of versions). "
+        "url: the owner publishes signed versions at `url`; each run downloads the current one (ciphertext only) "
+        "into the output volume and keeps the newest valid version it has when the URL cannot be reached.",
     )
-    path: Path | None = Field(None, description="Encrypted dataset file (on the read-only data volume).")
+    path: Path | None = Field(None, description="Encrypted dataset file, or a directory of owner-signed versions (the "
+                              "newest valid one for `dataset_id` is used), on the read-only data volume.")
+    dataset_id: str | None = Field(
+        None, min_length=1, max_length=200,
+        description="The dataset id (signed header) to take from a directory or URL; required for those, checked "
+        "against the file otherwise.")
+    url: str | None = Field(
+        None, pattern=r"^(https://|http://(127\.0\.0\.1|localhost|\[::1\])[:/])[^\s]+$",
+        description="source url: where the owner publishes the current signed version (HTTPS; plain http only on "
+        "loopback). The transport is untrusted: the owner signature and every hash are checked before the key is used.")
+    download: DownloadSettings = DownloadSettings()
     key: KeySettings = KeySettings()
     owner_public_key: str | None = Field(
         None, pattern=HEX64,
@@ -134,11 +157,18 @@ class DatasetSettings(_Closed):
     def _file_needs_path(self) -> DatasetSettings:
         if self.source == "encrypted-file" and self.path is None:
             raise ValueError("dataset.path is required when dataset.source is 'encrypted-file'")
-        if self.key.source in ("release", "env") and (self.owner_public_key is None or self.source != "encrypted-file"):
-            raise ValueError(f"dataset.key.source {self.key.source!r} needs dataset.source 'encrypted-file' and "
-                             "dataset.owner_public_key (the owner's signature is what makes such a key trustworthy)")
-        if self.owner_public_key is not None and self.source != "encrypted-file":
-            raise ValueError("dataset.owner_public_key needs dataset.source 'encrypted-file' (the bundled sample is unsigned)")
+        if self.source == "url" and (self.url is None or self.dataset_id is None or self.owner_public_key is None):
+            raise ValueError("dataset.source 'url' needs dataset.url, dataset.dataset_id and dataset.owner_public_key "
+                             "(the transport is untrusted: only owner-signed versions are used)")
+        if self.source != "url" and self.url is not None:
+            raise ValueError("dataset.url is only used with dataset.source 'url'")
+        if self.key.source in ("release", "env") and (self.owner_public_key is None or self.source == "bundled-sample"):
+            raise ValueError(f"dataset.key.source {self.key.source!r} needs an encrypted dataset (source "
+                             "'encrypted-file' or 'url') and dataset.owner_public_key (the owner's signature is what "
+                             "makes such a key trustworthy)")
+        if self.owner_public_key is not None and self.source == "bundled-sample":
+            raise ValueError("dataset.owner_public_key needs dataset.source 'encrypted-file' or 'url' (the bundled "
+                             "sample is unsigned)")
         return self
 
 
@@ -235,6 +265,12 @@ class TrainingSettings(_Closed):
         description="Share of rows held out (seeded) for an eval loss every save_steps and at the end; 0: no eval.",
     )
     per_device_eval_batch_size: int | None = Field(None, ge=1, le=65536, description="Eval micro-batch; unset: per_device_batch_size.")
+    init: Literal["auto", "base", "previous"] = Field(
+        "auto",
+        description="Where the adapter starts. base: fresh LoRA weights on the base model. previous: continue from the "
+        "last promoted adapter on this output volume (verified first; none yet: base). auto: previous for "
+        "`cvm-tune serve`, base for `cvm-tune run`.",
+    )
     lora: LoraSettings = LoraSettings()
     loss_watchdog: LossWatchdogSettings = LossWatchdogSettings()
     gpu: GpuTrainingSettings = GpuTrainingSettings()
@@ -250,6 +286,20 @@ class TrainingSettings(_Closed):
         if self.backend == "unsloth" and g.devices > 1:
             raise ValueError("training.gpu.devices > 1 runs the hf backend only")
         return self
+
+
+class EvaluationSettings(_Closed):
+    """The promotion gate: the new adapter replaces the promoted one only if it is not worse on the owner's eval rows."""
+
+    gate: Literal["off", "loss"] = Field(
+        "off",
+        description="off: every exported adapter is promoted. loss: evaluate the candidate and its parent (the promoted "
+        "adapter, or the base model for a first run) on the dataset's eval rows (rows with \"split\": \"eval\") and "
+        "promote only if the candidate's mean loss is at most the parent's times (1 + max_regression).",
+    )
+    max_regression: float = Field(0.0, ge=0.0, le=10.0, description="Relative eval-loss increase still promoted "
+                                  "(0.0: the candidate must not be worse).")
+    min_rows: int = Field(1, ge=1, le=1_000_000, description="gate loss: refuse the run when the dataset has fewer eval rows.")
 
 
 class OutputSettings(_Closed):
@@ -323,6 +373,7 @@ class Config(_Closed):
     dataset: DatasetSettings = DatasetSettings()
     base_model: BaseModelSettings = BaseModelSettings()
     training: TrainingSettings = TrainingSettings()
+    evaluation: EvaluationSettings = EvaluationSettings()
     output: OutputSettings = OutputSettings()
     schedule: ScheduleSettings = ScheduleSettings()
     alerts: AlertSettings = AlertSettings()

@@ -197,3 +197,13 @@ def disk_error(exc: BaseException, where: str) -> StateError | None:
                               "the run resumes from its last sealed checkpoint")
         seen = seen.__cause__ or seen.__context__
     return None
+
+
+class InputsUnchanged(Exception):
+    """Not an error: a continual run found nothing new to train on (same dataset, base model, settings and code as
+    the promoted run, or as a refused candidate from the same parent). The service records the slot ``skipped``;
+    ``cvm-tune run`` prints the reason and exits 0."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message

@@ -11,6 +11,7 @@ under ``exports/`` only when complete and only if it passes its own verification
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -24,14 +25,16 @@ from attestation import Verdict
 from attestation.gpu import describe as describe_gpu
 from attestation.hashing import sha256_file, sha256_hex, tree_digest
 
-from app import export, publish
+from app import alerts, continual, export, publish
 from app import gpu as gpu_evidence
 from app.audit import AuditLog, AuditRecorder, utc_now
 from app.build_info import build_info
 from app.config import Config
 from app.dataset import DerivedKeySource, KeySource, open_encrypted, parse_jsonl
+from app.dataset.rows import split_eval_rows
+from app.dataset.sources import Located, download, locate
 from app.dataset.versions import check_version, rebuild_if_missing, record_version
-from app.errors import BaseModelError, ConfigError, CvmTuneError, TeeError
+from app.errors import BaseModelError, ConfigError, CvmTuneError, DataError, EmptyDatasetError, TeeError
 from app.fsutil import remove_stale_temps
 from app.run_inputs import base_model, dataset_file, key_source, open_dataset, scratch_dir
 from app.run_state import RUN_ID, pick_run, resume_changes, write_state
@@ -56,6 +59,8 @@ class RunResult:
     resumed_from_step: int | None = None
     report: dict[str, Any] = field(default_factory=dict)  # report/report.json of the bundle
     audit_head: str = ""
+    promoted: bool = True  # exports/PROMOTED now names this bundle
+    promotion_refused: str | None = None  # why not (the promotion gate)
 
 
 @dataclass(frozen=True)
@@ -67,11 +72,13 @@ class RunHooks:
             checkpoints at that step boundary and raises ``TrainingStopped`` (SIGTERM, watchdog).
         on_step: Called with the global step after every optimizer step (heartbeat).
         slot: The scheduled slot instant, recorded in the report.
+        service: Run by the nightly service (``training.init: auto`` then continues from the promoted adapter).
     """
 
     should_stop: Callable[[], str | None] = lambda: None
     on_step: Callable[[int], None] = lambda _step: None
     slot: str | None = None
+    service: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,7 @@ class Dataset:
     rows_report: Any  # app.dataset.RowReport
     chunks: int
     info: dict[str, Any]  # the manifest's "dataset" section
+    eval_rows: list[Any] = field(default_factory=list)  # the owner's "split": "eval" rows (promotion gate)
 
 
 @dataclass(frozen=True)
@@ -156,43 +164,52 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
     with ExitStack() as stack:
         with timer.phase("agent"):
             ag = agent_stage(cfg, stack, progress)  # 1. who are we (app id, compose hash)? nothing runs without it
-        with timer.phase("key"):
-            keys = key_stage(cfg, ag, out)  # 2. dataset key (+ the checkpoint sealing key, never on disk)
         with timer.phase("decrypt_validate"):
-            ds = dataset_stage(cfg, out, keys, progress)  # 3. owner signature, decrypt in memory, rows, rollback
+            located = source_stage(cfg, out, progress)  # 2. tonight's version: a file, a directory, the owner's URL
+        with timer.phase("key"):
+            keys = key_stage(cfg, ag, out, located)  # 3. dataset key (+ the checkpoint sealing key, never on disk)
+        with timer.phase("decrypt_validate"):
+            ds = dataset_stage(cfg, out, keys, located, progress)  # 4. owner signature, decrypt in memory, rollback
         with timer.phase("train"):
             prepare_backend(cfg.training)  # 4. Unsloth (GPU) is imported before the first transformers import
         with timer.phase("base_model"):
             base = base_model_stage(cfg, out, progress)  # 5. local base model, hashed, checked against the pin
         with timer.phase("decrypt_validate"):
             token_stage(cfg, ds, base, progress)  # 6. too-long policy, rows without a trainable token
+        with timer.phase("parent"):
+            parent = parent_stage(cfg, out, ag, ds, base, hooks, progress)  # 7. warm start? (or nothing new: skip)
         with timer.phase("hashing"):
-            run = identity_stage(cfg, out, ds, base, run_id)  # 7. resume the newest unfinished run, or start one
+            run = identity_stage(cfg, out, ds, base, parent, run_id)  # 8. resume the newest unfinished run, or start
         with timer.phase("audit"):
-            audit = audit_stage(cfg, out, ag, ds, base, run, progress)  # 8. run.start/run.resume commits to inputs
+            audit = audit_stage(cfg, out, ag, ds, base, parent, run, progress)  # 9. run.start commits to the inputs
         done: list[bool] = []  # set once the bundle is published
         stack.push(lambda _et, exc, _tb: _record_abort(audit.recorder, run.run_id, exc, done))  # run.abort on failure
         with timer.phase("gpu_evidence"):
             gpu = gpu_stage(cfg, audit, run, progress)  # 9. GPU evidence, nonce = the chain head
         with timer.phase("train"):
-            result = train_stage(cfg, ds, base, keys, run, audit, scratch, hooks, progress)  # 10. sealed checkpoints
+            result = train_stage(cfg, ds, base, keys, parent, run, audit, scratch, hooks, progress)  # 10. checkpoints
         with timer.phase("audit"):
             audit.recorder.record(run.run_id, "train.done", {"global_step": result.global_step, "adapter_sha256": {
                 f"adapter/{p.name}": sha256_file(p) for p in sorted(result.adapter_dir.iterdir())}})
+        with timer.phase("evaluate"):
+            evaluation = gate_stage(cfg, ds, base, parent, result, progress)  # 11. promotion gate (eval rows)
         published = publish.export_bundle(publish.ExportInputs(  # 11. stage, quote, self-verify, publish
             cfg=cfg, out=out, run_id=run.run_id, started_at=run.started_at, code_sha=run.code_sha,
             config_bytes=run.config_bytes, agent=ag.agent, ident=ag.ident, simulated=ag.simulated,
             compose_bytes=ag.compose_bytes, build=ag.build, dataset=ds.info, rows_report=ds.rows_report,
             chunks=ds.chunks, base_name=base.name, base_tree=base.tree, base_files=base.files, train=result, gpu=gpu,
-            log=audit.log, recorder=audit.recorder, slot=hooks.slot), phase=timer.phase, timings=timer.t,
-            progress=progress)
+            log=audit.log, recorder=audit.recorder, slot=hooks.slot,
+            lineage=parent.lineage() if parent else None, evaluation=evaluation),
+            phase=timer.phase, timings=timer.t, progress=progress)
         done.append(True)
         write_state(run.run_dir, {"run_id": run.run_id, "fingerprint": run.fingerprint, "status": "exported",
                                   "started_at": run.started_at, "bundle": str(published.bundle)})
-        progress(f"exported: {published.bundle}")
+        promoted, refused = continual.record_outcome(out, published.bundle)  # 12. PROMOTED moves only past the gate
+        progress(f"exported: {published.bundle}" + ("" if promoted else f" (not promoted: {refused})"))
     timer.t["total"] = time.perf_counter() - t0
     return RunResult(run.run_id, published.bundle, published.verdicts, published.policy_file, result.losses, timer.t,
-                     result.train_runtime_s, result.resumed_from_step, published.report, published.audit_head)
+                     result.train_runtime_s, result.resumed_from_step, published.report, published.audit_head,
+                     promoted, refused)
 
 
 def _prepare_volume(cfg: Config) -> Path:
@@ -218,28 +235,69 @@ def agent_stage(cfg: Config, stack: ExitStack, progress: Progress) -> Agent:
     return Agent(agent, ident, simulated, compose_bytes, build_info(ident.app_compose))
 
 
-def key_stage(cfg: Config, ag: Agent, out: Path) -> Keys:
+def source_stage(cfg: Config, out: Path, progress: Progress) -> Located | None:
+    """Which encrypted file this run uses: the configured file, the newest valid version in a directory, or the
+    owner's current version downloaded from a URL (checked before use; the last good one when the URL fails).
+    ``None``: the bundled sample (encrypted with the key in the next stage)."""
+    d = cfg.dataset
+    owner = bytes.fromhex(d.owner_public_key) if d.owner_public_key else None
+
+    def fetch(inbox: Path) -> None:
+        path = download(d.url, inbox, dataset_id=d.dataset_id, owner_public_key=owner,  # type: ignore[arg-type]
+                        timeout_s=d.download.timeout_s, retries=d.download.retries,
+                        backoff_s=d.download.retry_backoff_s, max_bytes=d.download.max_bytes)
+        progress(f"dataset: fetched {path.name} from the owner's URL (owner signature and body hash checked)")
+
+    located = locate(d.source, d.path, d.dataset_id, owner, out, fetch=fetch)
+    if located is None:
+        return None
+    for note in located.skipped:
+        progress(f"dataset: passed over {note}")
+    if located.fetch_error:
+        progress(f"dataset: {located.fetch_error}; using the newest version fetched before: {located.path.name}")
+        alerts.send(cfg.alerts, {"event": "dataset.fetch_failed", "reason": located.fetch_error}, output=out)
+    elif located.skipped:
+        alerts.send(cfg.alerts, {"event": "dataset.version_skipped", "reason": "; ".join(located.skipped)[:500]},
+                    output=out)
+    if located.version >= 0:
+        progress(f"dataset: using {located.path.name} (dataset_version {located.version}, the newest valid one)")
+    return located
+
+
+def key_stage(cfg: Config, ag: Agent, out: Path, located: Located | None) -> Keys:
     """The dataset key (GetKey-derived, a key file, an env var, or released by the owner) and the checkpoint key
     (its own GetKey path, bound to the app id, never on disk)."""
     from app.training.checkpoints import CHECKPOINT_GETKEY_PATH
 
-    source = key_source(cfg, ag.agent, ag.ident, out)
+    source = key_source(cfg, ag.agent, ag.ident, out, located.path if located else None)
     dataset_key = source.dataset_key()
     ckpt_key = DerivedKeySource(ag.agent.get_key, CHECKPOINT_GETKEY_PATH, "cvm-tune-checkpoint-key").dataset_key()
     return Keys(source, dataset_key, ckpt_key)
 
 
-def dataset_stage(cfg: Config, out: Path, keys: Keys, progress: Progress) -> Dataset:
+def dataset_stage(cfg: Config, out: Path, keys: Keys, located: Located | None, progress: Progress) -> Dataset:
     """Owner signature first (when pinned), then decrypt in memory, authenticate ALL of it, validate rows, drop
-    duplicates; refuse a rolled-back version (the record is rebuilt from the audit chain if it was deleted)."""
+    duplicates, hold out the owner's eval rows; refuse a rolled-back version (the record is rebuilt from the audit
+    chain if it was deleted)."""
     dcfg = cfg.dataset
     owner_pub = bytes.fromhex(dcfg.owner_public_key) if dcfg.owner_public_key else None
-    path = dataset_file(cfg, out, keys.dataset, progress)
+    path = located.path if located else dataset_file(cfg, out, keys.dataset, progress)
     with open_dataset(path) as fh:
         stream = open_encrypted(fh, keys.dataset, owner_public_key=owner_pub)
         rows, rep = parse_jsonl(stream, source=path.name, max_row_bytes=dcfg.max_row_bytes, dedup=dcfg.dedup,
                                 max_plaintext_bytes=dcfg.max_plaintext_bytes)
     sig, header = stream.signature, stream.header
+    if dcfg.dataset_id is not None and header.dataset_id != dcfg.dataset_id:
+        raise DataError(f"dataset {path.name} is {header.dataset_id!r}, not dataset.dataset_id {dcfg.dataset_id!r}",
+                        fix="point dataset.path at that dataset's versions, or correct dataset.dataset_id")
+    rows, lines, eval_rows = split_eval_rows(rows, rep.lines)
+    if cfg.evaluation.gate != "off" and len(eval_rows) < cfg.evaluation.min_rows:
+        raise DataError(f"dataset {path.name} has {len(eval_rows)} eval row(s) (\"split\": \"eval\"); the promotion "
+                        f"gate needs at least {cfg.evaluation.min_rows}",
+                        fix="ask the owner to include eval rows in the signed dataset, or set evaluation.gate: off")
+    if not rows:
+        raise EmptyDatasetError(f"dataset {path.name} has only eval rows: nothing to train on")
+    rep = dataclasses.replace(rep, lines=lines)
     info = {
         "dataset_id": header.dataset_id, "dataset_version": header.dataset_version,
         "format": f"cvm-tune encrypted dataset v{header.format_version}",
@@ -248,7 +306,8 @@ def dataset_stage(cfg: Config, out: Path, keys: Keys, progress: Progress) -> Dat
         "rows": rep.rows_kept, "key_source": keys.source.describe(),
         "owner_public_key": sig.owner_public_key.hex() if sig else None,
         "owner_key_id": sig.owner_key_id if sig else None, "commitment": sig.commitment if sig else None,
-        "validation": {"rows_read": rep.rows_total, "duplicates_dropped": rep.duplicates_dropped},
+        "validation": {"rows_read": rep.rows_total, "duplicates_dropped": rep.duplicates_dropped,
+                       **({"eval_rows": len(eval_rows)} if eval_rows else {})},
     }
     if rebuilt := rebuild_if_missing(out / "state", AuditLog(out / "state" / "audit.jsonl").entries):
         progress(f"state: dataset-versions.json was missing; rebuilt {rebuilt} dataset version(s) from the audit chain")
@@ -257,7 +316,7 @@ def dataset_stage(cfg: Config, out: Path, keys: Keys, progress: Progress) -> Dat
     progress(f"dataset: {path.name} v{info['dataset_version']} decrypted in memory and authenticated "
              f"({stream.chunks} chunks{signer}), {rep.rows_kept} rows {dict(rep.by_kind)}, "
              f"{rep.duplicates_dropped} duplicates dropped{_lines(rep.duplicate_lines)}")
-    return Dataset(path, rows, rep, stream.chunks, info)
+    return Dataset(path, rows, rep, stream.chunks, info, eval_rows)
 
 
 def base_model_stage(cfg: Config, out: Path, progress: Progress) -> BaseModel:
@@ -287,9 +346,32 @@ def token_stage(cfg: Config, ds: Dataset, base: BaseModel, progress: Progress) -
              f"{tokens.dropped_no_trainable} without trainable tokens dropped{_lines(tokens.no_trainable_lines)}")
 
 
-def identity_stage(cfg: Config, out: Path, ds: Dataset, base: BaseModel, requested: str | None) -> RunIdentity:
+def parent_stage(cfg: Config, out: Path, ag: Agent, ds: Dataset, base: BaseModel, hooks: RunHooks,
+                 progress: Progress) -> continual.Parent | None:
+    """``training.init`` previous (``auto`` in the service): continue from the promoted bundle, verified again and
+    of the same base model and LoRA shape; nothing new since it (or since a refused candidate): skip the run."""
+    if continual.init_mode(cfg, service=hooks.service) == "base":
+        return None
+    bundle = continual.pointer(out, continual.PROMOTED)
+    parent = None
+    if bundle is not None:
+        parent = continual.load_parent(bundle)
+        verdicts, _ = publish.self_verify(bundle, out, ag.agent, ag.simulated)
+        continual.check_parent(parent, cfg, base.tree, publish.gate_failures(verdicts, ag.simulated))
+    current = {"dataset_plaintext_sha256": ds.info["plaintext_sha256"], "base_model_tree_sha256": base.tree,
+               "training_config_sha256": sha256_hex(cfg.training_json()), "code_source_sha256": export.source_digest()}
+    continual.check_unchanged(out, current, parent)
+    progress(f"warm start: continuing from the promoted adapter of {parent.run_id} (verified)" if parent
+             else "warm start: no promoted adapter yet; training from the base model")
+    return parent
+
+
+def identity_stage(cfg: Config, out: Path, ds: Dataset, base: BaseModel, parent: continual.Parent | None,
+                   requested: str | None) -> RunIdentity:
     """Resume the newest unfinished run with the same inputs (fingerprint), else start one; record the version."""
     inputs = {"config": sha256_hex(cfg.training_json()), "dataset": ds.info["plaintext_sha256"], "base_model": base.tree}
+    if parent is not None:
+        inputs["parent"] = parent.manifest_sha256  # a checkpoint resumes only from the same parent
     fingerprint = sha256_hex(json.dumps(inputs, sort_keys=True).encode())
     run_id, resuming = pick_run(out, fingerprint, requested)
     run_dir = out / "runs" / run_id
@@ -300,8 +382,8 @@ def identity_stage(cfg: Config, out: Path, ds: Dataset, base: BaseModel, request
                        export.source_digest())
 
 
-def audit_stage(cfg: Config, out: Path, ag: Agent, ds: Dataset, base: BaseModel, run: RunIdentity,
-                progress: Progress) -> Audit:
+def audit_stage(cfg: Config, out: Path, ag: Agent, ds: Dataset, base: BaseModel, parent: continual.Parent | None,
+                run: RunIdentity, progress: Progress) -> Audit:
     """``run.start`` (or ``run.resume``) commits to every input hash before training, measured into RTMR3."""
     log = AuditLog(out / "state" / "audit.jsonl")
     recorder = AuditRecorder(log, ag.agent, require_emit=cfg.tee.emit_events == "required")
@@ -309,7 +391,8 @@ def audit_stage(cfg: Config, out: Path, ag: Agent, ds: Dataset, base: BaseModel,
         "config_sha256": sha256_hex(run.config_bytes), "training_config_sha256": sha256_hex(cfg.training_json()),
         "dataset_id": ds.info["dataset_id"], "dataset_version": ds.info["dataset_version"],
         "dataset_encrypted_sha256": ds.info["encrypted_sha256"], "dataset_plaintext_sha256": ds.info["plaintext_sha256"],
-        "base_model_tree_sha256": base.tree, "code_source_sha256": run.code_sha}
+        "base_model_tree_sha256": base.tree, "code_source_sha256": run.code_sha,
+        "parent_manifest_sha256": parent.manifest_sha256 if parent else None}
     if run.resuming:
         changed = resume_changes(log, run.run_id, commitment)
         recorder.record(run.run_id, "run.resume", {"fingerprint": run.fingerprint, **commitment})
@@ -332,8 +415,8 @@ def gpu_stage(cfg: Config, audit: Audit, run: RunIdentity, progress: Progress) -
     return gpu
 
 
-def train_stage(cfg: Config, ds: Dataset, base: BaseModel, keys: Keys, run: RunIdentity, audit: Audit, scratch: Path,
-                hooks: RunHooks, progress: Progress) -> Any:
+def train_stage(cfg: Config, ds: Dataset, base: BaseModel, keys: Keys, parent: continual.Parent | None,
+                run: RunIdentity, audit: Audit, scratch: Path, hooks: RunHooks, progress: Progress) -> Any:
     """Train (sealed checkpoints under runs/<id>/checkpoints; resumes from the newest complete one)."""
     from app.training import TrainingStopped, TrainRequest, train
 
@@ -355,10 +438,29 @@ def train_stage(cfg: Config, ds: Dataset, base: BaseModel, keys: Keys, run: RunI
         keep_checkpoints=cfg.output.keep_checkpoints, on_step_end=step_end,
         on_event=lambda t, d: audit.recorder.record(run.run_id, t, d),
         on_log=lambda m: progress(f"  step {m['step']}/{ts.max_steps}  loss {m['loss']:.4f}"),
-        on_batch_change=batch_changed))
+        on_batch_change=batch_changed, init_adapter=parent.adapter_dir if parent else None))
     if result.resumed_from_step:
         progress(f"training resumed from checkpoint step {result.resumed_from_step}")
     return result
+
+
+def gate_stage(cfg: Config, ds: Dataset, base: BaseModel, parent: continual.Parent | None, result: Any,
+               progress: Progress) -> dict[str, Any] | None:
+    """``evaluation.gate: loss``: score the candidate and its parent (the promoted adapter, or the base model) on the
+    owner's eval rows; the decision goes into the attested manifest (the verifier recomputes it)."""
+    from app.training.warm import eval_loss
+
+    ev = cfg.evaluation
+    if ev.gate == "off":
+        return None
+    candidate = eval_loss(base.dir, result.adapter_dir, ds.eval_rows, cfg.training)
+    reference = eval_loss(base.dir, parent.adapter_dir if parent else None, ds.eval_rows, cfg.training)
+    promote = continual.decide(candidate, reference, ev.max_regression)
+    against = f"run {parent.run_id}" if parent else "the base model"
+    progress(f"evaluation: eval loss {candidate:.4f} vs {reference:.4f} ({against}) on {len(ds.eval_rows)} eval rows: "
+             + ("promote" if promote else f"promotion refused (allowed regression {ev.max_regression:g})"))
+    return {"metric": "loss", "rows": len(ds.eval_rows), "candidate_loss": candidate, "parent_loss": reference,
+            "parent": against, "max_regression": ev.max_regression, "promote": promote}
 
 
 def _record_abort(recorder: AuditRecorder, run_id: str, exc: BaseException | None, done: list[bool]) -> bool:

@@ -60,6 +60,8 @@ class ExportInputs:
     log: AuditLog
     recorder: AuditRecorder
     slot: str | None
+    lineage: dict[str, str] | None = None  # the promoted bundle this run continued from (app.continual)
+    evaluation: dict[str, Any] | None = None  # the promotion gate's scores and decision
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,8 @@ def _manifest(x: ExportInputs, stage: Path, artifacts: dict[str, str], report_fi
                   **{rel: sha256_file(p) for rel, p in report_files.items()}},
         "gpu": x.gpu.info.model_dump(mode="json"),
         "build": x.build,
+        "lineage": x.lineage,
+        "evaluation": x.evaluation,
     }
 
 
@@ -195,10 +199,15 @@ def publish_gate(verdicts: list[tuple[str, Verdict]], simulated: bool, run_id: s
     Raises:
         ExportError: a check failed; nothing is published and the run stays resumable.
     """
-    name, verdict = verdicts[0]
-    failed = [c for c in verdict.failed if simulated or c.name in INTEGRITY_CHECKS]
+    name = verdicts[0][0]
+    failed = gate_failures(verdicts, simulated)
     if failed:
-        detail = "; ".join(f"{c.name}: {c.detail}" for c in failed[:3])
+        detail = "; ".join(failed[:3])
         raise ExportError(f"the bundle of run {run_id} fails its own verification ({name} policy): {detail}",
                           fix="nothing was published; run again to resume (cvm-tune run --run-id "
                           f"{run_id}), or rerun with --debug and report it")
+
+
+def gate_failures(verdicts: list[tuple[str, Verdict]], simulated: bool) -> list[str]:
+    """``"check: detail"`` for every check that withholds a bundle (see :func:`publish_gate`)."""
+    return [f"{c.name}: {c.detail}" for c in verdicts[0][1].failed if simulated or c.name in INTEGRITY_CHECKS]

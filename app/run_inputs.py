@@ -24,7 +24,8 @@ Progress = Callable[[str], None]
 SAMPLE_DATASET_ID = "cvm-tune-sample"
 
 
-def key_source(cfg: Config, agent: GuestAgent, ident: Identity, out: Path) -> KeySource:
+def key_source(cfg: Config, agent: GuestAgent, ident: Identity, out: Path, dataset: Path | None) -> KeySource:
+    """The configured dataset key source; ``dataset``: the located encrypted file (``None``: the bundled sample)."""
     k = cfg.dataset.key
     if k.source == "file":
         return KeyFileSource(k.file)  # type: ignore[arg-type]  # validated: file is set
@@ -32,7 +33,7 @@ def key_source(cfg: Config, agent: GuestAgent, ident: Identity, out: Path) -> Ke
         return EnvKeySource(k.env_var)
     if k.source == "release":  # validated: encrypted-file with a pinned owner key
         return ReleasedKeySource(agent=agent, identity=CvmIdentity(ident.app_id, ident.compose_hash, ident.instance_id),
-                                 out_dir=out, dataset=Path(cfg.dataset.path),  # type: ignore[arg-type]
+                                 out_dir=out, dataset=dataset,  # type: ignore[arg-type]  # validated: encrypted
                                  grant_file=k.grant_file or out / "key-release" / "grant.json",
                                  owner_public_key=bytes.fromhex(cfg.dataset.owner_public_key),  # type: ignore[arg-type]
                                  pccs_url=cfg.tee.pccs_url, timeout_s=cfg.tee.timeout_s)

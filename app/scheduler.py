@@ -36,7 +36,7 @@ from zoneinfo import ZoneInfo
 from app import alerts
 from app.audit import AuditLog
 from app.config import Config
-from app.errors import CvmTuneError
+from app.errors import CvmTuneError, InputsUnchanged
 from app.state import (
     Locked,
     RollbackDetected,
@@ -205,7 +205,11 @@ class Service:
 
         run_id, sched = slot.run_id, self.cfg.schedule
         if (self.out / "exports" / run_id).is_dir():  # exported, but the process died before recording it
-            self._finish(run_id, row, "succeeded", "recovered: the bundle was already exported",
+            from app.continual import record_outcome
+
+            _promoted, refused = record_outcome(self.out, self.out / "exports" / run_id)  # pointers may lag the export
+            self._finish(run_id, row, "succeeded", "recovered: the bundle was already exported"
+                         + (f"; {refused}" if refused else ""),
                          bundle=str(self.out / "exports" / run_id), **_bundle_record(self.out / "exports" / run_id))
             return f"recovered: {run_id}"
         recovered_crash = row is not None and row.status == "running"
@@ -225,6 +229,9 @@ class Service:
         self._deadline = self.clock.monotonic() + sched.max_run_hours * 3600
         try:
             result = self.runner(run_id=run_id, slot=slot, should_stop=self._should_stop, on_step=self._on_step)
+        except InputsUnchanged as exc:
+            self._finish(run_id, None, "skipped", exc.message)
+            outcome = f"skipped: {run_id} {exc.message}"
         except TrainingStopped as exc:
             if self.stop_event.is_set():  # SIGTERM: not a failure, not an attempt
                 self.db.upsert(run_id, slot=slot.day.isoformat(), slot_time=iso(slot.at), status="pending",
@@ -235,9 +242,12 @@ class Service:
         except Exception as exc:
             outcome = self._failed(slot, attempts, exc)
         else:
-            self._finish(run_id, None, "succeeded", None, bundle=str(result.bundle_dir), metrics=result.report,
+            refused = getattr(result, "promotion_refused", None)
+            self._finish(run_id, None, "succeeded", refused, bundle=str(result.bundle_dir), metrics=result.report,
                          audit_head=result.audit_head)
-            outcome = f"succeeded: {run_id}"
+            outcome = f"succeeded: {run_id}" + (f" ({refused})" if refused else "")
+            if refused:
+                self._alert("promotion_refused", run_id=run_id, reason=refused)
         finally:
             self._deadline = None
         self._skip_overrun(slot, start)
@@ -291,7 +301,7 @@ class Service:
                       on_step: Callable[[int], None]) -> Any:
         from app.pipeline import RunHooks, run_once
 
-        hooks = RunHooks(should_stop=should_stop, on_step=on_step, slot=iso(slot.at))
+        hooks = RunHooks(should_stop=should_stop, on_step=on_step, slot=iso(slot.at), service=True)
         return run_once(self.cfg, progress=self.progress, run_id=run_id, hooks=hooks)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from app.config import Config
 from app.scheduler import DailySchedule
@@ -25,7 +26,7 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
     if as_json:
         return json.dumps({"schema": STATUS_SCHEMA, "output": str(out), "heartbeat": beat,
                            "next_slot": {"run_id": nxt.run_id, "at": iso(nxt.at)},
-                           "runs": [r.__dict__ for r in rows],
+                           "runs": [r.__dict__ for r in rows], "adapters": adapters(out),
                            "adhoc_runs": adhoc_runs(out, {r.id for r in rows}, limit)}, indent=2, sort_keys=True)
     lines = [f"cvm-tune service on {out}  (schedule {cfg.schedule.time} {cfg.schedule.timezone})"]
     if beat is None:
@@ -37,12 +38,19 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
     left = nxt.at - now
     lines.append(f"next slot: {nxt.run_id} at {iso(nxt.at)} (in {int(left.total_seconds() // 3600)} h "
                  f"{int(left.total_seconds() % 3600 // 60)} min)")
+    ad = adapters(out)
+    if ad["promoted"] or ad["candidate"]:
+        lines.append(f"promoted adapter: {_describe(ad['promoted'])}")
+        if ad["candidate"] and ad["candidate"] != ad["promoted"]:
+            lines.append(f"last candidate:   {_describe(ad['candidate'])}")
     lines.append("")
     table = [_HEAD]
     for r in rows:
         m = r.metrics or {}
         losses = m.get("losses") or []
         tail = (r.bundle if r.status == "succeeded" else r.reason) or ""
+        if r.status == "succeeded" and r.reason:  # promotion refused, recovered after a crash
+            tail += f" ({r.reason})"
         if r.status == "failed" and r.next_attempt_at:
             tail += f" (retry at {r.next_attempt_at})"
         table.append((r.id, r.slot_time.replace("T", " ").rstrip("Z"), r.status, str(r.attempts),
@@ -73,3 +81,33 @@ def adhoc_runs(out: Path, scheduled: set[str], limit: int) -> list[dict[str, str
         if isinstance(s, dict) and s.get("run_id") not in scheduled and isinstance(s.get("started_at"), str):
             found.append({k: str(s.get(k) or "") for k in ("run_id", "status", "started_at", "bundle")})
     return sorted(found, key=lambda a: a["started_at"], reverse=True)[:limit]
+
+
+def adapters(out: Path) -> dict[str, dict[str, Any] | None]:
+    """The promoted bundle and the newest candidate (``exports/PROMOTED``, ``exports/CANDIDATE``): run id, dataset
+    version, eval loss and promotion decision, read from their manifests."""
+    found: dict[str, dict[str, Any] | None] = {}
+    for key, name in (("promoted", "PROMOTED"), ("candidate", "CANDIDATE")):
+        try:
+            run_id = (out / "exports" / name).read_text(encoding="ascii").strip()
+            m = json.loads((out / "exports" / run_id / "manifest.json").read_bytes())
+        except (OSError, ValueError, UnicodeDecodeError):
+            found[key] = None
+            continue
+        ev = m.get("evaluation") or {}
+        found[key] = {"run_id": run_id, "dataset_version": (m.get("dataset") or {}).get("dataset_version"),
+                      "parent_run_id": (m.get("lineage") or {}).get("parent_run_id"),
+                      "eval_loss": ev.get("candidate_loss"), "promoted": ev.get("promote", True)}
+    return found
+
+
+def _describe(a: dict[str, Any] | None) -> str:
+    if a is None:
+        return "none"
+    parts = [a["run_id"], f"dataset v{a['dataset_version']}",
+             f"from {a['parent_run_id']}" if a["parent_run_id"] else "from the base model"]
+    if a["eval_loss"] is not None:
+        parts.append(f"eval loss {a['eval_loss']:.4f}")
+    if not a["promoted"]:
+        parts.append("promotion refused")
+    return ", ".join(parts)

@@ -199,6 +199,31 @@ class BuildInfo(_Closed):
     lock_mismatches: list[str]  # installed distributions that differ from the lock (empty: none)
 
 
+class LineageInfo(_Closed):
+    """The promoted bundle this run continued from (warm start); committed in the run's ``run.start`` entry."""
+
+    parent_run_id: str = Field(pattern=rf"^{RUN_ID_PATTERN}$")
+    parent_manifest_sha256: Hex64 = _H64  # SHA-256 of the parent's manifest.json bytes
+    parent_adapter_sha256: Hex64 = _H64  # SHA-256 of the parent's adapter/adapter_model.safetensors
+
+
+class EvaluationInfo(_Closed):
+    """The promotion gate: candidate and parent scored on the owner's eval rows, and the decision."""
+
+    metric: Literal["loss"]
+    rows: int = Field(ge=1)
+    candidate_loss: float
+    parent_loss: float
+    parent: str  # "run <id>" or "the base model"
+    max_regression: float = Field(ge=0)
+    promote: bool
+
+
+def promotion_rule(candidate_loss: float, parent_loss: float, max_regression: float) -> bool:
+    """Promote when the candidate is not worse than its parent beyond the allowed relative regression."""
+    return candidate_loss <= parent_loss * (1.0 + max_regression)
+
+
 class Manifest(_Closed):
     """The provenance manifest (schema ``cvm-tune/manifest/v1``)."""
 
@@ -216,3 +241,5 @@ class Manifest(_Closed):
     files: dict[str, Hex64]
     gpu: GpuInfo | None = None  # absent only in bundles from before GPU evidence was recorded
     build: BuildInfo | None = None
+    lineage: LineageInfo | None = None  # None: trained from the base model
+    evaluation: EvaluationInfo | None = None  # None: no promotion gate

@@ -49,7 +49,7 @@ MAX_FILE = 64 << 20
 INTEGRITY_CHECKS = frozenset({
     "bundle.files", "manifest.schema", "manifest.files", "quote.parse", "quote.hex", "quote.padding", "report_data",
     "event_log.parse", "event_log.replay", "event_log.boot", "compose.hash", "tee.app_id", "audit.chain",
-    "audit.rtmr3", "base_model.tree", "gpu.evidence",
+    "audit.rtmr3", "base_model.tree", "gpu.evidence", "evaluation.decision",
 })
 
 
@@ -95,6 +95,7 @@ def verify_bundle(
         _build(f, root, manifest)
         _audit(f, root, manifest, policy)
         _gpu(f, root, manifest)
+        _evaluation(f, root, manifest)
         _inputs(f, manifest, base_model_dir, dataset_file)
     return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
 
@@ -266,6 +267,7 @@ def _entry_contents(entries: list[AuditEntry], m: B.Manifest, config_bytes: byte
     ``training`` sections, recomputed here). ``train.done`` and ``export`` are checked on the last of each:
     an earlier one belongs to an attempt that was never published.
     """
+    parent = m.lineage.parent_manifest_sha256 if m.lineage else None
     inputs = {
         "config_sha256": m.files[B.CONFIG],
         "dataset_encrypted_sha256": m.dataset.encrypted_sha256,
@@ -288,6 +290,8 @@ def _entry_contents(entries: list[AuditEntry], m: B.Manifest, config_bytes: byte
             want["training_config_sha256"] = training_sha
         elif e is not opens[-1]:  # an entry of an older cvm-tune: no config change can be allowed across it
             want["config_sha256"] = inputs["config_sha256"]
+        if "parent_manifest_sha256" in e.data or parent is not None:  # a lineage must be committed at the start
+            want["parent_manifest_sha256"] = parent
         if any(e.data.get(k) != v for k, v in want.items()):
             problems.append(f"{e.type} entry (seq {e.seq}) commits to different hashes than the manifest")
     for kind, expected in last.items():
@@ -348,6 +352,26 @@ def _gpu(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
         entries = []
     status, detail = gpu_check(data, m.gpu, entries)
     f.add("gpu.evidence", status, detail)
+
+
+def _evaluation(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
+    """The promotion decision is recomputed from the scores and the bundle config's allowed regression."""
+    ev = m.evaluation
+    if ev is None:
+        return
+    problems = []
+    if ev.promote != B.promotion_rule(ev.candidate_loss, ev.parent_loss, ev.max_regression):
+        problems.append(f"promote={ev.promote} contradicts the scores ({ev.candidate_loss:.4f} vs {ev.parent_loss:.4f} "
+                        f"x (1 + {ev.max_regression:g}))")
+    try:
+        configured = json.loads(_read(root / B.CONFIG))["evaluation"]["max_regression"]
+    except (OSError, ValueError, KeyError, TypeError):
+        configured = None
+    if configured != ev.max_regression:
+        problems.append(f"max_regression {ev.max_regression:g} is not the bundle config's ({configured})")
+    f.add("evaluation.decision", "fail" if problems else "pass", "; ".join(problems) or
+          f"{'promoted' if ev.promote else 'not promoted'}: eval loss {ev.candidate_loss:.4f} vs {ev.parent_loss:.4f} "
+          f"({ev.parent}) on {ev.rows} owner eval rows")
 
 
 def _inputs(f: QuoteFindings, m: B.Manifest, base_model_dir: Path | None, dataset_file: Path | None) -> None:

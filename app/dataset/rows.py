@@ -7,6 +7,8 @@ A row is one line: a JSON object with exactly one of
   least one ``assistant`` message; every ``content`` a non-blank string; or
 * ``"text"``: a non-blank string.
 
+and optionally ``"split"``: ``"train"`` (the default) or ``"eval"`` (held out for the promotion gate).
+
 Lines end in ``\\n`` (a ``\\r`` before it is dropped); blank lines are skipped. The first bad row
 rejects the dataset. Error messages name the source, line, byte offset, field path and JSON type
 names, **never row content** (rows may be secret and logs may be public).
@@ -35,6 +37,7 @@ Dedup = Literal["exact", "normalized", "off"]
 
 MAX_DEPTH = 32
 ROLES = ("system", "user", "assistant")
+SPLITS = ("train", "eval")  # optional "split" key: eval rows are held out for the promotion gate, never trained on
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 _JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
@@ -276,9 +279,12 @@ def _check_row(row: Any, where: _Where) -> str:
     """Check one parsed row; returns its kind (``messages`` or ``text``)."""
     if not isinstance(row, dict):
         raise RowError(f"{where}: expected a JSON object, got {_type(row)}")
-    extra = len(row.keys() - {"messages", "text"})
+    extra = len(row.keys() - {"messages", "text", "split"})
     if extra:
-        raise RowError(f"{where}: {extra} unexpected key(s); a row has exactly one of 'messages' or 'text'")
+        raise RowError(f"{where}: {extra} unexpected key(s); a row has exactly one of 'messages' or 'text' "
+                       "(and optionally 'split')")
+    if "split" in row and row["split"] not in SPLITS:
+        raise RowError(f"{where}: split: expected \"train\" or \"eval\"")
     if "messages" in row and "text" in row:
         raise RowError(f"{where}: has both 'messages' and 'text'; a row has exactly one")
     if "text" in row:
@@ -321,3 +327,18 @@ def _check_messages(messages: Any, where: _Where) -> None:
         expected = "assistant" if role == "user" else "user"
     if not assistants:
         raise RowError(f"{where}: messages: no assistant message")
+
+
+def split_eval_rows(rows: list[dict], lines: tuple[int, ...]) -> tuple[list[dict], tuple[int, ...], list[dict]]:
+    """(training rows, their line numbers, eval rows): the owner's ``"split": "eval"`` rows are held out for the
+    promotion gate and never trained on; the ``split`` key is dropped from both."""
+    train, train_lines, held_out = [], [], []
+    for i, row in enumerate(rows):
+        clean = {k: v for k, v in row.items() if k != "split"}
+        if row.get("split") == "eval":
+            held_out.append(clean)
+        else:
+            train.append(clean)
+            if i < len(lines):
+                train_lines.append(lines[i])
+    return train, tuple(train_lines), held_out

@@ -84,6 +84,8 @@ class TrainRequest:
             one skipped on resume (audit entries; no data).
         on_batch_change: Called with each micro-batch change (OOM back-off, auto batch size):
             ``{"phase", "reason", "at_step", "from", "to"}`` (``app.training.batch``).
+        init_adapter: Warm start: a PEFT adapter directory of the same LoRA shape whose weights replace the fresh
+            LoRA initialisation (continual retraining); a resumed checkpoint's weights still win.
     """
 
     base_model_dir: Path
@@ -101,6 +103,7 @@ class TrainRequest:
     on_step_end: Callable[[int], str | None] | None = None
     on_event: Callable[[str, dict[str, Any]], None] | None = None
     on_batch_change: Callable[[dict[str, Any]], None] | None = None
+    init_adapter: Path | None = None
 
 
 @dataclass(frozen=True)

@@ -220,6 +220,10 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
         except Exception as exc:
             raise BaseModelError(f"cannot load base model from {req.base_model_dir}: {_first_line(exc)}",
                                  fix="restore the base model directory (config.json, weights, tokenizer files)") from exc
+        if req.init_adapter is not None:
+            from app.training.warm import warm_start
+
+            model, peft_config = warm_start(model, peft_config, Path(req.init_adapter))
         if not splits:
             splits.extend(split_eval(build_dataset(req.rows, tok, assistant_only_loss=s.assistant_only_loss),
                                      s.eval_fraction, s.seed))

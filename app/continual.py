@@ -1,0 +1,169 @@
+"""Continual retraining on one output volume: the promoted adapter, warm start from it, lineage, the promotion
+gate and skipping a night whose inputs did not change.
+
+Two pointers under ``exports/`` (each one line, a run id, replaced atomically):
+
+* ``PROMOTED``: the bundle users should take, and the one the next warm start continues from. It moves only to a
+  bundle whose manifest records a passed promotion gate (or no gate);
+* ``CANDIDATE``: the newest exported bundle, promoted or not.
+
+A warm start reads the promoted bundle only after it passes its own verification again (the simulator: the test-CA
+policy; a CVM: every integrity check of the default policy) and only if it was trained on the same base model with
+the same LoRA shape. Its manifest hash and adapter hash become the new bundle's ``lineage`` and are committed in the
+``run.start`` audit entry, so ``cvm-tune verify --parent`` / ``--chain`` can check every link offline.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from attestation import bundle as B
+from attestation.hashing import sha256_file
+
+from app.config import Config
+from app.errors import InputsUnchanged, StateError, TrainingError
+from app.fsutil import atomic_write_bytes
+from app.run_state import RUN_ID
+
+PROMOTED = "PROMOTED"
+CANDIDATE = "CANDIDATE"
+WEIGHTS = "adapter/adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class Parent:
+    """The promoted bundle a run continues from."""
+
+    run_id: str
+    bundle: Path
+    manifest_sha256: str
+    adapter_sha256: str
+    manifest: dict[str, Any]
+
+    @property
+    def adapter_dir(self) -> Path:
+        return self.bundle / "adapter"
+
+    def lineage(self) -> dict[str, str]:
+        return {"parent_run_id": self.run_id, "parent_manifest_sha256": self.manifest_sha256,
+                "parent_adapter_sha256": self.adapter_sha256}
+
+
+def init_mode(cfg: Config, *, service: bool) -> str:
+    """``base`` or ``previous`` (``auto``: previous for the nightly service, base for an ad-hoc run)."""
+    mode = cfg.training.init
+    return ("previous" if service else "base") if mode == "auto" else mode
+
+
+def pointer(out: Path, name: str) -> Path | None:
+    """The bundle a pointer names (``None``: no pointer yet).
+
+    Raises:
+        StateError: the pointer is unreadable, names no valid run id, or its bundle is gone.
+    """
+    path = out / "exports" / name
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StateError(f"{path} is unreadable ({type(exc).__name__})",
+                         fix=f"write the run id of the bundle to use into {path}, or remove it to start from the base model") from exc
+    bundle = out / "exports" / text
+    if not RUN_ID.fullmatch(text) or not (bundle / B.MANIFEST).is_file():
+        raise StateError(f"{path} names {text[:100]!r}, which is not an exported bundle on this volume",
+                         fix=f"write the run id of an existing bundle into {path}, or remove it to start from the base model")
+    return bundle
+
+
+def set_pointer(out: Path, name: str, run_id: str) -> None:
+    try:
+        atomic_write_bytes(out / "exports" / name, f"{run_id}\n".encode())
+    except OSError as exc:
+        raise StateError(f"cannot write exports/{name}: {exc.strerror}") from exc
+
+
+def load_parent(bundle: Path) -> Parent:
+    """The promoted bundle's identity (its manifest hash and adapter weights hash, recomputed from the files)."""
+    raw = (bundle / B.MANIFEST).read_bytes()
+    manifest = json.loads(raw)
+    return Parent(run_id=manifest["run_id"], bundle=bundle, manifest_sha256=_sha256(raw),
+                  adapter_sha256=sha256_file(bundle / WEIGHTS), manifest=manifest)
+
+
+def check_parent(parent: Parent, cfg: Config, base_tree: str, verdict_failures: list[str]) -> None:
+    """Refuse to warm-start from a bundle that fails verification or does not fit this run.
+
+    Raises:
+        TrainingError: the bundle fails its verification, or its base model / LoRA shape differ.
+    """
+    fix = "set training.init: base to train this run from the base model (the lineage then starts again)"
+    if verdict_failures:
+        raise TrainingError(f"the promoted bundle {parent.run_id} fails verification ({'; '.join(verdict_failures[:3])}): "
+                            "refusing to warm-start from it", fix=fix)
+    if parent.manifest["base_model"]["tree_sha256"] != base_tree:
+        raise TrainingError(f"the promoted bundle {parent.run_id} was trained on another base model "
+                            f"(tree {parent.manifest['base_model']['tree_sha256'][:16]}…): cannot continue from it", fix=fix)
+    try:
+        lora = json.loads((parent.bundle / B.CONFIG).read_bytes())["training"]["lora"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TrainingError(f"the promoted bundle {parent.run_id} has no readable LoRA settings", fix=fix) from exc
+    want = cfg.training.lora.model_dump(mode="json")
+    differ = sorted(k for k in ("r", "alpha", "target_modules") if lora.get(k) != want.get(k))
+    if differ:
+        raise TrainingError(f"the promoted bundle {parent.run_id} has another LoRA shape ({', '.join(differ)} differ)",
+                            fix=fix)
+
+
+def inputs_of(manifest: dict[str, Any], config_bytes: bytes) -> dict[str, Any]:
+    """What decides whether a night has anything new: dataset content, base model, adapter settings, code."""
+    return {"dataset_plaintext_sha256": manifest["dataset"]["plaintext_sha256"],
+            "base_model_tree_sha256": manifest["base_model"]["tree_sha256"],
+            "training_config_sha256": B.training_config_sha256(config_bytes),
+            "code_source_sha256": manifest["code"]["source_sha256"]}
+
+
+def check_unchanged(out: Path, current: dict[str, Any], parent: Parent | None) -> None:
+    """Skip a night whose inputs equal the promoted run's, or the last candidate's from the same parent.
+
+    Raises:
+        InputsUnchanged: nothing new to train on (the reason names the bundle that already has these inputs).
+    """
+    if parent is not None and inputs_of(parent.manifest, (parent.bundle / B.CONFIG).read_bytes()) == current:
+        raise InputsUnchanged(f"inputs unchanged since the promoted run {parent.run_id}")
+    cand = pointer(out, CANDIDATE)
+    if cand is None or parent is None or cand == parent.bundle:
+        return
+    raw = (cand / B.MANIFEST).read_bytes()
+    manifest = json.loads(raw)
+    same_parent = (manifest.get("lineage") or {}).get("parent_manifest_sha256") == parent.manifest_sha256
+    if same_parent and inputs_of(manifest, (cand / B.CONFIG).read_bytes()) == current:
+        raise InputsUnchanged(f"inputs unchanged since run {manifest['run_id']}, whose promotion was refused")
+
+
+decide = B.promotion_rule  # the promotion rule, shared with the verifier (which recomputes it)
+
+
+def record_outcome(out: Path, bundle: Path) -> tuple[bool, str | None]:
+    """Move ``CANDIDATE`` (always) and ``PROMOTED`` (gate passed or off) to an exported bundle; idempotent.
+
+    Returns:
+        (promoted, reason): the reason says why a promotion was refused.
+    """
+    manifest = json.loads((bundle / B.MANIFEST).read_bytes())
+    run_id, ev = manifest["run_id"], manifest.get("evaluation")
+    set_pointer(out, CANDIDATE, run_id)
+    if ev is None or ev["promote"]:
+        set_pointer(out, PROMOTED, run_id)
+        return True, None
+    return False, (f"promotion refused: eval loss {ev['candidate_loss']:.4f} > {ev['parent_loss']:.4f} x "
+                   f"(1 + {ev['max_regression']:g}) of {ev['parent']}")
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
