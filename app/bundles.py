@@ -4,7 +4,8 @@ In a dstack CVM nothing but the gateway reaches a container (``https://<app-id>-
 logs stay private (``public_logs: false``). ``cvm-tune bundles serve`` (the ``bundles`` service of
 docker-compose.yaml: output volume mounted read-only, no guest-agent socket) answers:
 
-    GET /v1/runs                      [{run_id, status, started_at, exported}] from runs/*/state.json
+    GET /v1/runs                      [{run_id, status, started_at, exported, promoted}] from runs/*/state.json
+    GET /v1/promoted                  {"run_id", "files"} of the bundle exports/PROMOTED names (continual retraining)
     GET /v1/bundles/<run_id>          {"files": {path: size}} of exports/<run_id>/
     GET /v1/bundles/<run_id>/<path>   one file of that bundle
 
@@ -80,6 +81,7 @@ def bundle_files(root: Path) -> dict[str, int]:
 def runs(output: Path) -> list[dict[str, Any]]:
     """One line per run directory: id, status, start time and whether its bundle is exported."""
     out = []
+    promoted = _promoted(output)
     for state in sorted((output / "runs").glob("*/state.json")):
         try:
             s = json.loads(state.read_text())
@@ -87,8 +89,18 @@ def runs(output: Path) -> list[dict[str, Any]]:
             continue
         run_id = state.parent.name
         out.append({"run_id": run_id, "status": s.get("status"), "started_at": s.get("started_at"),
-                    "exported": (output / "exports" / run_id / "manifest.json").is_file()})
+                    "exported": (output / "exports" / run_id / "manifest.json").is_file(),
+                    "promoted": run_id == promoted})
     return out
+
+
+def _promoted(output: Path) -> str | None:
+    """The run id ``exports/PROMOTED`` names, when it is a well-formed one."""
+    try:
+        text = (output / "exports" / "PROMOTED").read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if _RUN_ID.fullmatch(text) else None
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -103,6 +115,8 @@ class _Handler(BaseHTTPRequestHandler):
         parts = [urllib.parse.unquote(p) for p in urllib.parse.urlsplit(self.path).path.strip("/").split("/")]
         if parts == ["v1", "runs"]:
             return self._json(200, runs(self.server.output))
+        if parts == ["v1", "promoted"] and (promoted := _promoted(self.server.output)) is not None:
+            parts = ["v1", "bundles", promoted]
         if len(parts) >= 3 and parts[:2] == ["v1", "bundles"] and _RUN_ID.fullmatch(parts[2]):
             bundle = self.server.output / "exports" / parts[2]
             files = bundle_files(bundle) if bundle.is_dir() else {}

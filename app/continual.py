@@ -1,7 +1,8 @@
 """Continual retraining on one output volume: the promoted adapter, warm start from it, lineage, the promotion
 gate and skipping a night whose inputs did not change.
 
-Two pointers under ``exports/`` (each one line, a run id, replaced atomically):
+Two pointers under ``exports/`` (each one line, a run id, replaced atomically), written by the runs that continue the
+lineage (``training.init`` previous; ``auto`` in the nightly service):
 
 * ``PROMOTED``: the bundle users should take, and the one the next warm start continues from. It moves only to a
   bundle whose manifest records a passed promotion gate (or no gate);
@@ -147,17 +148,21 @@ def check_unchanged(out: Path, current: dict[str, Any], parent: Parent | None) -
 decide = B.promotion_rule  # the promotion rule, shared with the verifier (which recomputes it)
 
 
-def record_outcome(out: Path, bundle: Path) -> tuple[bool, str | None]:
-    """Move ``CANDIDATE`` (always) and ``PROMOTED`` (gate passed or off) to an exported bundle; idempotent.
+def record_outcome(out: Path, bundle: Path, *, lineage: bool) -> tuple[bool, str | None]:
+    """The promotion decision of an exported bundle; with ``lineage`` (the run continues the promoted chain, i.e.
+    ``training.init`` previous) also move ``CANDIDATE`` (always) and ``PROMOTED`` (gate passed or off). Idempotent.
 
     Returns:
         (promoted, reason): the reason says why a promotion was refused.
     """
     manifest = json.loads((bundle / B.MANIFEST).read_bytes())
     run_id, ev = manifest["run_id"], manifest.get("evaluation")
-    set_pointer(out, CANDIDATE, run_id)
-    if ev is None or ev["promote"]:
-        set_pointer(out, PROMOTED, run_id)
+    promote = ev is None or bool(ev["promote"])
+    if lineage:
+        set_pointer(out, CANDIDATE, run_id)
+        if promote:
+            set_pointer(out, PROMOTED, run_id)
+    if promote:
         return True, None
     return False, (f"promotion refused: eval loss {ev['candidate_loss']:.4f} > {ev['parent_loss']:.4f} x "
                    f"(1 + {ev['max_regression']:g}) of {ev['parent']}")

@@ -204,7 +204,8 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         done.append(True)
         write_state(run.run_dir, {"run_id": run.run_id, "fingerprint": run.fingerprint, "status": "exported",
                                   "started_at": run.started_at, "bundle": str(published.bundle)})
-        promoted, refused = continual.record_outcome(out, published.bundle)  # 12. PROMOTED moves only past the gate
+        promoted, refused = continual.record_outcome(  # 12. PROMOTED moves only past the gate
+            out, published.bundle, lineage=continual.init_mode(cfg, service=hooks.service) == "previous")
         progress(f"exported: {published.bundle}" + ("" if promoted else f" (not promoted: {refused})"))
     timer.t["total"] = time.perf_counter() - t0
     return RunResult(run.run_id, published.bundle, published.verdicts, published.policy_file, result.losses, timer.t,

@@ -36,7 +36,7 @@ from zoneinfo import ZoneInfo
 from app import alerts
 from app.audit import AuditLog
 from app.config import Config
-from app.errors import CvmTuneError, InputsUnchanged
+from app.errors import CvmTuneError, DatasetRollbackError, InputsUnchanged
 from app.state import (
     Locked,
     RollbackDetected,
@@ -205,9 +205,7 @@ class Service:
 
         run_id, sched = slot.run_id, self.cfg.schedule
         if (self.out / "exports" / run_id).is_dir():  # exported, but the process died before recording it
-            from app.continual import record_outcome
-
-            _promoted, refused = record_outcome(self.out, self.out / "exports" / run_id)  # pointers may lag the export
+            refused = self._record_outcome(self.out / "exports" / run_id)  # the pointers may lag the export
             self._finish(run_id, row, "succeeded", "recovered: the bundle was already exported"
                          + (f"; {refused}" if refused else ""),
                          bundle=str(self.out / "exports" / run_id), **_bundle_record(self.out / "exports" / run_id))
@@ -253,6 +251,16 @@ class Service:
         self._skip_overrun(slot, start)
         return outcome
 
+    def _record_outcome(self, bundle: Path) -> str | None:
+        from app.continual import init_mode, record_outcome
+
+        try:
+            return record_outcome(self.out, bundle, lineage=init_mode(self.cfg, service=True) == "previous")[1]
+        except (OSError, ValueError, KeyError, TypeError, CvmTuneError) as exc:
+            logger.warning("%s: cannot read its promotion decision (%s); exports/PROMOTED left as it was",
+                           bundle.name, type(exc).__name__)
+            return None
+
     def _on_step(self, step: int) -> None:
         self.current["step"] = step
 
@@ -261,7 +269,8 @@ class Service:
         kind = type(exc).__name__
         message = exc.message if isinstance(exc, CvmTuneError) else f"internal error ({kind})"
         logger.warning("%s failed: %s", slot.run_id, message)
-        retry = attempts < sched.max_attempts and self.schedule.due(now) == slot
+        # A rolled-back dataset stays rolled back within the night: refused at once, never retried.
+        retry = attempts < sched.max_attempts and self.schedule.due(now) == slot and not isinstance(exc, DatasetRollbackError)
         backoff = min(sched.retry_backoff_s * 2 ** (attempts - 1), sched.retry_backoff_max_s)
         self._finish(slot.run_id, None, "failed", f"{kind}: {message}",
                      next_attempt_at=iso(now + timedelta(seconds=backoff)) if retry else None)

@@ -36,7 +36,7 @@ def test_subcommand_help(cmd: str, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_usage_error_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        main(["verify"])
+        main(["verify", "--now", "soon"])
     assert exc.value.code == 2
 
 

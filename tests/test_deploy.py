@@ -394,7 +394,7 @@ def test_container_command_runs_against_the_simulator(container_run: dict[str, A
 
     from app.simulator import GuestAgentSimulator
 
-    exports = list((container_run["output"] / "exports").iterdir())
+    exports = [p for p in (container_run["output"] / "exports").iterdir() if p.is_dir()]  # PROMOTED, CANDIDATE: pointers
     assert len(exports) == 1
     manifest = Manifest.model_validate_json((exports[0] / "manifest.json").read_bytes())
     assert manifest.tee.mode == "dstack" and manifest.tee.compose_hash == container_run["dep"].compose_hash
@@ -450,6 +450,11 @@ def test_bundle_server_serves_only_with_the_token(container_run: dict[str, Any],
             with pytest.raises(urllib.error.HTTPError, match="404"):
                 urllib.request.urlopen(req, timeout=10)
         out = fetch(server.url, runs[0]["run_id"], tmp_path, SMOKE_TOKEN)
+        # The service's first night is promoted: /v1/promoted lists that bundle.
+        req = urllib.request.Request(server.url + "/v1/promoted", headers={"Authorization": f"Bearer {SMOKE_TOKEN}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            promoted = json.loads(resp.read())
+        assert runs[0]["promoted"] and promoted["run_id"] == runs[0]["run_id"] and "manifest.json" in promoted["files"]
     finally:
         server.stop()
     verdict = verify_bundle(out, policy=simulator_policy(GuestAgentSimulator().test_root_ca_der), now=int(time.time()))

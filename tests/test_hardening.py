@@ -172,7 +172,7 @@ def test_bad_paths_and_arguments(tmp_path: Path, demo: tuple[Path, Path], capsys
 
     cases = [
         (run_cfg(dataset=dataset(tmp_path / "missing.cvmds")), 3, "does not exist"),
-        (run_cfg(dataset=dataset(tmp_path)), 3, "is a directory"),
+        (run_cfg(dataset=dataset(tmp_path)), 2, "is a directory: set dataset.dataset_id"),
         (run_cfg(dataset=dataset(tmp_path / "fifo")), 3, "is a FIFO"),  # refused without blocking
         (["run", "--config", _write(tmp_path, f"output: {{dir: {tmp_path / 'file'}}}\n", "f.yaml")], 2, "not a directory"),
         (["status", "--config", _write(tmp_path, f"output: {{dir: {tmp_path / 'file'}}}\n", "f.yaml")], 2, "not a directory"),

@@ -31,7 +31,7 @@ Progress = Callable[[str], None]
 FETCHED = "fetched"
 PART = ".download.part"
 PART_META = ".download.json"
-_BLOCK = 1 << 20
+_BLOCK = 1 << 16  # a connection dropped mid-block loses at most this much progress
 
 
 @dataclass
@@ -149,7 +149,7 @@ def download(url: str, inbox: Path, *, dataset_id: str, owner_public_key: bytes,
             break
         except _Retry as exc:
             last = str(exc)
-        except (requests.ConnectionError, requests.Timeout) as exc:
+        except requests.RequestException as exc:  # refused, reset, timed out, closed mid-body
             last = f"{type(exc).__name__}"
     else:
         raise DataError(f"cannot download the dataset from {url} after {retries + 1} attempt(s): {last}",

@@ -60,14 +60,23 @@ def eval_loss(base_model_dir: Path, adapter_dir: Path | None, rows: Sequence[Map
     """
     import torch
     import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    cuda = torch.cuda.is_available()
+    with warnings.catch_warnings():  # transformers 5.2x renames gradient_checkpointing (the GPU lock pins 5.17)
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
+        return _eval_loss(base_model_dir, adapter_dir, rows, settings, cuda)
+
+
+def _eval_loss(base_model_dir: Path, adapter_dir: Path | None, rows: Sequence[Mapping[str, Any]], settings: Any,
+               cuda: bool) -> float:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTConfig, SFTTrainer
 
     from app.training.backend import build_dataset
 
-    transformers.utils.logging.disable_progress_bar()
-    cuda = torch.cuda.is_available()
     try:
         tok = AutoTokenizer.from_pretrained(str(base_model_dir), local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(str(base_model_dir), local_files_only=True,
