@@ -64,7 +64,7 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
         for row in table:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
     if adhoc:
-        lines += ["", "ad-hoc runs (cvm-tune run), newest first:"]
+        lines += ([] if lines[-1] == "" else [""]) + ["ad-hoc runs (cvm-tune run), newest first:"]
         lines += [f"  {a['run_id']}  {a['status']:8}  started {a['started_at']}  {a.get('bundle') or ''}".rstrip()
                   for a in adhoc]
     return "\n".join(lines)

@@ -31,7 +31,6 @@ PENDING = {
     "docs/deploy.md",
     "docs/performance.md",
     "docs/provenance.md",
-    "docs/continual-retraining.md",
     "docs/differential-privacy.md",
 }
 
