@@ -34,7 +34,17 @@ from app.dataset import DerivedKeySource, KeySource, open_encrypted, parse_jsonl
 from app.dataset.rows import split_eval_rows
 from app.dataset.sources import Located, download, locate
 from app.dataset.versions import check_version, rebuild_if_missing, record_version
-from app.errors import BaseModelError, ConfigError, CvmTuneError, DataError, EmptyDatasetError, TeeError
+from app.dataset.key_request import ReleasedKeySource
+from app.errors import (
+    BaseModelError,
+    ConfigError,
+    CvmTuneError,
+    DataError,
+    EmptyDatasetError,
+    InputsUnchanged,
+    KeyReleasePendingError,
+    TeeError,
+)
 from app.fsutil import remove_stale_temps
 from app.run_inputs import base_model, dataset_file, key_source, open_dataset, scratch_dir
 from app.run_state import RUN_ID, pick_run, resume_changes, write_state
@@ -61,6 +71,7 @@ class RunResult:
     audit_head: str = ""
     promoted: bool = True  # exports/PROMOTED now names this bundle
     promotion_refused: str | None = None  # why not (the promotion gate)
+    note: str | None = None  # e.g. trained an older version while a key release is pending
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,8 @@ class Keys:
     source: KeySource
     dataset: bytes
     checkpoint: bytes
+    located: Located | None = None  # the version this key opens (an older one while a key release is pending)
+    note: str | None = None  # why that is not the newest version
 
 
 @dataclass
@@ -105,6 +118,7 @@ class Dataset:
     chunks: int
     info: dict[str, Any]  # the manifest's "dataset" section
     eval_rows: list[Any] = field(default_factory=list)  # the owner's "split": "eval" rows (promotion gate)
+    note: str | None = None  # e.g. a pending key release made this an older version
 
 
 @dataclass(frozen=True)
@@ -167,9 +181,9 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         with timer.phase("decrypt_validate"):
             located = source_stage(cfg, out, progress)  # 2. tonight's version: a file, a directory, the owner's URL
         with timer.phase("key"):
-            keys = key_stage(cfg, ag, out, located)  # 3. dataset key (+ the checkpoint sealing key, never on disk)
+            keys = key_stage(cfg, ag, out, located, progress)  # 3. dataset key (+ the checkpoint key, never on disk)
         with timer.phase("decrypt_validate"):
-            ds = dataset_stage(cfg, out, keys, located, progress)  # 4. owner signature, decrypt in memory, rollback
+            ds = dataset_stage(cfg, out, keys, progress)  # 4. owner signature, decrypt in memory, rollback
         with timer.phase("train"):
             prepare_backend(cfg.training)  # 4. Unsloth (GPU) is imported before the first transformers import
         with timer.phase("base_model"):
@@ -210,7 +224,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
     timer.t["total"] = time.perf_counter() - t0
     return RunResult(run.run_id, published.bundle, published.verdicts, published.policy_file, result.losses, timer.t,
                      result.train_runtime_s, result.resumed_from_step, published.report, published.audit_head,
-                     promoted, refused)
+                     promoted, refused, ds.note)
 
 
 def _prepare_volume(cfg: Config) -> Path:
@@ -265,24 +279,46 @@ def source_stage(cfg: Config, out: Path, progress: Progress) -> Located | None:
     return located
 
 
-def key_stage(cfg: Config, ag: Agent, out: Path, located: Located | None) -> Keys:
+def key_stage(cfg: Config, ag: Agent, out: Path, located: Located | None, progress: Progress) -> Keys:
     """The dataset key (GetKey-derived, a key file, an env var, or released by the owner) and the checkpoint key
     (its own GetKey path, bound to the app id, never on disk)."""
     from app.training.checkpoints import CHECKPOINT_GETKEY_PATH
 
     source = key_source(cfg, ag.agent, ag.ident, out, located.path if located else None)
-    dataset_key = source.dataset_key()
+    note = None
+    try:
+        dataset_key = source.dataset_key()
+    except KeyReleasePendingError as exc:  # a version under a new key: keep training the last released one
+        fallback = _released_version(source, located)
+        if fallback is None:
+            raise
+        note = (f"key release pending for dataset v{located.version} (under a new key; "  # type: ignore[union-attr]
+                f"send {out / 'key-release' / 'request.json'} to the data owner): using v{fallback[0].version}, "
+                "the last released version")
+        located, dataset_key = fallback
+        progress(f"dataset: {note}")
+        alerts.send(cfg.alerts, {"event": "key_release.pending", "reason": exc.message}, output=out)
     ckpt_key = DerivedKeySource(ag.agent.get_key, CHECKPOINT_GETKEY_PATH, "cvm-tune-checkpoint-key").dataset_key()
-    return Keys(source, dataset_key, ckpt_key)
+    return Keys(source, dataset_key, ckpt_key, located, note)
 
 
-def dataset_stage(cfg: Config, out: Path, keys: Keys, located: Located | None, progress: Progress) -> Dataset:
+def _released_version(source: KeySource, located: Located | None) -> tuple[Located, bytes] | None:
+    """The newest older version that the owner's earlier key release opens (``None``: there is none)."""
+    if located is None or not isinstance(source, ReleasedKeySource):
+        return None
+    for version, path in located.older:
+        if (key := source.released_key_for(path)) is not None:
+            return Located(path, version), key
+    return None
+
+
+def dataset_stage(cfg: Config, out: Path, keys: Keys, progress: Progress) -> Dataset:
     """Owner signature first (when pinned), then decrypt in memory, authenticate ALL of it, validate rows, drop
     duplicates, hold out the owner's eval rows; refuse a rolled-back version (the record is rebuilt from the audit
     chain if it was deleted)."""
     dcfg = cfg.dataset
     owner_pub = bytes.fromhex(dcfg.owner_public_key) if dcfg.owner_public_key else None
-    path = located.path if located else dataset_file(cfg, out, keys.dataset, progress)
+    path = keys.located.path if keys.located else dataset_file(cfg, out, keys.dataset, progress)
     with open_dataset(path) as fh:
         stream = open_encrypted(fh, keys.dataset, owner_public_key=owner_pub)
         rows, rep = parse_jsonl(stream, source=path.name, max_row_bytes=dcfg.max_row_bytes, dedup=dcfg.dedup,
@@ -317,7 +353,7 @@ def dataset_stage(cfg: Config, out: Path, keys: Keys, located: Located | None, p
     progress(f"dataset: {path.name} v{info['dataset_version']} decrypted in memory and authenticated "
              f"({stream.chunks} chunks{signer}), {rep.rows_kept} rows {dict(rep.by_kind)}, "
              f"{rep.duplicates_dropped} duplicates dropped{_lines(rep.duplicate_lines)}")
-    return Dataset(path, rows, rep, stream.chunks, info, eval_rows)
+    return Dataset(path, rows, rep, stream.chunks, info, eval_rows, keys.note)
 
 
 def base_model_stage(cfg: Config, out: Path, progress: Progress) -> BaseModel:
@@ -361,7 +397,10 @@ def parent_stage(cfg: Config, out: Path, ag: Agent, ds: Dataset, base: BaseModel
         continual.check_parent(parent, cfg, base.tree, publish.gate_failures(verdicts, ag.simulated))
     current = {"dataset_plaintext_sha256": ds.info["plaintext_sha256"], "base_model_tree_sha256": base.tree,
                "training_config_sha256": sha256_hex(cfg.training_json()), "code_source_sha256": export.source_digest()}
-    continual.check_unchanged(out, current, parent)
+    try:
+        continual.check_unchanged(out, current, parent)
+    except InputsUnchanged as exc:
+        raise InputsUnchanged(f"{exc.message}; {ds.note}" if ds.note else exc.message) from None
     progress(f"warm start: continuing from the promoted adapter of {parent.run_id} (verified)" if parent
              else "warm start: no promoted adapter yet; training from the base model")
     return parent

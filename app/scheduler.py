@@ -241,7 +241,8 @@ class Service:
             outcome = self._failed(slot, attempts, exc)
         else:
             refused = getattr(result, "promotion_refused", None)
-            self._finish(run_id, None, "succeeded", refused, bundle=str(result.bundle_dir), metrics=result.report,
+            reason = "; ".join(r for r in (refused, getattr(result, "note", None)) if r) or None
+            self._finish(run_id, None, "succeeded", reason, bundle=str(result.bundle_dir), metrics=result.report,
                          audit_head=result.audit_head)
             outcome = f"succeeded: {run_id}" + (f" ({refused})" if refused else "")
             if refused:

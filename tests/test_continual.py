@@ -464,3 +464,58 @@ def test_thirty_nights(tmp_path: Path) -> None:
     chain_m = _manifest(exports / day(19))
     assert chain_m["lineage"]["parent_run_id"] == day(6)  # night 11 was refused: 19 continued from 6
     assert cli_main(["verify", "--chain", str(exports), "--policy", str(root / "out" / "simulator-test-policy.yaml")]) == 0
+
+
+# --- a new key waits for its grant --------------------------------------------------------------------------
+
+
+def test_a_version_under_a_new_key_waits_for_its_grant(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The released version keeps being used (and said so) until the owner releases the new key."""
+    import hashlib
+
+    from app.dataset.owner import load_owner_key
+    from app.errors import KeyReleasePendingError
+    from app.simulator import GuestAgentSimulator
+    from attestation.policy import policy_file_text, simulator_policy
+
+    (tmp_path / "data").mkdir()
+    assert cli_main(["keys", "new", "-o", str(tmp_path / "acme")]) == 0
+    signer = load_owner_key(tmp_path / "acme.key")
+    sim = GuestAgentSimulator()
+    policy = tmp_path / "owner-policy.yaml"
+    policy.write_text(policy_file_text(simulator_policy(sim.test_root_ca_der).model_copy(
+        update={"name": "acme", "compose_hashes": (sim.compose_hash.hex(),)})))
+    keys = {1: tmp_path / "v1.key", 2: tmp_path / "v2.key"}
+    for n, k in keys.items():
+        k.write_bytes(hashlib.sha256(f"key {n}".encode()).digest())
+        k.chmod(0o600)
+    _version(tmp_path / "data", 1, SAMPLE[:40], signer=signer)
+    for p in (tmp_path / "data").iterdir():  # re-encrypt under key 1
+        encrypt_to(p, jsonl(SAMPLE[:40]), keys[1].read_bytes(), signer=signer, dataset_id="tickets", dataset_version=1)
+    cfg = Config.model_validate({
+        "output": {"dir": str(tmp_path / "out")}, "training": {"max_steps": 2, "save_steps": 2},
+        "dataset": {"source": "encrypted-file", "path": str(tmp_path / "data"), "dataset_id": "tickets",
+                    "owner_public_key": (tmp_path / "acme.pub").read_text().strip(), "key": {"source": "release"}},
+        "alerts": {"webhook_url_env": "CVM_TUNE_TEST_NO_WEBHOOK"}})
+    request, grant = tmp_path / "out" / "key-release" / "request.json", tmp_path / "out" / "key-release" / "grant.json"
+
+    def release(version: int) -> None:
+        assert cli_main(["dataset", "release", str(request), "--policy", str(policy), "--dataset",
+                         str(tmp_path / "data" / f"tickets-v{version}.cvmds"), "--key-file", str(keys[version]),
+                         "--owner-key", str(tmp_path / "acme.key"), "-o", str(grant)]) == 0
+
+    with pytest.raises(KeyReleasePendingError):
+        run_once(cfg, hooks=RunHooks(service=True))
+    release(1)
+    first = run_once(cfg, hooks=RunHooks(service=True))
+    encrypt_to(tmp_path / "data" / "tickets-v2.cvmds", jsonl(SAMPLE[:80]), keys[2].read_bytes(), signer=signer,
+               dataset_id="tickets", dataset_version=2)
+    with pytest.raises(InputsUnchanged, match=r"key release pending for dataset v2 .*using v1, the last released"):
+        run_once(cfg, hooks=RunHooks(service=True))
+    assert json.loads(request.read_bytes())["request"]["dataset_version"] == 2
+    assert any("key_release.pending" in r.getMessage() for r in caplog.records)
+    grant.unlink()  # the operator replaces the old grant with the new one
+    release(2)
+    second = run_once(cfg, hooks=RunHooks(service=True))
+    m = _manifest(second.bundle_dir)
+    assert m["dataset"]["dataset_version"] == 2 and m["lineage"]["parent_run_id"] == first.run_id

@@ -137,6 +137,19 @@ class ReleasedKeySource:
             fix=f"send {self.request_file} to the data owner (`cvm-tune dataset release`), put the grant they return "
             f"at {self._grant_file}, and run again")
 
+    def released_key_for(self, dataset: Path) -> bytes | None:
+        """The key the owner released earlier for this dataset id, if it opens ``dataset`` (no request is written):
+        a newer version under a new key awaits its grant while an older, released version can still be used."""
+        try:
+            with open_regular(dataset) as fh:
+                header = read_header(fh)
+        except OSError:
+            return None
+        seal = self._seal_key()
+        sealed = self._state / f"dataset-{hashlib.sha256(header.dataset_id.encode()).hexdigest()[:16]}.json"
+        key = self._unseal_dataset_key(sealed, seal, header.dataset_id)
+        return key if key is not None and key_opens(dataset, key) else None
+
     # -- sealing
 
     def _seal_key(self) -> bytes:

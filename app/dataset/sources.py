@@ -42,6 +42,7 @@ class Located:
     version: int
     skipped: list[str] = field(default_factory=list)  # "name: reason" for invalid or foreign files
     fetch_error: str | None = None  # source url: why tonight's download was not used
+    older: list[tuple[int, Path]] = field(default_factory=list)  # other versions, newest first (key-release fallback)
 
 
 def newest_version(directory: Path, dataset_id: str, owner_public_key: bytes | None) -> Located:
@@ -76,7 +77,8 @@ def newest_version(directory: Path, dataset_id: str, owner_public_key: bytes | N
             if signed.signature.owner_public_key != owner_public_key:
                 skipped.append(f"{name}: signed by another owner key ({signed.signature.owner_key_id[:16]}…)")
                 continue
-        return Located(p, version, skipped)
+        older = [(v, q) for v, _n, q in sorted(found, reverse=True) if v < version]
+        return Located(p, version, skipped, older=older)
     why = f" ({'; '.join(skipped)})" if skipped else ""
     raise DataError(f"no valid version of dataset {dataset_id!r} in {directory}{why}",
                     fix="publish an owner-signed version there (cvm-tune dataset encrypt --dataset-id "
