@@ -15,6 +15,7 @@ venv=$1
 lock=$2
 mode=${3:-}
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
+pip install --quiet --require-hashes -r "$(dirname "$0")/pip.lock"  # a pip that handles extras under --require-hashes
 pip install --quiet --require-hashes -r "$lock"
 if [ "$mode" = "--editable" ]; then
     pip install --quiet --no-deps --no-build-isolation --editable .

@@ -60,7 +60,7 @@ from packaging.version import Version
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-NAMES = ("cpu", "test", "gpu")
+NAMES = ("pip", "cpu", "test", "gpu")
 INDEX = "https://pypi.org/simple"
 PYTHONS = ((3, 11), (3, 12))
 PLATFORMS = [f"manylinux_2_{m}_x86_64" for m in range(39, 4, -1)] + [
