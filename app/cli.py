@@ -100,6 +100,19 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--base-model", type=Path, metavar="DIR", help="also check a local copy of the base model against the manifest")
     v.add_argument("--dataset", type=Path, metavar="FILE", help="also check the encrypted dataset file against the manifest")
 
+    pu = sub.add_parser("publish", help="upload a verified bundle to the Hugging Face Hub (network)",
+                        description="Verify BUNDLE under the policy, then upload it as a Hub model repository: the PEFT "
+                        "adapter (with tokenizer and model.sig) at the root, the model card as README.md, every other "
+                        "bundle file under attestation/. Token: HF_TOKEN or `hf auth login`. A rejected bundle is never "
+                        "uploaded. Exit 0 published, 1 rejected, 2 input error, 7 upload error.")
+    pu.add_argument("bundle", type=Path, metavar="BUNDLE", help="the exports/<run_id> directory")
+    pu.add_argument("--repo", required=True, metavar="OWNER/NAME", help="Hub model repository (created if missing)")
+    pu.add_argument("--policy", type=Path, metavar="FILE", help="YAML policy (default: built-in, Intel root, UpToDate only)")
+    pu.add_argument("--now", type=int, metavar="UNIX_SECONDS", help="verification time (default: now)")
+    pu.add_argument("--private", action="store_true", help="create the repository private")
+    pu.add_argument("--stage-only", type=Path, metavar="DIR", help="write the folder that would be uploaded to DIR "
+                    "(new or empty) and stop: no network, no token")
+
     q = sub.add_parser("verify-quote", help="verify a TDX quote (raw, hex or GetQuote JSON) under a policy",
                        description="Check one quote: dcap-qvl signature chain and TCB, collateral window, TD attributes, "
                        "report_data (when given), RTMR0-3 replayed from the event log, boot events and event names, and the "
@@ -368,6 +381,30 @@ def _verify_chain(exports: Path, policy: Any, now: int, *, as_json: bool) -> int
     return 0 if broken is None else EXIT_REJECTED
 
 
+def _publish(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from attestation import load_policy, verify_bundle
+
+    from app import hub
+
+    repo = hub.check_repo_id(args.repo)
+    policy = load_policy(args.policy)
+    verdict = verify_bundle(args.bundle, policy=policy, now=args.now if args.now is not None else int(time.time()))
+    if not verdict.accepted:
+        _print_verdict(verdict, as_json=False)
+        print(f"refused: the bundle is rejected under policy {policy.name}; nothing was uploaded", file=sys.stderr)
+        return EXIT_REJECTED
+    if args.stage_only is not None:
+        print(f"staged {hub.stage_repo(args.bundle, args.stage_only)} (verified; not uploaded)")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="cvm-tune-publish-") as tmp:
+        folder = hub.stage_repo(args.bundle, Path(tmp) / "repo")
+        url = hub.upload(folder, repo, private=args.private, message=f"cvm-tune bundle {args.bundle.resolve().name}")
+    print(f"published {args.bundle} (verified under {policy.name}) to {url}")
+    return 0
+
+
 def _print_verdict(verdict: Verdict, *, as_json: bool) -> int:
     """Print the verdict; its exit code stands even when the reader closes the pipe early (``| head -1``)."""
     try:
@@ -582,7 +619,7 @@ def _bundles(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"run": _run, "serve": _serve, "status": _status, "verify": _verify, "verify-quote": _verify_quote,
+_COMMANDS = {"run": _run, "serve": _serve, "status": _status, "verify": _verify, "publish": _publish, "verify-quote": _verify_quote,
              "collateral": _collateral, "simulator": _simulator, "schema": _schema, "validate-config": _validate_config,
              "compose-hash": _compose_hash, "app-compose": _app_compose, "env": _env, "bundles": _bundles,
              **cli_owner.COMMANDS}

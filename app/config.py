@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from app.errors import ConfigError
 from attestation.safe_yaml import parse_yaml
@@ -182,9 +182,30 @@ class BaseModelSettings(_Closed):
     sha256: str | None = Field(
         None, pattern=HEX64, description="Pinned tree hash of the model directory (see `manifest.json` base_model.tree_sha256)."
     )
+    hub_id: str | None = Field(
+        None, description="Hugging Face Hub name of these weights (e.g. Qwen/Qwen2.5-0.5B-Instruct): written to the adapter's "
+        "adapter_config.json and model card so PEFT and the Hub find the base. Never downloaded; the tree hash stays the binding."
+    )
+    revision: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,99}$", description="Hub revision (commit or tag) of hub_id."
+    )
+
+    @field_validator("hub_id")
+    @classmethod
+    def _hub_id(cls, v: str | None) -> str | None:
+        if v is not None:
+            from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+            try:
+                validate_repo_id(v)
+            except HFValidationError as exc:
+                raise ValueError(f"base_model.hub_id {v!r} is not a Hub repo id (OWNER/NAME): {exc}") from None
+        return v
 
     @model_validator(mode="after")
     def _dir_needs_path(self) -> BaseModelSettings:
+        if self.revision is not None and self.hub_id is None:
+            raise ValueError("base_model.revision needs base_model.hub_id")
         if self.source == "local-dir" and self.path is None:
             raise ValueError("base_model.path is required when base_model.source is 'local-dir'")
         return self
@@ -365,6 +386,17 @@ class StateSettings(_Closed):
         "Unset: no rollback detection.")
 
 
+class ExportSettings(_Closed):
+    """What the export bundle holds besides the adapter."""
+
+    license: str = Field("other", pattern=r"^[a-z0-9][a-z0-9.+-]{0,63}$", description="License id for the model "
+                         "card front matter (a Hub license id such as apache-2.0, or 'other'): usually the base model's.")
+    merged: bool = Field(False, description="Also write the base + LoRA merged weights (merge_and_unload, sharded "
+                         "safetensors) under merged/, hashed and signed like the adapter. Large: the full model size.")
+    merged_max_shard_size: str = Field("4GB", pattern=r"^[1-9][0-9]{0,5}(KB|MB|GB)$", description="Largest merged "
+                                       "safetensors shard (transformers' max_shard_size, e.g. 4GB or 500MB).")
+
+
 class Config(_Closed):
     """A whole cvm-tune configuration."""
 
@@ -375,6 +407,7 @@ class Config(_Closed):
     training: TrainingSettings = TrainingSettings()
     evaluation: EvaluationSettings = EvaluationSettings()
     output: OutputSettings = OutputSettings()
+    export: ExportSettings = ExportSettings()
     schedule: ScheduleSettings = ScheduleSettings()
     alerts: AlertSettings = AlertSettings()
     state: StateSettings = StateSettings()

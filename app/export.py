@@ -1,4 +1,4 @@
-"""Export helpers: code identity, library versions, the model card and the manifest bytes.
+"""Export helpers: code identity, library versions, the signed model directories and the manifest bytes.
 
 The pipeline stages a bundle with these, binds ``manifest.json`` into the quote's report_data and
 publishes the directory atomically (``app.fsutil.staged_dir``); the layout is documented in
@@ -8,6 +8,8 @@ publishes the directory atomically (``app.fsutil.staged_dir``); the layout is do
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,8 @@ from attestation import bundle as B
 from attestation.hashing import files_digest, sha256_file
 
 import app
+from app import signing
+from app.errors import ExportError
 
 LIBRARIES = ("torch", "transformers", "peft", "trl", "datasets", "accelerate", "dstack-sdk", "dcap-qvl", "cryptography")
 
@@ -53,34 +57,62 @@ def manifest_bytes(fields: dict[str, Any]) -> bytes:
     return (json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode()
 
 
-def model_card(*, run_id: str, base_model: str, base_tree: str, dataset: dict[str, Any], backend: str,
-               steps: int, last_loss: float | None, simulated: bool) -> bytes:
-    """README.md of the bundle: what this adapter is and how to check it. No dataset content."""
-    warning = (
-        "\n> **Simulated attestation.** This bundle was produced against the cvm-tune guest-agent simulator: its quote is\n"
-        "> signed by a TEST CA and is **not** evidence of a TEE. The default verification policy rejects it.\n"
-        if simulated
-        else ""
-    )
-    loss = f"{last_loss:.4f}" if last_loss is not None else "n/a"
-    owner = f"signed by owner key `{dataset['owner_key_id']}`" if dataset.get("owner_key_id") else "not owner-signed"
-    return f"""# LoRA adapter `{run_id}`
-{warning}
-| | |
-|---|---|
-| base model | `{base_model}` (tree sha256 `{base_tree}`) |
-| dataset | `{dataset['dataset_id']}` v{dataset['dataset_version']}, {dataset['rows']} rows, ciphertext sha256 `{dataset['encrypted_sha256']}`, {owner} |
-| training | backend `{backend}`, {steps} optimizer steps, last logged loss {loss} |
+@dataclass(frozen=True)
+class ModelDirs:
+    """The signed model directories of a staged bundle (what the manifest records for them)."""
 
-Files: `adapter/` (PEFT LoRA: load with `PeftModel.from_pretrained(base, "adapter")`), `manifest.json` (provenance and
-the sha256 of every file here), `quote.bin` / `quote.hex` (Intel TDX quote; report_data = SHA-512 of
-`cvm-tune-manifest-v1:` + manifest.json), `event_log.json`, `audit.jsonl`, `collateral.json`.
+    signing: dict[str, Any]  # manifest ``signing``
+    files: dict[str, str]  # manifest ``files`` entries for the tokenizer, merged and signature files
 
-Verify before use:
+    @property
+    def public_key_pem(self) -> str:
+        return self.signing["public_key_pem"]
 
-```
-cvm-tune verify {run_id}        # from the exports/ directory; add --policy FILE for your own policy
-```
 
-proof.t16z.com can check `quote.hex`, but not the binding to manifest.json, the audit events or the file hashes.
-""".encode()
+def finish_model_dirs(stage: Path, *, base_dir: Path, get_key: Callable[[str, str], bytes], merged: bool,
+                      max_shard_size: str) -> ModelDirs:
+    """Complete ``stage/adapter`` (the base tokenizer), write ``stage/merged`` when asked, and sign each directory.
+
+    The adapter files themselves are already there (the trainer's, committed by the ``train.done`` audit entry).
+
+    Raises:
+        ExportError: the tokenizer or the merged model could not be written, or signing failed.
+        KeySourceError, TeeError: the signing key could not be derived.
+    """
+    from transformers import AutoTokenizer
+
+    adapter = stage / "adapter"
+    tokenizer = AutoTokenizer.from_pretrained(str(base_dir), local_files_only=True)
+    tokenizer.save_pretrained(str(adapter))  # tokenizer*.json, special tokens, chat template: never adapter_*
+    _check_names(adapter)
+    signed = ["adapter"]
+    if merged:
+        _write_merged(stage / "merged", base_dir, adapter, tokenizer, max_shard_size)
+        signed.append("merged")
+    key = signing.derive_key(get_key)
+    for d in signed:
+        signing.sign_dir(key, stage / d)
+    files = {f"{d}/{p.name}": sha256_file(p) for d in signed for p in sorted((stage / d).iterdir())}
+    files = {k: v for k, v in files.items() if k not in B.ADAPTER_FILES}
+    return ModelDirs({"scheme": "model-signing/ec-key", "key_path": B.SIGNING_GETKEY_PATH,
+                      "public_key_pem": signing.public_key_pem(key), "signed": signed}, files)
+
+
+def _write_merged(out: Path, base_dir: Path, adapter: Path, tokenizer: Any, max_shard_size: str) -> None:
+    """base + LoRA merged (``merge_and_unload``) on the CPU, in the base's dtype, as sharded safetensors."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype="auto", local_files_only=True)
+    model = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    out.mkdir()
+    model.save_pretrained(str(out), safe_serialization=True, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(str(out))
+    _check_names(out)
+
+
+def _check_names(directory: Path) -> None:
+    """Only plain files with names the manifest can list (one level: ``attestation.bundle.LISTED_FILE``)."""
+    if odd := sorted(p.name for p in directory.iterdir() if not p.is_file() or not B.LISTED_NAME.fullmatch(p.name)):
+        raise ExportError(f"{directory.name}/ holds entries a bundle cannot list: {odd}",
+                          fix="report this (an unexpected transformers/peft version)")

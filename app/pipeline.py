@@ -211,8 +211,8 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             cfg=cfg, out=out, run_id=run.run_id, started_at=run.started_at, code_sha=run.code_sha,
             config_bytes=run.config_bytes, agent=ag.agent, ident=ag.ident, simulated=ag.simulated,
             compose_bytes=ag.compose_bytes, build=ag.build, dataset=ds.info, rows_report=ds.rows_report,
-            chunks=ds.chunks, base_name=base.name, base_tree=base.tree, base_files=base.files, train=result, gpu=gpu,
-            log=audit.log, recorder=audit.recorder, slot=hooks.slot,
+            chunks=ds.chunks, base_dir=base.dir, base_name=base.name, base_tree=base.tree, base_files=base.files,
+            train=result, gpu=gpu, log=audit.log, recorder=audit.recorder, slot=hooks.slot,
             lineage=parent.lineage() if parent else None, evaluation=evaluation),
             phase=timer.phase, timings=timer.t, progress=progress)
         done.append(True)
@@ -473,7 +473,8 @@ def train_stage(cfg: Config, ds: Dataset, base: BaseModel, keys: Keys, parent: c
         progress(f"  CUDA OOM in {change['phase']}: batch {change['from']} -> {change['to']}")
 
     result = train(TrainRequest(
-        base_model_dir=base.dir, base_model_name=base.name, rows=ds.rows, run_dir=run.run_dir, settings=ts,
+        base_model_dir=base.dir, base_model_name=cfg.base_model.hub_id or base.name,
+        base_model_revision=cfg.base_model.revision, rows=ds.rows, run_dir=run.run_dir, settings=ts,
         fingerprint=run.fingerprint, checkpoint_key=keys.checkpoint, inputs=run.inputs, scratch_dir=scratch,
         keep_checkpoints=cfg.output.keep_checkpoints, on_step_end=step_end,
         on_event=lambda t, d: audit.recorder.record(run.run_id, t, d),

@@ -28,6 +28,7 @@ from app.audit import AuditLog, AuditRecorder, utc_now
 from app.config import Config
 from app.errors import ExportError
 from app.fsutil import atomic_write_bytes, staged_dir
+from app.model_card import card_inputs, model_card
 from app.tee import GuestAgent, Identity
 
 SIMULATOR_POLICY_FILE = "simulator-test-policy.yaml"
@@ -52,6 +53,7 @@ class ExportInputs:
     dataset: dict[str, Any]
     rows_report: Any
     chunks: int
+    base_dir: Path
     base_name: str
     base_tree: str
     base_files: dict[str, str]
@@ -90,10 +92,8 @@ def export_bundle(x: ExportInputs, *, phase: Phase, timings: dict[str, float],
         (stage / B.CONFIG).write_bytes(x.config_bytes)
         (stage / B.APP_COMPOSE).write_bytes(x.compose_bytes)
         (stage / B.GPU_EVIDENCE).write_bytes(x.gpu.data)
-        last_loss = result.losses[-1][1] if result.losses else None
-        (stage / B.MODEL_CARD).write_bytes(export.model_card(
-            run_id=x.run_id, base_model=x.base_name, base_tree=x.base_tree, dataset=x.dataset, backend=result.backend,
-            steps=result.global_step, last_loss=last_loss, simulated=x.simulated))
+        model_dirs = finish_model_dirs(x, stage)  # tokenizer, merged/, model.sig
+        (stage / B.MODEL_CARD).write_bytes(model_card(card_inputs_for(x, model_dirs)))
         effective_batch = result.batch.get("effective", ts.per_device_batch_size * ts.gradient_accumulation_steps)
         run_report = report.build(run_id=x.run_id, slot=x.slot, timings=timings, train=result,
                                   effective_batch_size=effective_batch, rows=x.rows_report,
@@ -104,7 +104,8 @@ def export_bundle(x: ExportInputs, *, phase: Phase, timings: dict[str, float],
             x.recorder.record(x.run_id, "export", {"artifacts_sha256": files_digest(artifacts)})
         entries = x.log.run_slice(x.run_id)
         (stage / B.AUDIT).write_bytes(b"".join(e.line + b"\n" for e in entries))
-        manifest = export.manifest_bytes(_manifest(x, stage, artifacts, report_files, entries, effective_batch))
+        manifest = export.manifest_bytes(_manifest(x, stage, artifacts, report_files, entries, effective_batch,
+                                                    model_dirs))
         (stage / B.MANIFEST).write_bytes(manifest)
         with phase("quote"):
             quote, event_log = x.agent.quote(B.manifest_report_data(manifest))
@@ -125,6 +126,19 @@ def export_bundle(x: ExportInputs, *, phase: Phase, timings: dict[str, float],
     return Published(final, verdicts, policy_file, run_report, entries[-1].hash)
 
 
+def finish_model_dirs(x: ExportInputs, stage: Path) -> export.ModelDirs:
+    """Make ``stage/adapter`` a loadable PEFT repository (the base's tokenizer), write ``stage/merged`` when
+    ``export.merged`` is set, and sign each with the deployment's GetKey-derived key (``model.sig``)."""
+    return export.finish_model_dirs(stage, base_dir=x.base_dir, get_key=x.agent.get_key, merged=x.cfg.export.merged,
+                                    max_shard_size=x.cfg.export.merged_max_shard_size)
+
+
+def card_inputs_for(x: ExportInputs, model_dirs: export.ModelDirs) -> Any:
+    """What the bundle's model card (README.md) says: values the manifest also records."""
+    return card_inputs(x.cfg, x.run_id, x.simulated, x.base_name, x.base_tree, x.dataset, x.train, x.code_sha,
+                       model_dirs.public_key_pem)
+
+
 def _checks(x: ExportInputs) -> list[str]:
     """The report's list of what this run checked (names and counts, never data)."""
     r, ts = x.train, x.cfg.training
@@ -141,14 +155,14 @@ def _checks(x: ExportInputs) -> list[str]:
 
 
 def _manifest(x: ExportInputs, stage: Path, artifacts: dict[str, str], report_files: dict[str, Path],
-              entries: list[Any], effective_batch: int) -> dict[str, Any]:
+              entries: list[Any], effective_batch: int, model_dirs: export.ModelDirs) -> dict[str, Any]:
     r, ts, ident = x.train, x.cfg.training, x.ident
     return {
         "schema": B.MANIFEST_SCHEMA, "run_id": x.run_id, "started_at": x.started_at, "created_at": utc_now(),
         "code": {"package": "cvm-tune", "version": app.__version__, "source_sha256": x.code_sha},
         "backend": {"name": r.backend, "device": r.device, "libraries": export.library_versions(r.library_versions)},
         "base_model": {"name": x.base_name, "source": x.cfg.base_model.source, "tree_sha256": x.base_tree,
-                       "files": x.base_files},
+                       "files": x.base_files, "hub_id": x.cfg.base_model.hub_id, "revision": x.cfg.base_model.revision},
         "dataset": x.dataset,
         "tee": {"mode": x.cfg.tee.mode, "app_id": ident.app_id, "instance_id": ident.instance_id,
                 "compose_hash": ident.compose_hash, "agent_version": ident.version, "agent_rev": ident.rev},
@@ -159,11 +173,12 @@ def _manifest(x: ExportInputs, stage: Path, artifacts: dict[str, str], report_fi
         "audit": {"head": entries[-1].hash, "start_prev": entries[0].prev, "first_seq": entries[0].seq,
                   "entries": len(entries), "rtmr3": x.recorder.rtmr3 or "unsupported"},
         "files": {**artifacts, B.AUDIT: sha256_file(stage / B.AUDIT), B.GPU_EVIDENCE: x.gpu.info.evidence_sha256,
-                  **{rel: sha256_file(p) for rel, p in report_files.items()}},
+                  **{rel: sha256_file(p) for rel, p in report_files.items()}, **model_dirs.files},
         "gpu": x.gpu.info.model_dump(mode="json"),
         "build": x.build,
         "lineage": x.lineage,
         "evaluation": x.evaluation,
+        "signing": model_dirs.signing,
     }
 
 

@@ -2,8 +2,13 @@
 
 A bundle ``exports/<run_id>/`` holds::
 
-    adapter/adapter_config.json       PEFT adapter (base_model_name_or_path normalised)
+    adapter/adapter_config.json       PEFT adapter (base_model_name_or_path: the base's Hub id or name)
     adapter/adapter_model.safetensors
+    adapter/tokenizer*.json, ...      the base model's tokenizer files (a loadable PEFT repo)
+    adapter/model.sig                 OpenSSF model signature of adapter/ (``model-signing``, ECDSA P-256 key
+                                      derived in the CVM; public key in the manifest ``signing``)
+    merged/                           optional (``export.merged``): base + LoRA merged, sharded safetensors,
+                                      config, tokenizer and its own ``model.sig``
     config.json                       the resolved run configuration (canonical JSON)
     app-compose.json                  the dstack app-compose the CVM measured (raw bytes)
     README.md                         model card
@@ -22,9 +27,10 @@ typed-content convention ``hash(tag ":" content)`` with a cvm-tune tag, over the
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from attestation.gpu import FILE as GPU_EVIDENCE
 from attestation.gpu import GpuInfo
@@ -50,6 +56,12 @@ ATTESTATION_FILES = (MANIFEST, QUOTE_BIN, QUOTE_HEX, EVENT_LOG)
 # The run report: hashed in `files` like the rest (all or none: bundles made before reports lack both).
 REPORT_FILES = ("report/report.json", "report/loss.png")
 OPTIONAL_FILES = (COLLATERAL,)
+# Directories whose further files (tokenizer, signature, merged shards) the manifest lists by name: one level deep,
+# a plain file name each (the manifest, bound by the quote, says which exist).
+LISTED_DIRS = ("adapter", "merged")
+LISTED_FILE = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}"
+SIGNATURE_NAME = "model.sig"  # model_signing's default signature file name, inside each signed directory
+SIGNING_GETKEY_PATH = "cvm-tune/model-signing/v1"
 
 
 def hashed_files(manifest: Manifest | None) -> tuple[str, ...]:
@@ -59,9 +71,13 @@ def hashed_files(manifest: Manifest | None) -> tuple[str, ...]:
         return HASHED_FILES
     gpu = (GPU_EVIDENCE,) if manifest.gpu is not None else ()
     report = REPORT_FILES if set(REPORT_FILES) & set(manifest.files) else ()
-    return HASHED_FILES + gpu + report
+    signed = tuple(f"{d}/{SIGNATURE_NAME}" for d in manifest.signing.signed) if manifest.signing else ()
+    listed = tuple(sorted(f for f in manifest.files if _LISTED.fullmatch(f) and f not in ADAPTER_FILES and f not in signed))
+    return HASHED_FILES + gpu + report + signed + listed
 
 
+_LISTED = re.compile(rf"(?:{'|'.join(LISTED_DIRS)})/{LISTED_FILE}")
+LISTED_NAME = re.compile(LISTED_FILE)
 Hex64 = str
 _H64 = Field(pattern=r"^[0-9a-f]{64}$")
 
@@ -106,6 +122,8 @@ class BackendInfo(_Closed):
 
 class BaseModelInfo(_Closed):
     name: str
+    hub_id: str | None = None  # the Hub name of the local weights (config base_model.hub_id); never downloaded
+    revision: str | None = None
     source: str
     tree_sha256: Hex64 = _H64
     files: dict[str, Hex64]
@@ -222,6 +240,25 @@ class EvaluationInfo(_Closed):
 def promotion_rule(candidate_loss: float, parent_loss: float, max_regression: float) -> bool:
     """Promote when the candidate is not worse than its parent beyond the allowed relative regression."""
     return candidate_loss <= parent_loss * (1.0 + max_regression)
+class SigningInfo(_Closed):
+    """OpenSSF model signatures (``model-signing``, key-based): one ``<dir>/model.sig`` per signed directory.
+
+    The key is ECDSA P-256, derived in the CVM from dstack GetKey at ``key_path`` (bound to the app id); the public
+    key is here, so the quote's report_data binds it. Check with ``model_signing verify key <dir> --signature
+    <dir>/model.sig --public_key KEY.pem``.
+    """
+
+    scheme: Literal["model-signing/ec-key"] = "model-signing/ec-key"
+    key_path: str
+    public_key_pem: str = Field(pattern=r"^-----BEGIN PUBLIC KEY-----\n[A-Za-z0-9+/=\n]+-----END PUBLIC KEY-----\n$")
+    signed: tuple[Literal["adapter", "merged"], ...] = Field(min_length=1)
+
+    @field_validator("signed")
+    @classmethod
+    def _adapter_first(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if v[0] != "adapter" or len(set(v)) != len(v):
+            raise ValueError("signed must start with 'adapter' and name each directory once")
+        return v
 
 
 class Manifest(_Closed):
@@ -243,3 +280,4 @@ class Manifest(_Closed):
     build: BuildInfo | None = None
     lineage: LineageInfo | None = None  # None: trained from the base model
     evaluation: EvaluationInfo | None = None  # None: no promotion gate
+    signing: SigningInfo | None = None  # absent only in bundles from before model signatures

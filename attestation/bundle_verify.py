@@ -18,6 +18,7 @@ Bundle steps (after ``attestation.verify``'s quote steps):
                          verifies under that key and its statement, header and hashes match the manifest
  B14 ``build.image``     the manifest's image is the cvm-tune service's image in app-compose.json, pinned by digest
  B15 ``build.lock``      the run's environment matched the hash lock the image was built from
+ B16 ``model.signature`` adapter/ (and merged/) verify with model-signing under the manifest's key (``attestation.model_sig``)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pydantic import ValidationError
 
 from attestation import bundle as B
 from attestation import compose as C
+from attestation import model_sig
 from attestation.audit import AuditEntry, AuditFormatError, chain_problems, parse_entry, parse_lines
 from attestation.dataset_sig import TrailerError, owner_key_id, read_signed_file
 from attestation.dcap import Collateral, parse_collateral
@@ -49,7 +51,7 @@ MAX_FILE = 64 << 20
 INTEGRITY_CHECKS = frozenset({
     "bundle.files", "manifest.schema", "manifest.files", "quote.parse", "quote.hex", "quote.padding", "report_data",
     "event_log.parse", "event_log.replay", "event_log.boot", "compose.hash", "tee.app_id", "audit.chain",
-    "audit.rtmr3", "base_model.tree", "gpu.evidence", "evaluation.decision",
+    "audit.rtmr3", "base_model.tree", "gpu.evidence", "evaluation.decision", "model.signature",
 })
 
 
@@ -96,6 +98,7 @@ def verify_bundle(
         _audit(f, root, manifest, policy)
         _gpu(f, root, manifest)
         _evaluation(f, root, manifest)
+        model_sig.check(f, root, manifest)
         _inputs(f, manifest, base_model_dir, dataset_file)
     return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
 

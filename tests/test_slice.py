@@ -18,6 +18,8 @@ from app.cli import main
 from app.simulator import GuestAgentSimulator
 
 STEPS = 12
+# What the export adds to the trainer's two adapter files: the base's tokenizer and the OpenSSF signature.
+ADAPTER_EXTRAS = ("adapter/chat_template.jinja", "adapter/model.sig", "adapter/tokenizer.json", "adapter/tokenizer_config.json")
 
 
 def _write_config(path: Path, out: Path, **extra: object) -> Path:
@@ -62,9 +64,9 @@ def test_run_exports_a_bundle_and_prints_the_verdict(demo: dict) -> None:
 def test_bundle_layout(demo: dict) -> None:
     files = sorted(p.relative_to(demo["bundle"]).as_posix() for p in demo["bundle"].rglob("*") if p.is_file())
     assert files == sorted([
-        "README.md", "adapter/adapter_config.json", "adapter/adapter_model.safetensors", "app-compose.json",
-        "audit.jsonl", "collateral.json", "config.json", "event_log.json", "gpu-evidence.json", "manifest.json",
-        "quote.bin", "quote.hex", "report/loss.png", "report/report.json"])
+        "README.md", "adapter/adapter_config.json", "adapter/adapter_model.safetensors", *ADAPTER_EXTRAS,
+        "app-compose.json", "audit.jsonl", "collateral.json", "config.json", "event_log.json", "gpu-evidence.json",
+        "manifest.json", "quote.bin", "quote.hex", "report/loss.png", "report/report.json"])
     manifest = json.loads((demo["bundle"] / "manifest.json").read_text())
     assert manifest["schema"] == "cvm-tune/manifest/v1"
     assert manifest["backend"]["name"] == "hf"
@@ -87,7 +89,7 @@ def test_adapter_loads_with_peft_and_generates(demo: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base_dir = demo["out"] / "models" / "tiny-llama"
-    tok = AutoTokenizer.from_pretrained(base_dir, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(demo["bundle"] / "adapter", local_files_only=True)  # the bundle carries it
     base = AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True)
     model = PeftModel.from_pretrained(base, demo["bundle"] / "adapter").eval()
     enc = tok.apply_chat_template([{"role": "user", "content": "What is 2 plus 3?"}], add_generation_prompt=True,
@@ -152,6 +154,7 @@ TAMPER = {
     "collateral.json": {"quote.signature", "collateral.parse", "collateral.chains"},
     "report/report.json": {"manifest.files"},
     "report/loss.png": {"manifest.files"},
+    **{name: {"model.signature"} for name in ADAPTER_EXTRAS},  # tokenizer files and the signature itself
 }
 
 
@@ -232,6 +235,61 @@ def test_reordered_audit_is_rejected(demo: dict, tmp_path: Path, capsys: pytest.
     lines = (bundle / "audit.jsonl").read_bytes().splitlines(keepends=True)
     (bundle / "audit.jsonl").write_bytes(b"".join([lines[1], lines[0], *lines[2:]]))
     assert "audit.chain" in _failed(bundle, demo["policy"], capsys)
+
+
+def test_adapter_loads_with_plain_peft_offline(demo: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adapter dir is a PEFT repo: AutoPeftModelForCausalLM finds the base by its recorded name (here a local
+    directory of that name, offline), the tokenizer is in it, and plain PeftModel on the local base agrees."""
+    import torch
+    from peft import AutoPeftModelForCausalLM, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from app.training import build_tiny_model
+    from attestation.hashing import tree_digest
+
+    adapter = demo["bundle"] / "adapter"
+    name = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+    manifest = json.loads((demo["bundle"] / "manifest.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    build_tiny_model(tmp_path / name)  # deterministic: the same weights the run trained on
+    assert tree_digest(tmp_path / name)[0] == manifest["base_model"]["tree_sha256"]
+    tokenizer = AutoTokenizer.from_pretrained(str(adapter), local_files_only=True)
+    ids = tokenizer("the adapter loads", return_tensors="pt")
+    auto = AutoPeftModelForCausalLM.from_pretrained(str(adapter), local_files_only=True)
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(demo["out"] / "models" / "tiny-llama")),
+                                      str(adapter))
+    with torch.no_grad():
+        assert torch.equal(auto(**ids).logits, plain(**ids).logits)
+
+
+def test_model_card_has_hub_front_matter(demo: dict) -> None:
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(demo["bundle"] / "README.md")
+    manifest = json.loads((demo["bundle"] / "manifest.json").read_text())
+    assert (card.data.library_name, card.data.pipeline_tag, card.data.license) == ("peft", "text-generation", "other")
+    assert {"lora", "peft", "confidential-computing", "tdx", "cvm-tune-simulated"} <= set(card.data.tags)
+    assert card.data.base_model is None and "no Hub id" in card.text  # the embedded demo's base has no Hub name
+    assert manifest["signing"]["public_key_pem"] in card.text and manifest["dataset"]["plaintext_sha256"] in card.text
+    assert f"cvm-tune verify {manifest['run_id']}" in card.text and "proof.t16z.com" in card.text
+
+
+def test_adapter_signature_checks_with_the_model_signing_cli(demo: dict, tmp_path: Path) -> None:
+    """The library's own `model_signing verify key`, given the manifest's public key, accepts the adapter and
+    rejects it after a one-byte change."""
+    bundle = _copy(demo, tmp_path)
+    key = tmp_path / "signing-key.pem"
+    key.write_text(json.loads((bundle / "manifest.json").read_text())["signing"]["public_key_pem"])
+    cmd = [str(Path(sys.executable).parent / "model_signing"), "verify", "key", str(bundle / "adapter"),
+           "--signature", str(bundle / "adapter" / "model.sig"), "--public_key", str(key)]
+    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "Verification succeeded" in ok.stdout, ok.stdout + ok.stderr
+    weights = bundle / "adapter" / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "Verification failed" in bad.stderr, bad.stdout + bad.stderr
 
 
 # ----------------------------------------------------------------------------- input errors (exit 2)

@@ -61,6 +61,7 @@ class TrainRequest:
     Attributes:
         base_model_dir: Local HF model directory (config.json, model.safetensors, tokenizer files).
         base_model_name: Written as ``base_model_name_or_path`` in adapter_config.json (never a path).
+        base_model_revision: Written as ``revision`` in adapter_config.json when set (the base's Hub revision).
         rows: Validated rows, ``{"messages": [{"role", "content"}, ...]}`` or ``{"text": str}``; may be mixed.
         run_dir: Checkpoints go to ``run_dir/"checkpoints"``, the adapter to ``run_dir/"adapter"``.
         settings: Hyper-parameters (``app.config.TrainingSettings``).
@@ -100,6 +101,7 @@ class TrainRequest:
     inputs: Mapping[str, str] | None = None
     scratch_dir: Path | None = None
     keep_checkpoints: int = 3
+    base_model_revision: str | None = None
     on_step_end: Callable[[int], str | None] | None = None
     on_event: Callable[[str, dict[str, Any]], None] | None = None
     on_batch_change: Callable[[dict[str, Any]], None] | None = None

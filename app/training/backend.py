@@ -270,7 +270,7 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
     adapter_dir = Path(req.run_dir) / "adapter"
     if rank == 0:
         try:
-            adapter_dir = export_adapter(trainer.model, adapter_dir, req.base_model_name)
+            adapter_dir = export_adapter(trainer.model, adapter_dir, req.base_model_name, req.base_model_revision)
         except OSError as exc:
             raise StateError(f"cannot write the adapter under {req.run_dir}: {_first_line(exc)}") from exc
     state = trainer.state

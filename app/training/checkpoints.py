@@ -309,7 +309,7 @@ def _reason(exc: BaseException) -> str:
     return f"malformed manifest ({type(exc).__name__})"
 
 
-def export_adapter(model: Any, final: Path, base_model_name: str) -> Path:
+def export_adapter(model: Any, final: Path, base_model_name: str, revision: str | None = None) -> Path:
     """Write exactly the two adapter files to ``final`` atomically (any older adapter is replaced).
 
     ``base_model_name_or_path`` is set to ``base_model_name`` (PEFT stores the load path, which
@@ -322,6 +322,7 @@ def export_adapter(model: Any, final: Path, base_model_name: str) -> Path:
         model: The trained ``PeftModel``.
         final: ``run_dir/"adapter"``.
         base_model_name: The name recorded for the base model.
+        revision: The base model's Hub revision, recorded as ``revision`` when given.
 
     Returns:
         ``final``.
@@ -345,6 +346,8 @@ def export_adapter(model: Any, final: Path, base_model_name: str) -> Path:
         cfg_path = stage / "adapter_config.json"
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
         cfg["base_model_name_or_path"] = base_model_name
+        if revision is not None:
+            cfg["revision"] = revision
         if isinstance(cfg.get("auto_mapping"), dict) and cfg["auto_mapping"].get("unsloth_fixed"):
             cfg["auto_mapping"] = None  # Unsloth's marker (a standard class needs none): same config as the HF backend's
         for key in ("target_modules", "exclude_modules"):

@@ -1,0 +1,54 @@
+"""Bundle step ``model.signature``: the OpenSSF model signatures (``model-signing``) of the signed directories.
+
+The manifest's ``signing`` names the public key (bound by the quote through report_data) and the signed
+directories (``adapter``, and ``merged`` when exported). Each ``<dir>/model.sig`` must verify with the library's
+key-based verifier under that key, over exactly the files in the directory (an added, removed or changed file, or
+a signature made with any other key, fails). The same check as ``model_signing verify key <dir> --signature
+<dir>/model.sig --public_key KEY.pem``. ``model_signing`` (the sigstore stack) is imported only when a bundle
+carries signatures, so ``import attestation`` stays light.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from attestation import bundle as B
+from attestation.verdict import QuoteFindings
+
+CHECK = "model.signature"
+
+
+def check(f: QuoteFindings, root: Path, manifest: B.Manifest) -> None:
+    """Add the ``model.signature`` check for ``root`` (a bundle whose manifest parsed)."""
+    signing = manifest.signing
+    if signing is None:
+        f.add(CHECK, "skip", "the bundle predates model signatures (manifest has no signing)")
+        return
+    unsigned = sorted({p.split("/")[0] for p in manifest.files if p.startswith("merged/")} - set(signing.signed))
+    problems = [f"{d}/ is exported but not signed" for d in unsigned]
+    with tempfile.TemporaryDirectory(prefix="cvm-tune-verify-") as tmp:
+        key = Path(tmp) / "model-signing.pub.pem"
+        key.write_text(signing.public_key_pem)
+        for d in signing.signed:
+            why = verify_dir(root / d, key)
+            if why:
+                problems.append(f"{d}/{B.SIGNATURE_NAME}: {why}")
+    detail = "; ".join(problems) or f"{', '.join(d + '/' for d in signing.signed)} signed by the manifest's P-256 key"
+    f.add(CHECK, "fail" if problems else "pass", detail)
+
+
+def verify_dir(directory: Path, public_key_pem: Path) -> str | None:
+    """None when ``directory/model.sig`` verifies under the key, else why not (one line)."""
+    import model_signing
+
+    signature = directory / B.SIGNATURE_NAME
+    if not signature.is_file():
+        return "missing"
+    try:
+        model_signing.verifying.Config().use_elliptic_key_verifier(public_key=public_key_pem).set_hashing_config(
+            model_signing.hashing.Config().set_ignored_paths(paths=[B.SIGNATURE_NAME])
+        ).verify(directory, signature)
+    except Exception as exc:  # the library raises ValueError, InvalidSignature, protobuf/JSON errors: all a reject
+        return (str(exc).splitlines() or [type(exc).__name__])[0][:300] or type(exc).__name__
+    return None
