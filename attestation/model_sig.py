@@ -13,7 +13,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from attestation import bundle as B
+import attestation.bundle as B
 from attestation.verdict import QuoteFindings
 
 CHECK = "model.signature"

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 
 from app.config import TrainingSettings  # noqa: E402
 from app.errors import BaseModelError, TrainingError  # noqa: E402
-from app.training import TrainingInterrupted, TrainingStopped, TrainRequest, TrainResult, build_tiny_model, launch, train  # noqa: E402
+from app.training import TrainingInterrupted, TrainingStopped, TrainRequest, TrainResult, build_tiny_model, launch, ranks, train  # noqa: E402
 from app.training.batch import BatchPlan, OutOfMemory  # noqa: E402
 from app.training.checkpoints import restore_checkpoint  # noqa: E402
 from tests.test_training import CKPT_KEY, FP, INPUTS, _assert_same_adapter, _rows  # noqa: E402
@@ -102,13 +102,13 @@ def test_worker_env_is_torchruns_contract() -> None:
 def test_rank_helpers_trust_only_our_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
-    monkeypatch.delenv(launch.WORKER_ENV, raising=False)
-    assert (launch.world_size(), launch.rank(), launch.in_worker()) == (1, 0, False)
+    monkeypatch.delenv(ranks.WORKER_ENV, raising=False)
+    assert (ranks.world_size(), ranks.rank(), ranks.in_worker()) == (1, 0, False)
     with pytest.raises(TrainingError, match="distributed launcher") as err:
         launch.refuse_foreign_launcher()
     assert "training.gpu.devices" in err.value.fix
-    monkeypatch.setenv(launch.WORKER_ENV, "1")
-    assert (launch.world_size(), launch.rank()) == (4, 3)
+    monkeypatch.setenv(ranks.WORKER_ENV, "1")
+    assert (ranks.world_size(), ranks.rank()) == (4, 3)
     launch.refuse_foreign_launcher()  # our own worker: fine
 
 

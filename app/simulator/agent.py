@@ -30,7 +30,7 @@ from eth_utils import ValidationError as EthValidationError
 from eth_utils import keccak
 
 import app
-from app.simulator import pki
+import app.simulator.pki as pki
 
 DEFAULT_TEST_SECRET = hashlib.sha256(b"cvm-tune dstack simulator TEST secret v1").digest()
 """The public default secret. NOT SECRET: anyone can derive every simulator key from it."""

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.errors import BaseModelError, CvmTuneError, StateError, TrainingError, disk_error
 
-from . import LossDiverged, TrainingInterrupted, TrainingStopped, TrainRequest, TrainResult, launch, set_offline_env
+from . import LossDiverged, TrainingInterrupted, TrainingStopped, TrainRequest, TrainResult, ranks, set_offline_env
 from .batch import BatchPlan, OutOfMemory, guard_eval, initial_plan, is_oom, retry_budget, run_with_backoff, step_watch
 from .batch import summary as batch_summary
 from .checkpoints import ResumeChoice, export_adapter, restore_checkpoint, seal_checkpoint
@@ -203,7 +203,7 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
     cuda = torch.cuda.is_available()
     check_options(backend, s, cuda=cuda)
     check_triton_toolchain(cuda=cuda)
-    world, rank = launch.world_size(), launch.rank()
+    world, rank = ranks.world_size(), ranks.rank()
     key = checkpoint_key(req)  # set by train() or the launcher: one key restores and seals
     resume = choice if choice is not None else restore(req, key, scratch)
     sealing = {"key": key, "inputs": _inputs(req), "root": Path(req.run_dir) / "checkpoints"}
@@ -346,7 +346,7 @@ def _load_hf(req: TrainRequest, cuda: bool) -> tuple[Any, Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
     s, lora = req.settings, req.settings.lora
-    kw = hf_load_kwargs(s, cuda=cuda, bf16=cuda and torch.cuda.is_bf16_supported(), local_rank=launch.local_rank())
+    kw = hf_load_kwargs(s, cuda=cuda, bf16=cuda and torch.cuda.is_bf16_supported(), local_rank=ranks.local_rank())
     kw["dtype"] = getattr(torch, kw["dtype"])
     if "quantization_config" in kw:
         kw["quantization_config"] = BitsAndBytesConfig(**kw["quantization_config"])
@@ -479,7 +479,7 @@ def _callback_class() -> type:
                 control.should_save = True  # the hook promises a checkpoint at that step
             if self.req.on_step_end is not None and self.stop_reason is None:
                 self.stop_reason = self.req.on_step_end(int(state.global_step))
-            if launch.any_rank(self.stop_reason is not None, args.device) and self.stop_reason is None:
+            if ranks.any_rank(self.stop_reason is not None, args.device) and self.stop_reason is None:
                 self.stop_reason = "stop requested"  # several processes stop at the same step boundary
             if self.stop_reason is not None:  # SIGTERM / watchdog: checkpoint at this step boundary
                 control.should_save = True
@@ -490,7 +490,7 @@ def _callback_class() -> type:
             step = int(state.global_step)
             plain = Path(args.output_dir) / f"checkpoint-{step}"
             sealed = not self.watchdog.suspicious  # never seal weights from inside a loss spike
-            launch.barrier()  # several processes: every rank's rng_state_<rank>.pth is written before the seal
+            ranks.barrier()  # several processes: every rank's rng_state_<rank>.pth is written before the seal
             if state.is_world_process_zero:
                 if sealed:
                     digest = seal_checkpoint(plain, self.sealing["root"], key=self.sealing["key"],
@@ -499,7 +499,7 @@ def _callback_class() -> type:
                     if self.req.on_event is not None:
                         self.req.on_event("checkpoint", {"global_step": step, "manifest_sha256": digest})
                 shutil.rmtree(plain, ignore_errors=True)  # the plaintext copy lives only until it is sealed
-            launch.barrier()
+            ranks.barrier()
             if self.stop_reason is not None:
                 raise TrainingStopped(f"{self.stop_reason}: stopped at step {step}"
                                       + (f" after sealing checkpoint-{step}" if sealed else " (loss spike: not sealed)"))

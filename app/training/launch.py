@@ -42,52 +42,11 @@ from app import errors as E
 from app.errors import TrainingError
 
 from . import LossDiverged, TrainingInterrupted, TrainingStopped, TrainRequest, TrainResult
+from .backend import checkpoint_key, restore, scratch_dir, select_backend
+from .backend import train as backend_train
+from .ranks import WORKER_ENV, in_worker, world_size
 
-WORKER_ENV = "CVM_TUNE_WORKER"
 _POLL_S = 0.2
-
-
-def in_worker() -> bool:
-    """True inside a worker started by :func:`train_distributed`."""
-    return os.environ.get(WORKER_ENV) == "1"
-
-
-def world_size() -> int:
-    """Number of training processes (1 outside a worker)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) if in_worker() else 1
-
-
-def rank() -> int:
-    """This worker's global rank (0 outside a worker)."""
-    return int(os.environ.get("RANK", "0")) if in_worker() else 0
-
-
-def local_rank() -> int:
-    """This worker's device index (0 outside a worker)."""
-    return int(os.environ.get("LOCAL_RANK", "0")) if in_worker() else 0
-
-
-def barrier() -> None:
-    """Wait for every rank (no-op in one process)."""
-    if world_size() > 1:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-
-
-def any_rank(flag: bool, device: Any) -> bool:
-    """True when ``flag`` is true on any rank (an all-reduce; just ``flag`` in one process)."""
-    if world_size() <= 1:
-        return flag
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    t = torch.tensor([1 if flag else 0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 def refuse_foreign_launcher() -> None:
@@ -126,7 +85,6 @@ def train_distributed(req: TrainRequest) -> TrainResult:
 
     import torch
 
-    from .backend import checkpoint_key, restore, scratch_dir, select_backend
     from .batch import initial_plan, retry_budget, run_with_backoff
     from .batch import summary as batch_summary
     from .options import check_options
@@ -228,7 +186,6 @@ def _worker(index: int, world: int, port: int, req: TrainRequest, plan: Any, que
             choice: Any) -> None:
     """One DDP rank (runs in a spawned process)."""
     os.environ.update(worker_env(index, world, port))
-    from .backend import train as backend_train
     from .batch import OutOfMemory
 
     req = dataclasses.replace(req, on_step_end=lambda _step: "stop requested" if stop.is_set() else None)
