@@ -44,7 +44,7 @@ from app.errors import TrainingError
 from . import LossDiverged, TrainingInterrupted, TrainingStopped, TrainRequest, TrainResult
 from .backend import checkpoint_key, restore, scratch_dir, select_backend
 from .backend import train as backend_train
-from .ranks import WORKER_ENV, in_worker, world_size
+from .ranks import WORKER_ENV, in_worker
 
 _POLL_S = 0.2
 
