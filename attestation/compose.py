@@ -124,9 +124,11 @@ def services(docker_compose_text: str) -> dict[str, dict[str, Any]]:
     Raises:
         ComposeError: not YAML or no services mapping.
     """
+    from attestation.compose_yaml import parse
+
     try:
-        doc = yaml.safe_load(docker_compose_text)
-    except yaml.YAMLError as exc:
+        doc = parse(docker_compose_text)
+    except (yaml.YAMLError, RecursionError) as exc:
         raise ComposeError(f"docker_compose_file is not valid YAML: {str(exc).splitlines()[0]}") from exc
     svcs = doc.get("services") if isinstance(doc, dict) else None
     if not isinstance(svcs, dict) or not all(isinstance(v, dict) for v in svcs.values()):
@@ -161,36 +163,7 @@ def env_entries(svc: dict[str, Any]) -> dict[str, str | None]:
 
 
 def audit(app_compose: dict[str, Any]) -> list[str]:
-    """What must change before this app-compose can be trusted with a dataset key (empty: nothing found)."""
-    problems = []
-    if app_compose.get("runner") != "docker-compose":
-        return [f"runner is {app_compose.get('runner')!r}: only docker-compose apps can be audited here"]
-    if app_compose.get("public_logs", True):
-        problems.append("public_logs is not false: container logs would be served on the guest agent's public port")
-    if app_compose.get("pre_launch_script"):
-        problems.append("pre_launch_script is set: it runs as root before the containers; read it "
-                        "(Phala Cloud adds its own) and pin this compose-hash only if you accept it")
-    if int(app_compose.get("swap_size") or 0) > 0:
-        problems.append("swap_size > 0: keep it 0 (dstack best practice)")
-    svcs = services(app_compose["docker_compose_file"])
-    sockets = []
-    for name, svc in svcs.items():
-        ref = svc.get("image")
-        if svc.get("build") is not None:
-            problems.append(f"service {name}: `build:` is not reproducible in a CVM; use a pushed image by digest")
-        if not isinstance(ref, str) or image_digest(ref) is None:
-            problems.append(f"service {name}: image {ref!r} is not pinned by digest (name@sha256:<64 hex>)")
-        elif image_digest(ref) == PLACEHOLDER_DIGEST:
-            problems.append(f"service {name}: image digest is the placeholder; use the pushed image's digest")
-        for var, value in env_entries(svc).items():
-            if value is not None and SECRET_NAME.search(var) and not var.endswith("_SHA256"):
-                problems.append(f"service {name}: {var} has a value in clear; pass it through from dstack's encrypted env")
-            if var.endswith("_SHA256") and value == "0" * 64:
-                problems.append(f"service {name}: {var} is the placeholder; set the real hash")
-        if any(isinstance(v, str) and v.split(":")[0] == DSTACK_SOCKET for v in svc.get("volumes") or []):
-            sockets.append(name)
-    if len(sockets) > 1:
-        problems.append(f"{DSTACK_SOCKET} is mounted into {sockets}: any container with the socket gets the app's keys")
-    if SERVICE in svcs and sockets != [SERVICE]:
-        problems.append(f"service {SERVICE} does not mount {DSTACK_SOCKET} (it needs the guest agent)")
-    return problems
+    """What must change before this app-compose can be trusted with a dataset key (``attestation.compose_audit``)."""
+    from attestation.compose_audit import audit as run_audit
+
+    return run_audit(app_compose)
