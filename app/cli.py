@@ -519,15 +519,18 @@ def _compose_hash(args: argparse.Namespace) -> int:
         raise ConfigError(f"cannot read {args.app_compose}: {exc.strerror}", fix="pass the app-compose.json to hash") from exc
     doc = C.load(raw)
     digest = C.compose_hash(raw)
-    out = {"compose_hash": digest, "app_id": C.app_id(doc, digest, pinned_app_id=args.app_id),
-           "mr_config_id": C.mr_config_id_v1(digest), "kms_enabled": bool(doc.get("kms_enabled")),
+    app_id = C.app_id(doc, digest, pinned_app_id=args.app_id)
+    form, mr_config_id = C.expected_mr_config_id(doc, digest, app_id)
+    out = {"compose_hash": digest, "app_id": app_id, "mr_config_id": mr_config_id, "mr_config_id_form": form,
+           "kms_enabled": bool(doc.get("kms_enabled")),
            "images": C.images(doc) if doc.get("runner") == "docker-compose" else {}, "problems": C.audit(doc)}
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(f"compose-hash  {digest}")
         print(f"app-id        {out['app_id'] or 'assigned by the KMS deployment (pass --app-id): not derivable from the file'}")
-        print(f"mr_config_id  {out['mr_config_id']}")
+        print(f"mr_config_id  {form} {mr_config_id or '(needs the app id: pass --app-id)'}")
+        print(f"              ({C.MR_CONFIG_WHEN})")
         for svc, ref in out["images"].items():
             print(f"image         {svc}: {ref}")
         for problem in out["problems"]:

@@ -204,9 +204,11 @@ def _compose_and_app_id(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
         problems.append("app-compose.json does not hash to the manifest's compose_hash")
     if measured != m.tee.compose_hash:
         problems.append(f"event-log compose-hash {measured or '(absent)'} differs from the manifest")
-    if config_id[:1] == b"\x01" and config_id[1:33].hex() != m.tee.compose_hash:
-        problems.append("MRCONFIGID does not carry the manifest's compose_hash")
-    f.add("compose.hash", "fail" if problems else "pass", "; ".join(problems) or f"compose-hash {m.tee.compose_hash[:16]}… consistent")
+    bound, how = C.check_mr_config_id(config_id, m.tee.compose_hash, f.boot.hex("app-id") if f.boot else None,
+                                      f.boot.values.get("key-provider") if f.boot else None) if td else (True, "no quote")
+    if not bound:
+        problems.append(how)
+    f.add("compose.hash", "fail" if problems else "pass", "; ".join(problems) or f"compose-hash {m.tee.compose_hash[:16]}… consistent; {how}")
     app_id = f.boot.hex("app-id") if f.boot else None
     ok = app_id == m.tee.app_id
     f.add("tee.app_id", "pass" if ok else "fail", f"app-id {app_id or '(absent)'}" + ("" if ok else f" != manifest {m.tee.app_id}"))

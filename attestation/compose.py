@@ -56,6 +56,73 @@ def mr_config_id_v1(compose_hash_hex: str) -> str:
     return "01" + compose_hash_hex + "00" * 15
 
 
+# dstack-types/src/mr_config.rs (v0.5.11): KeyProviderKind as one byte; the key-provider boot event's names.
+KEY_PROVIDER_BYTE = {"none": 0, "local": 1, "kms": 2, "tpm": 3}
+EVENT_KEY_PROVIDER = {"none": "none", "local-sgx": "local", "local": "local", "kms": "kms", "tpm": "tpm"}
+MR_CONFIG_WHEN = ("the VMM sets it only with use_mrconfigid = true (dstack-vmm's default) on an OS image >= 0.5.2; "
+                  "otherwise it is all zeros and binds nothing")
+
+
+def key_provider_kind(app_compose: dict[str, Any]) -> str:
+    """``AppCompose::key_provider()``: the explicit ``key_provider``, else kms / local / none from the flags."""
+    if app_compose.get("key_provider"):
+        return str(app_compose["key_provider"])
+    return "kms" if app_compose.get("kms_enabled") else "local" if app_compose.get("local_key_provider_enabled") else "none"
+
+
+def mr_config_id_v2(compose_hash_hex: str, app_id_hex: str, kind: str, key_provider_id_hex: str) -> str:
+    """MRCONFIGID v2: ``02 || keccak256(compose_hash || app_id || kind byte || key_provider_id) || 15 zero bytes``."""
+    from eth_hash.auto import keccak
+
+    if kind not in KEY_PROVIDER_BYTE:
+        raise ComposeError(f"key provider {kind!r} is not one of {sorted(KEY_PROVIDER_BYTE)}")
+    try:
+        pre = (bytes.fromhex(compose_hash_hex) + bytes.fromhex(app_id_hex.removeprefix("0x")) + bytes([KEY_PROVIDER_BYTE[kind]])
+               + bytes.fromhex(key_provider_id_hex.removeprefix("0x")))
+    except ValueError as exc:
+        raise ComposeError(f"compose-hash, app id and key_provider_id must be hex: {exc}") from exc
+    return "02" + keccak(pre).hex() + "00" * 15
+
+
+def expected_mr_config_id(app_compose: dict[str, Any], compose_hash_hex: str, app_id_hex: str | None) -> tuple[str, str | None]:
+    """(form, hex) of the MRCONFIGID the VMM derives for this app-compose (``vmm/src/app/qemu.rs``, v0.5.11).
+
+    v1 when ``key_provider_id`` is empty, else v2, which also needs the app id (None when it is not known).
+    """
+    kp_id = str(app_compose.get("key_provider_id") or "")
+    if not kp_id:
+        return "v1", mr_config_id_v1(compose_hash_hex)
+    if not app_id_hex:
+        return "v2", None
+    return "v2", mr_config_id_v2(compose_hash_hex, app_id_hex, key_provider_kind(app_compose), kp_id)
+
+
+def check_mr_config_id(config_id: bytes, compose_hash_hex: str, app_id_hex: str | None,
+                       key_provider_event: bytes | None) -> tuple[bool, str]:
+    """Does the quote's MRCONFIGID bind this compose-hash? (ok, what was checked), from measured values only.
+
+    Zero: not bound (ok, said so: the compose-hash then rests on RTMR3 alone). v1: ``01 || compose_hash``. v2: the
+    Keccak over compose-hash, the measured app-id and the ``key-provider`` boot event's kind and id (what dstack's
+    guest checks, ``dstack-util/src/system_setup/config_id_verifier.rs``). Any other version fails.
+    """
+    if config_id == bytes(48):
+        return True, "MRCONFIGID is zero: the VMM did not bind the compose-hash (use_mrconfigid off); RTMR3 alone binds it"
+    version = config_id[0]
+    if version == 1:
+        ok = config_id.hex() == mr_config_id_v1(compose_hash_hex)
+        return ok, "MRCONFIGID v1 " + ("carries" if ok else "does not carry") + " the compose-hash"
+    if version != 2:
+        return False, f"MRCONFIGID version {version} is not one dstack 0.5.x sets (1 or 2): cannot be checked"
+    try:
+        kp = json.loads(key_provider_event or b"")
+        kind, kp_id = EVENT_KEY_PROVIDER[kp["name"]], str(kp.get("id") or "")
+        want = mr_config_id_v2(compose_hash_hex, app_id_hex or "", kind, kp_id) if app_id_hex else None
+    except (ValueError, KeyError, TypeError, ComposeError) as exc:
+        return False, f"MRCONFIGID v2 needs the measured app-id and key-provider events: {exc}"
+    ok = want == config_id.hex()
+    return ok, f"MRCONFIGID v2 {'matches' if ok else 'does not match'} keccak(compose-hash, app-id, {kind} key provider id)"
+
+
 def app_id(app_compose: dict[str, Any], compose_hash_hex: str, *, pinned_app_id: str | None = None) -> str | None:
     """The app-id the CVM will measure; None when a KMS deployment's id is assigned outside the file."""
     if not app_compose.get("kms_enabled", False):

@@ -61,6 +61,10 @@ def exposes(source: str) -> list[str]:
             if src == p or p.startswith(src.rstrip("/") + "/") or src.startswith(p + "/")]
 
 
+def _listed(found: list[str]) -> str:
+    return ", ".join(found[:2]) + (f" and {len(found) - 2} more protected paths" if len(found) > 2 else "")
+
+
 def _where(name: str, line: int) -> str:
     return f"service {name} (line {line})" if line else f"service {name}"
 
@@ -139,7 +143,7 @@ def _service_problems(name: str, svc: dict[str, Any], binds: dict[str, str], soc
             sockets.append((name, ln))
             continue
         if found := exposes(source):
-            out.append(f"{where}: bind `{source}:{target}` reaches {', '.join(found)}: that container could get the "
+            out.append(f"{where}: bind `{source}:{target}` reaches {_listed(found)}: that container could get the "
                        "app's keys or forge its measurements")
     if svc.get("privileged") is True:
         out.append(f"{at('privileged')}: privileged: true gives the container every device and capability "
