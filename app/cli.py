@@ -171,7 +171,9 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
                        description="Put the pushed image's digest into docker-compose.yaml and write app-compose.json as "
                        "dstack's vmm-cli does (or the normalized form Phala Cloud shows); print compose-hash and app-id.")
     a.add_argument("--image", required=True, metavar="REF@sha256:DIGEST", help="the pushed image, pinned by digest")
-    a.add_argument("--bundles-token-sha256", metavar="HEX", help="SHA-256 of the bundle server's token (cvm-tune bundles token FILE)")
+    a.add_argument("--bundles-token", type=Path, metavar="FILE", help="the bundle server's token file (cvm-tune bundles token FILE)")
+    a.add_argument("--bundles-token-sha256", metavar="HEX", help="its SHA-256 instead (refused if it is not the file's)")
+    a.add_argument("--app-id", metavar="HEX", help="the app id your KMS deployment assigned (to print MRCONFIGID v2)")
     a.add_argument("--compose", type=Path, default=Path("docker-compose.yaml"), metavar="FILE", help="template (default: %(default)s)")
     a.add_argument("--out-dir", type=Path, default=Path("deploy"), metavar="DIR", help="output directory (default: %(default)s)")
     a.add_argument("--name", default="cvm-tune", help="app name in app-compose.json")
@@ -200,7 +202,7 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
 
     b = sub.add_parser("bundles", help="serve or fetch export bundles (the way out of a CVM)").add_subparsers(
         dest="bundles_command", required=True, metavar="ACTION")
-    bt = b.add_parser("token", help="write a new bearer token file and print the SHA-256 to pin in docker-compose.yaml")
+    bt = b.add_parser("token", help="write a new bearer token file and print its SHA-256 (pinned by cvm-tune app-compose)")
     bt.add_argument("file", type=Path, metavar="FILE")
     bs = b.add_parser("serve", help="read-only HTTP server over the output volume (the compose's bundles service)")
     bs.add_argument("--output", type=Path, default=Path("/data/output"), metavar="DIR", help="output volume (default: %(default)s)")
@@ -541,7 +543,7 @@ def _compose_hash(args: argparse.Namespace) -> int:
 def _app_compose(args: argparse.Namespace) -> int:
     from attestation.compose import AppComposeSettings
 
-    from app.deploy import render_deployment
+    from app.deploy import bundles_token_sha256, describe, render_deployment
 
     try:
         template = args.compose.read_text()
@@ -550,13 +552,13 @@ def _app_compose(args: argparse.Namespace) -> int:
     settings = AppComposeSettings(name=args.name, kms_enabled=not args.no_kms, gateway_enabled=not args.no_gateway,
                                   local_key_provider_enabled=args.local_key_provider, key_provider_id=args.key_provider_id,
                                   allowed_envs=tuple(args.allowed_env))
-    dep = render_deployment(template, args.image, settings, bundles_token_sha256=args.bundles_token_sha256, style=args.format)
+    token_sha256 = bundles_token_sha256(args.bundles_token, args.bundles_token_sha256)
+    dep = render_deployment(template, args.image, settings, bundles_token_sha256=token_sha256, style=args.format)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "docker-compose.yaml").write_text(dep.docker_compose)
     (args.out_dir / "app-compose.json").write_bytes(dep.app_compose)
     print(f"wrote {args.out_dir / 'docker-compose.yaml'} and {args.out_dir / 'app-compose.json'}")
-    print(f"compose-hash  {dep.compose_hash}")
-    print(f"app-id        {dep.app_id} (unless your KMS deployment pins another: then the KMS's)")
+    print("\n".join(describe(dep, args.app_id)))
     return 0
 
 
@@ -600,8 +602,8 @@ def _bundles(args: argparse.Namespace) -> int:
 
     if args.bundles_command == "token":
         digest = bundles.new_token(args.file)
-        print(f"wrote {args.file} (mode 0600). Pin its hash in docker-compose.yaml:")
-        print(f"  {bundles.TOKEN_ENV}={digest}")
+        print(f"wrote {args.file} (mode 0600); its SHA-256 is {digest}")
+        print(f"pin it in the measured compose: cvm-tune app-compose --image IMAGE@sha256:DIGEST --bundles-token {args.file}")
         return 0
     if args.bundles_command == "serve":
         server = bundles.BundleServer(args.output, os.environ.get(bundles.TOKEN_ENV, ""), host=args.host, port=args.port)
