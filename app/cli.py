@@ -185,6 +185,24 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--key-provider-id", default="", metavar="HEX")
     a.add_argument("--allowed-env", action="append", default=[], metavar="NAME", help="extra allowed_envs name (repeatable)")
 
+    dp = sub.add_parser("deploy-plan", help="size the CVM and print the exact deploy command (phala CLI 1.1.x or vmm-cli.py)",
+                        description="Refuses resources below what the image, the base model and the output need, an "
+                        "app-compose that fails its audit, and an env file without the alert webhook (values are never printed).")
+    dp.add_argument("--target", choices=("phala", "vmm"), required=True)
+    dp.add_argument("--model-gb", type=float, required=True, metavar="GB", help="size of the base model directory")
+    dp.add_argument("--output-gb", type=float, default=50.0, metavar="GB", help="runs, checkpoints, bundles (default: %(default)s)")
+    dp.add_argument("--gpus", type=int, default=1)
+    dp.add_argument("--vcpu", type=int, help="vCPUs (vmm: default the plan's; phala: the instance type's, to check)")
+    dp.add_argument("--memory", metavar="SIZE", help="e.g. 128G (vmm: default the plan's; phala: the instance type's, to check)")
+    dp.add_argument("--disk", metavar="SIZE", help="e.g. 400G (default: the plan's)")
+    dp.add_argument("--name", default="cvm-tune")
+    dp.add_argument("--deploy-dir", type=Path, default=Path("deploy"), metavar="DIR", help="cvm-tune app-compose's output (default: %(default)s)")
+    dp.add_argument("--env-file", type=Path, default=Path("deploy/secrets.env"), metavar="FILE", help="default: %(default)s")
+    dp.add_argument("--instance-type", metavar="TYPE", help="phala: a GPU instance type, e.g. h200.small")
+    dp.add_argument("--os-image", metavar="NAME", help="vmm: a production dstack OS image (e.g. dstack-nvidia-0.5.11)")
+    dp.add_argument("--kms-url", metavar="URL", help="vmm: your KMS")
+    dp.add_argument("--vmm-url", metavar="URL", help="vmm: dstack-vmm's API (else vmm-cli's own default)")
+
     e = sub.add_parser("env", help="dstack encrypted environment variables").add_subparsers(dest="env_command", required=True, metavar="ACTION")
     ee = e.add_parser("encrypt", help="encrypt variables to a CVM's env public key (dstack-sdk)",
                       description="Values come from a file or this process's environment, never the command line. Encrypted env "
@@ -562,6 +580,19 @@ def _app_compose(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deploy_plan(args: argparse.Namespace) -> int:
+    from app.deploy_plan import plan
+
+    p = plan(args.target, model_gb=args.model_gb, output_gb=args.output_gb, gpus=args.gpus, vcpu=args.vcpu,
+             memory=args.memory, disk=args.disk, name=args.name, deploy_dir=args.deploy_dir, env_file=args.env_file,
+             instance_type=args.instance_type, os_image=args.os_image, kms_url=args.kms_url, vmm_url=args.vmm_url)
+    print(f"needs: {p.needs.vcpu} vCPU, {p.needs.memory_gb} GB memory, {p.needs.disk_gb} GB disk")
+    for note in p.notes:
+        print(f"note: {note}")
+    print(p.command)
+    return 0
+
+
 def _env(args: argparse.Namespace) -> int:
     from attestation.compose import load
 
@@ -626,5 +657,5 @@ def _bundles(args: argparse.Namespace) -> int:
 
 _COMMANDS = {"run": _run, "serve": _serve, "status": _status, "verify": _verify, "publish": _publish, "verify-quote": _verify_quote,
              "collateral": _collateral, "simulator": _simulator, "schema": _schema, "validate-config": _validate_config,
-             "compose-hash": _compose_hash, "app-compose": _app_compose, "env": _env, "bundles": _bundles,
+             "compose-hash": _compose_hash, "app-compose": _app_compose, "deploy-plan": _deploy_plan, "env": _env, "bundles": _bundles,
              **cli_owner.COMMANDS}

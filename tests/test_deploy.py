@@ -149,7 +149,8 @@ def test_compose_service_invariants() -> None:
     vols = svc["volumes"]
     assert "/var/run/dstack.sock:/var/run/dstack.sock" in vols
     assert [n for n, s in svcs.items() if any(v.startswith("/var/run/dstack.sock:") for v in s.get("volumes", []))] == ["cvm-tune"]
-    assert "dataset:/data/dataset:ro" in vols and "models:/data/models:ro" in vols, "inputs read-only"
+    assert "dataset:/data/dataset:ro" in vols, "inputs read-only"
+    assert not any("/models" in v for v in vols), "the base model is a layer of the deployment image: stored once"
     assert "output:/data/output" in vols and svcs["bundles"]["volumes"] == ["output:/data/output:ro"]
     gpu = svc["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
@@ -168,7 +169,7 @@ def test_dstack_config_matches_compose_mounts() -> None:
     assert cfg.tee.mode == "dstack" and cfg.dataset.key.source == "getkey"
     mounts = {v.split(":")[1]: v for v in _compose()["services"]["cvm-tune"]["volumes"]}
     assert mounts["/data/dataset"].endswith(":ro") and str(cfg.dataset.path).startswith("/data/dataset/")
-    assert mounts["/data/models"].endswith(":ro") and str(cfg.base_model.path).startswith("/data/models/")
+    assert not any(str(cfg.base_model.path).startswith(m) for m in mounts), "the model is in the image, not on a volume"
     assert str(cfg.output.dir) == "/data/output"
 
 
