@@ -195,7 +195,7 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
     dp.add_argument("--vcpu", type=int, help="vCPUs (vmm: default the plan's; phala: the instance type's, to check)")
     dp.add_argument("--memory", metavar="SIZE", help="e.g. 128G (vmm: default the plan's; phala: the instance type's, to check)")
     dp.add_argument("--disk", metavar="SIZE", help="e.g. 400G (default: the plan's)")
-    dp.add_argument("--name", default="cvm-tune")
+    dp.add_argument("--name", default="cvm-tune-nightly", help="the CVM's name (default: %(default)s)")
     dp.add_argument("--deploy-dir", type=Path, default=Path("deploy"), metavar="DIR", help="cvm-tune app-compose's output (default: %(default)s)")
     dp.add_argument("--env-file", type=Path, default=Path("deploy/secrets.env"), metavar="FILE", help="default: %(default)s")
     dp.add_argument("--instance-type", metavar="TYPE", help="phala: a GPU instance type, e.g. h200.small")

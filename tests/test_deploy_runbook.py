@@ -63,7 +63,7 @@ def tool_commands(page: Path) -> list[tuple[tuple[str, ...], list[str]]]:
     out = []
     for block in _sh_blocks(page):
         for line in _logical_lines(block):
-            words = shlex.split(line.split(">", 1)[0]) if line else []
+            words = shlex.split(line.split(">", 1)[0], comments=True) if line else []
             for key in sorted(DOCUMENTED, key=len, reverse=True):
                 if tuple(words[: len(key)]) == key:
                     out.append((key, words))
@@ -152,7 +152,7 @@ def test_deploy_plan_refuses(deploy_dir: Path, args: list[str], error: str) -> N
     with pytest.raises(ConfigError, match=re.escape(error)):
         plan(target, model_gb=16, output_gb=50, gpus=1, vcpu=int(args[args.index("--vcpu") + 1]) if "--vcpu" in args else None,
              memory=args[args.index("--memory") + 1] if "--memory" in args else None,
-             disk=args[args.index("--disk") + 1] if "--disk" in args else None, name="cvm-tune", deploy_dir=Path("deploy"),
+             disk=args[args.index("--disk") + 1] if "--disk" in args else None, name="cvm-tune-nightly", deploy_dir=Path("deploy"),
              env_file=Path("deploy/secrets.env"), instance_type=args[args.index("--instance-type") + 1] or None,
              os_image=args[args.index("--os-image") + 1], kms_url=args[args.index("--kms-url") + 1] or None)
     assert main(["deploy-plan", *args]) == 2
