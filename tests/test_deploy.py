@@ -344,6 +344,8 @@ def container_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             mounts[dst] = sock if src.startswith("/") else tmp / "volumes" / src
             if not src.startswith("/"):
                 mounts[dst].mkdir(parents=True, exist_ok=True)
+        layer = tmp / "deployment-image" / "models"  # the base model: a read-only layer of the deployment image
+        mounts["/opt/cvm-tune/models"] = layer
         cfg = yaml.safe_load((REPO / df["copy"]["/etc/cvm-tune/config.yaml"]).read_text())
         for section, key in (("dataset", "path"), ("base_model", "path"), ("output", "dir")):
             cfg[section][key] = str(_host_path(cfg[section][key], mounts))
@@ -359,6 +361,7 @@ def container_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             encrypt_file(sample, Path(cfg["dataset"]["path"]), key, dataset_id="smoke", dataset_version=1)
             first_row = sample.read_text().splitlines()[0]
         build_tiny_model(Path(cfg["base_model"]["path"]))
+        _read_only(layer)
         for volume in svc["volumes"]:
             if volume.endswith(":ro"):
                 _read_only(mounts[volume.split(":")[1]])
