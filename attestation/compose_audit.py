@@ -11,7 +11,8 @@ syntax, top-level volumes that are really binds) and refuses, each with the offe
 * ``privileged``, host network / pid / ipc / uts / userns / cgroup namespaces (and pid/ipc shared with another
   container), added capabilities, ``devices`` and device-cgroup rules (the GPU comes only through the
   ``deploy.resources.reservations.devices`` nvidia reservation), unconfined seccomp / AppArmor / SELinux,
-  ``volumes_from``, ``extends`` and ``include`` (text this audit cannot see);
+  ``volumes_from``, ``extends`` and ``include`` (text this audit cannot see), and ``$VAR`` interpolation outside
+  ``environment`` (compose fills it from the environment, which dstack does not measure and the host can forge);
 * images not pinned by digest, ``build:``, secrets in clear; ``public_logs`` / ``public_sysinfo`` not false,
   ``pre_launch_script``, swap.
 """
@@ -19,6 +20,7 @@ syntax, top-level volumes that are really binds) and refuses, each with the offe
 from __future__ import annotations
 
 import posixpath
+import re
 from typing import Any
 
 import yaml
@@ -63,6 +65,32 @@ def exposes(source: str) -> list[str]:
 
 def _listed(found: list[str]) -> str:
     return ", ".join(found[:2]) + (f" and {len(found) - 2} more protected paths" if len(found) > 2 else "")
+
+
+_INTERPOLATION = re.compile(r"\$(\{|[A-Za-z_])")
+
+
+def interpolated(value: Any) -> bool:
+    """Does a compose value take text from the environment (``$VAR``, ``${VAR}``; ``$$`` is a literal ``$``)?"""
+    if isinstance(value, str):
+        return bool(_INTERPOLATION.search(value.replace("$$", "")))
+    if isinstance(value, dict):
+        return any(interpolated(k) or interpolated(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(interpolated(v) for v in value)
+    return False
+
+
+def _interpolation_problems(where: str, mapping: dict[str, Any], skip: tuple[str, ...] = ()) -> list[str]:
+    out = []
+    for key, value in mapping.items():
+        if key in skip or not interpolated(value):
+            continue
+        items = [value.line(i) for i, v in enumerate(value) if interpolated(v)] if isinstance(value, Y.LinedList) else []
+        line = items[0] if items else mapping.line(key) if isinstance(mapping, Y.LinedDict) else 0
+        out.append(f"{where} (line {line}): `{key}` is interpolated from the environment, which dstack does not "
+                   "measure and the host can forge; write the value out")
+    return out
 
 
 def _where(name: str, line: int) -> str:
@@ -164,6 +192,7 @@ def _service_problems(name: str, svc: dict[str, Any], binds: dict[str, str], soc
     bad_opts = [o for o in svc.get("security_opt") or [] if str(o).replace(" ", "") in UNCONFINED]
     if bad_opts:
         out.append(f"{at('security_opt')}: security_opt {bad_opts} turns off confinement")
+    out.extend(_interpolation_problems(f"service {name}", svc, skip=("environment",)))
     for key in ("volumes_from", "extends"):
         if svc.get(key):
             out.append(f"{at(key)}: `{key}:` pulls in configuration this audit cannot see here; write it out")
@@ -191,6 +220,9 @@ def compose_problems(text: str, loader: type = Y.LOADER) -> list[str]:
     problems: list[str] = []
     if doc.get("include"):
         problems.append(f"include (line {doc.line('include')}): other compose files are not measured; inline them")
+    for section in ("volumes", "configs", "secrets", "networks"):
+        if isinstance(doc.get(section), dict):
+            problems.extend(_interpolation_problems(f"top-level {section}", doc[section]))
     binds = _named_binds(doc, problems)
     mounts: list[tuple[str, int]] = []
     for name, svc in svcs.items():

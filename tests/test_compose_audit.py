@@ -90,6 +90,10 @@ BAD = [
     ("unpinned", _compose().replace(IMAGE, "registry.example.com/cvm-tune:latest", 1), "not pinned by digest", None),
     ("build", _compose("build: .\n"), "`build:`", "build: ."),
     ("secret-in-clear", _compose("environment: [HF_TOKEN=hf_x]\n"), "HF_TOKEN has a value in clear", "environment:"),
+    ("interpolated-bind", _compose("volumes:\n  - ${HOST_DIR:-/tmp}:/x\n"), "interpolated from the environment", "${HOST_DIR"),
+    ("interpolated-mode", _compose("network_mode: $NET\n"), "`network_mode` is interpolated", "network_mode: $NET"),
+    ("interpolated-device", _compose("volumes:\n  - v:/x\n", top="  v:\n    driver_opts: {o: bind, device: '${D}'}\n"),
+     "top-level volumes (line", None),
     # An anchor merged into an existing service: the finding names the anchor's line, where the text really is.
     ("anchor-merge", _compose(prefix="x-evil: &evil\n  privileged: true\n  network_mode: host\n",
                               bundles="<<: *evil\n"), "privileged: true", "  privileged: true"),
