@@ -103,11 +103,11 @@ def _named_binds(doc: dict[str, Any], problems: list[str]) -> dict[str, str]:
     vols = doc.get("volumes")
     for name, spec in (vols.items() if isinstance(vols, dict) else ()):
         opts = spec.get("driver_opts") if isinstance(spec, dict) else None
-        if isinstance(opts, dict) and opts.get("device"):
-            out[str(name)] = str(opts["device"])
-            if not str(opts["device"]).startswith("/"):
-                problems.append(f"volume {name} (line {vols.line(name)}): driver_opts device {opts['device']!r} is "
-                                "not an absolute path")
+        device = str(opts.get("device") or "") if isinstance(opts, dict) else ""
+        if device.startswith("/"):  # a bind (o: bind) or a block device: either way a CVM path
+            out[str(name)] = device
+        elif device and "bind" in str(opts.get("o") or ""):
+            problems.append(f"volume {name} (line {vols.line(name)}): driver_opts device {device!r} is a relative bind")
     for kind in ("configs", "secrets"):
         section = doc.get(kind)
         for name, spec in (section.items() if isinstance(section, dict) else ()):
@@ -133,9 +133,7 @@ def _mounts(svc: dict[str, Any], binds: dict[str, str]) -> list[tuple[str, str, 
             continue
         if source in binds:
             source = binds[source]
-        if source.startswith((".", "~")):
-            out.append((source, target, line))
-        elif source.startswith("/"):
+        if source.startswith((".", "~", "/")):  # a host path (relative ones resolve inside /dstack)
             out.append((source, target, line))
     for kind in ("configs", "secrets"):
         for item in svc.get(kind) or []:

@@ -94,6 +94,10 @@ BAD = [
     ("interpolated-mode", _compose("network_mode: $NET\n"), "`network_mode` is interpolated", "network_mode: $NET"),
     ("interpolated-device", _compose("volumes:\n  - v:/x\n", top="  v:\n    driver_opts: {o: bind, device: '${D}'}\n"),
      "top-level volumes (line", None),
+    ("volume-relative-bind", _compose("volumes:\n  - v:/x\n", top="  v:\n    driver_opts: {type: none, o: bind, device: ./k}\n"),
+     "is a relative bind", None),
+    ("volume-block-device", _compose("volumes:\n  - v:/x\n", top="  v:\n    driver_opts: {type: ext4, device: /dev/vdb}\n"),
+     "/dev [", "- v:/x"),
     # An anchor merged into an existing service: the finding names the anchor's line, where the text really is.
     ("anchor-merge", _compose(prefix="x-evil: &evil\n  privileged: true\n  network_mode: host\n",
                               bundles="<<: *evil\n"), "privileged: true", "  privileged: true"),
@@ -135,6 +139,12 @@ def test_app_compose_fields_are_audited() -> None:
 def test_unparsable_composes_raise_compose_error(bad: str) -> None:
     with pytest.raises(C.ComposeError):
         compose_problems(bad)
+
+
+def test_tmpfs_and_named_volumes_are_not_binds() -> None:
+    text = _compose("volumes:\n  - scratch:/scratch\n  - type: tmpfs\n    target: /t\n  - data:/d\n",
+                    top="  scratch:\n    driver_opts: {type: tmpfs, device: tmpfs, o: size=1g}\n  data: {}\n")
+    assert compose_problems(text) == []
 
 
 def test_paths() -> None:
