@@ -171,8 +171,8 @@ def _service_problems(name: str, svc: dict[str, Any], binds: dict[str, str], soc
         if found := exposes(source):
             out.append(f"{where}: bind `{source}:{target}` reaches {_listed(found)}: that container could get the "
                        "app's keys or forge its measurements")
-    if svc.get("privileged") is True:
-        out.append(f"{at('privileged')}: privileged: true gives the container every device and capability "
+    if svc.get("privileged") not in (None, False):
+        out.append(f"{at('privileged')}: privileged: {svc['privileged']!r} gives the container every device and capability "
                    "(the guest agent, /dev/tdx_guest)")
     for key in HOST_MODES:
         value = str(svc.get(key) or "")
@@ -194,7 +194,10 @@ def _service_problems(name: str, svc: dict[str, Any], binds: dict[str, str], soc
     for key in ("volumes_from", "extends"):
         if svc.get(key):
             out.append(f"{at(key)}: `{key}:` pulls in configuration this audit cannot see here; write it out")
-    devs = (((svc.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
+    devs: Any = svc
+    for key in ("deploy", "resources", "reservations", "devices"):
+        devs = devs.get(key) if isinstance(devs, dict) else None
+    devs = devs or []
     for d in devs if isinstance(devs, list) else [devs]:
         if not isinstance(d, dict) or d.get("driver") != "nvidia" or "gpu" not in (d.get("capabilities") or []):
             out.append(f"{at('deploy')}: device reservation {dict(d) if isinstance(d, dict) else d!r} is not the "

@@ -72,7 +72,9 @@ BAD = [
      "reaches /run/dstack.sock", "- hostrun:/x"),
     ("secret-file", _compose("secrets: [agent]\n", top="secrets:\n  agent:\n    file: /var/run/dstack.sock\n"),
      "mounted into ['cvm-tune', 'sidecar']", "secrets: [agent]"),
-    ("privileged", _compose("privileged: true\n"), "privileged: true", "privileged: true"),
+    ("privileged", _compose("privileged: true\n"), "privileged: True", "privileged: true"),
+    ("privileged-yes", _compose("privileged: yes\n"), "privileged: True", "privileged: yes"),
+    ("privileged-string", _compose("privileged: 'true'\n"), "privileged: 'true'", "privileged: 'true'"),
     ("network-host", _compose("network_mode: host\n"), "network_mode: host", "network_mode: host"),
     ("pid-host", _compose('pid: "host"\n'), "pid: host", 'pid: "host"'),
     ("ipc-host", _compose("ipc: host\n"), "ipc: host", "ipc: host"),
@@ -100,7 +102,7 @@ BAD = [
      "/dev [", "- v:/x"),
     # An anchor merged into an existing service: the finding names the anchor's line, where the text really is.
     ("anchor-merge", _compose(prefix="x-evil: &evil\n  privileged: true\n  network_mode: host\n",
-                              bundles="<<: *evil\n"), "privileged: true", "  privileged: true"),
+                              bundles="<<: *evil\n"), "privileged: True", "  privileged: true"),
     ("alias-volumes", _compose("volumes: *vols\n", prefix="x-vols: &vols\n  - /run:/r\n"), "reaches /run/dstack.sock",
      "  - /run:/r"),
 ]
@@ -135,7 +137,7 @@ def test_app_compose_fields_are_audited() -> None:
     assert audit({**GOOD, "runner": "bash"}) == ["runner is 'bash': only docker-compose apps can be audited here"]
 
 
-@pytest.mark.parametrize("bad", ["services: [a]\n", "a: [\n", "x: &a [*a]\nservices: {s: {image: *a}}\n"])
+@pytest.mark.parametrize("bad", ["services: [a]\n", "a: [\n", "x: &a [*a]\nservices: {s: {image: *a}}\n", "services: {s: [1]}\n"])
 def test_unparsable_composes_raise_compose_error(bad: str) -> None:
     with pytest.raises(C.ComposeError):
         compose_problems(bad)
@@ -160,7 +162,7 @@ def test_public_dstack_example_app_compose_hash_and_findings() -> None:
     assert hashlib.sha256(raw).hexdigest() == C.compose_hash(raw) == \
         "06768e6df639ce3be65e9e5321f8b2d82dbffb01c74323462d34c2feb9653aff"  # its report.json compose-hash event
     problems = "\n".join(audit(C.load(raw)))
-    for reason in ("public_logs", "public_sysinfo", "not pinned by digest", "privileged: true", "network_mode: host",
+    for reason in ("public_logs", "public_sysinfo", "not pinned by digest", "privileged: True", "network_mode: host",
                    "bind `/:/host/`", "legacy guest agent socket"):
         assert reason in problems, reason
 
