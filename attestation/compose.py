@@ -59,7 +59,7 @@ def mr_config_id_v1(compose_hash_hex: str) -> str:
 # dstack-types/src/mr_config.rs (v0.5.11): KeyProviderKind as one byte; the key-provider boot event's names.
 KEY_PROVIDER_BYTE = {"none": 0, "local": 1, "kms": 2, "tpm": 3}
 EVENT_KEY_PROVIDER = {"none": "none", "local-sgx": "local", "local": "local", "kms": "kms", "tpm": "tpm"}
-MR_CONFIG_WHEN = ("the VMM sets it only with use_mrconfigid = true (dstack-vmm's default) on an OS image >= 0.5.2; "
+MR_CONFIG_WHEN = ("the VMM sets it only with use_mrconfigid = true (as dstack's vmm.toml ships) on an OS image >= 0.5.2; "
                   "otherwise it is all zeros and binds nothing")
 
 

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.cli import main
-from app.deploy_plan import needs, plan
-from app.errors import ConfigError
+from app.deploy_plan import needs
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY_MD = REPO / "docs" / "deploy.md"
@@ -142,20 +141,17 @@ def test_deploy_plan_prints_the_commands_the_page_shows(deploy_dir: Path, capsys
     (["--target", "vmm", "--os-image", "dstack-nvidia-dev-0.5.11"], "dev image"),
     (["--target", "vmm", "--kms-url", ""], "needs --os-image"),
     (["--target", "phala", "--instance-type", ""], "needs --instance-type"),
+    (["--target", "phala", "--vcpu", "4", "--memory", "24G"], "vCPU 4 < 8, memory 24 GB < 32 GB"),
+    (["--target", "phala", "--model-gb", "0"], "--model-gb must be > 0"),
 ])
-def test_deploy_plan_refuses(deploy_dir: Path, args: list[str], error: str) -> None:
+def test_deploy_plan_refuses(deploy_dir: Path, args: list[str], error: str, capsys: pytest.CaptureFixture[str]) -> None:
     base = {"--model-gb": "16", "--os-image": "dstack-nvidia-0.5.11", "--kms-url": "https://kms", "--instance-type": "h200.small"}
-    for flag, value in base.items():
-        if flag not in args:
-            args = [*args, flag, value]
-    target = args[args.index("--target") + 1]
-    with pytest.raises(ConfigError, match=re.escape(error)):
-        plan(target, model_gb=16, output_gb=50, gpus=1, vcpu=int(args[args.index("--vcpu") + 1]) if "--vcpu" in args else None,
-             memory=args[args.index("--memory") + 1] if "--memory" in args else None,
-             disk=args[args.index("--disk") + 1] if "--disk" in args else None, name="cvm-tune-nightly", deploy_dir=Path("deploy"),
-             env_file=Path("deploy/secrets.env"), instance_type=args[args.index("--instance-type") + 1] or None,
-             os_image=args[args.index("--os-image") + 1], kms_url=args[args.index("--kms-url") + 1] or None)
+    args = [*args, *(x for flag, value in base.items() if flag not in args for x in (flag, value))]
+    before = sorted(p.name for p in deploy_dir.iterdir())
     assert main(["deploy-plan", *args]) == 2
+    out = capsys.readouterr()
+    assert error in out.err and "phala deploy" not in out.out and "vmm-cli.py" not in out.out
+    assert sorted(p.name for p in deploy_dir.iterdir()) == before
 
 
 def test_deploy_plan_refuses_bad_inputs(deploy_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
