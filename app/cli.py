@@ -165,6 +165,9 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
                        "app-id it implies, and what must change before it can be trusted. Exit 1 if the audit finds anything.")
     h.add_argument("app_compose", type=Path, nargs="?", default=Path("app-compose.json"), metavar="APP_COMPOSE_JSON")
     h.add_argument("--app-id", metavar="HEX", help="the app id your KMS deployment pinned (kms_enabled: the file alone cannot say)")
+    h.add_argument("--from-info", action="store_true", help="the file is an Info answer or `phala cvms attestation --json` "
+                   "output: use its tcb_info.app_compose (the exact bytes the CVM measured)")
+    h.add_argument("--save", type=Path, metavar="FILE", help="with --from-info: also write those bytes to FILE")
     h.add_argument("--json", action="store_true", help="print JSON")
 
     a = sub.add_parser("app-compose", help="write the deployable docker-compose.yaml and app-compose.json for an image",
@@ -537,6 +540,14 @@ def _compose_hash(args: argparse.Namespace) -> int:
         raw = args.app_compose.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read {args.app_compose}: {exc.strerror}", fix="pass the app-compose.json to hash") from exc
+    if args.from_info:
+        raw = C.from_info(raw)
+        if args.save is not None:
+            from app.fsutil import atomic_write_bytes
+
+            atomic_write_bytes(args.save, raw)
+    elif args.save is not None:
+        raise ConfigError("--save needs --from-info (the file itself is already the app-compose.json)")
     doc = C.load(raw)
     digest = C.compose_hash(raw)
     app_id = C.app_id(doc, digest, pinned_app_id=args.app_id)

@@ -147,6 +147,28 @@ def load(raw: bytes) -> dict[str, Any]:
     return data
 
 
+def from_info(raw: bytes) -> bytes:
+    """The exact app-compose.json bytes inside a guest agent ``Info`` answer or a ``phala cvms attestation --json``
+    document: ``tcb_info.app_compose`` (``tcb_info`` may itself be a JSON string, as the agent sends it).
+
+    The text is the raw file the CVM hashed (``AppComposeWrapper.raw``), so its UTF-8 bytes hash to the compose-hash.
+
+    Raises:
+        ComposeError: not JSON, or no ``tcb_info.app_compose`` text.
+    """
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+        tcb = doc.get("tcb_info") if isinstance(doc, dict) else None
+        tcb = json.loads(tcb) if isinstance(tcb, str) else tcb
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ComposeError(f"not a JSON Info / attestation document: {exc}") from exc
+    text = tcb.get("app_compose") if isinstance(tcb, dict) else None
+    if not isinstance(text, str) or not text:
+        raise ComposeError("the document has no tcb_info.app_compose (is the CVM's public_tcbinfo off?)",
+                           fix="pass the guest agent's Info answer or `phala cvms attestation NAME --json` output")
+    return text.encode("utf-8")
+
+
 @dataclass(frozen=True)
 class AppComposeSettings:
     """The fields ``vmm-cli.py compose`` sets, with cvm-tune's defaults (logs private, KMS keys)."""

@@ -42,8 +42,6 @@ DOCUMENTED: dict[tuple[str, ...], set[str]] = {
     ("docker", "build"): {"-t", "--tag", "-f", "--file", "--build-arg"},
     ("docker", "push"): set(),
     ("docker", "buildx", "imagetools", "inspect"): {"--format", "--raw"},
-    # jq 1.7 manual: -j / --join-output (raw strings, no newline), -r, -c.
-    ("jq",): {"-j", "--join-output", "-r", "--raw-output", "-c"},
 }
 # Deprecated in phala CLI 1.1.x ("Use --instance-type instead", "Use -e instead", "Use --kms instead").
 DEPRECATED = {("phala", "deploy"): {"--vcpu", "--memory", "--env-file", "--kms-id"}}
@@ -68,7 +66,7 @@ def tool_commands(page: Path) -> list[tuple[tuple[str, ...], list[str]]]:
                     out.append((key, words))
                     break
             else:
-                assert not words or words[0] not in {"phala", "vmm-cli.py", "docker", "jq"}, f"unknown command: {line}"
+                assert not words or words[0] not in {"phala", "vmm-cli.py", "docker"}, f"unknown command: {line}"
     return out
 
 
@@ -94,7 +92,7 @@ def test_flag_check_can_fail() -> None:
 
 def test_the_page_deploys_with_resources_private_logs_and_the_alert_env() -> None:
     keys = [k for k, _ in COMMANDS]
-    assert ("phala", "deploy") in keys and ("vmm-cli.py", "deploy") in keys and ("jq",) in keys
+    assert ("phala", "deploy") in keys and ("vmm-cli.py", "deploy") in keys and ("phala", "cvms", "attestation") in keys
     phala = next(a for k, a in COMMANDS if k == ("phala", "deploy"))
     for flag in ("-t", "--disk-size", "--no-public-logs", "--no-public-sysinfo", "-e"):
         assert flag in phala, flag
@@ -195,3 +193,21 @@ def test_token_app_id_and_wrong_hash(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert main([*base, "--bundles-token", "t", "--key-provider-id", "ab" * 32, "--app-id", "ef" * 20, "--out-dir", "e"]) == 0
     out = capsys.readouterr().out
     assert "app-id        " + "ef" * 20 + " (pinned by your KMS deployment)" in out and "mr_config_id  v2 02" in out
+
+
+def test_compose_hash_from_info_takes_the_measured_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A real CVM's published attestation data (NEAR MPC, dstack 0.5.8): tcb_info.app_compose hashes to its compose-hash,
+    whether tcb_info is an object (Phala API, this capture) or a JSON string (the guest agent's Info)."""
+    public = json.loads((REPO / "tests" / "data" / "attestation" / "dstack_nearmpc_public_data.json").read_text())
+    tcb = public["tee_participant_info"]["Dstack"]["tcb_info"]
+    for doc in ({"tcb_info": tcb}, {"app_id": "x", "tcb_info": json.dumps(tcb)}):
+        (tmp_path / "info.json").write_text(json.dumps(doc))
+        assert main(["compose-hash", str(tmp_path / "info.json"), "--from-info", "--save", str(tmp_path / "m.json"), "--json"]) == 1
+        assert json.loads(capsys.readouterr().out)["compose_hash"] == tcb["compose_hash"]
+        assert hashlib.sha256((tmp_path / "m.json").read_bytes()).hexdigest() == tcb["compose_hash"]
+        (tmp_path / "m.json").unlink()
+    (tmp_path / "info.json").write_text(json.dumps({"tcb_info": {"mrtd": "00"}}))
+    assert main(["compose-hash", str(tmp_path / "info.json"), "--from-info", "--save", str(tmp_path / "m.json")]) == 2
+    assert "no tcb_info.app_compose" in capsys.readouterr().err and not (tmp_path / "m.json").exists()
+    assert main(["compose-hash", str(tmp_path / "info.json"), "--save", str(tmp_path / "m.json")]) == 2
+    assert not (tmp_path / "m.json").exists()
