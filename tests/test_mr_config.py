@@ -94,3 +94,27 @@ def test_verifier_checks_mrconfigid_when_the_policy_pins_the_compose_hash() -> N
                      collateral=coll, events=events)
     check = next(c for c in f.checks if c.name == "policy.compose_hash")
     assert check.status == "pass" and "MRCONFIGID v1 carries the compose-hash" in check.detail
+
+
+def test_simulator_binds_v2_like_dstack_and_the_verifier_accepts_it() -> None:
+    """With key_provider_id the simulator's MRCONFIGID is v2 (as dstack-vmm sets it); the quote verifies with the
+    compose-hash pinned, and a key_provider_id the guest would refuse stops the simulator."""
+    from app.simulator import GuestAgentSimulator, SimulatorSettings
+    from attestation.policy import simulator_policy
+
+    kms_id = json.loads(GuestAgentSimulator().key_provider_info)["id"]
+    text = json.dumps({"name": "v2", "runner": "docker-compose", "kms_enabled": True, "key_provider_id": kms_id})
+    agent = GuestAgentSimulator(SimulatorSettings(app_compose=text))
+    quote = bytes.fromhex(agent.get_quote(b"x" * 64)["quote"])
+    events = parse_event_log(agent.event_log)
+    boot = {e.event: e.payload for e in events if e.imr == 3}
+    assert quote[232] == 2 and quote[232:280].hex() == C.mr_config_id_v2(
+        boot["compose-hash"].hex(), boot["app-id"].hex(), "kms", kms_id)
+    policy = simulator_policy(agent.test_root_ca_der).model_copy(update={"compose_hashes": (boot["compose-hash"].hex(),)})
+    f = verify_quote(quote, policy=policy, now=1787894484, collateral=parse_collateral(agent.collateral_json().encode()),
+                     events=events)
+    check = next(c for c in f.checks if c.name == "policy.compose_hash")
+    assert check.status == "pass" and "MRCONFIGID v2 matches" in check.detail, check.detail
+    for bad in (text.replace(kms_id, "ab" * 32), text.replace('"kms_enabled": true', '"kms_enabled": false')):
+        with pytest.raises(ValueError, match="would refuse to boot"):
+            GuestAgentSimulator(SimulatorSettings(app_compose=bad))
