@@ -583,11 +583,12 @@ def _app_compose(args: argparse.Namespace) -> int:
                                   allowed_envs=tuple(args.allowed_env))
     token_sha256 = bundles_token_sha256(args.bundles_token, args.bundles_token_sha256)
     dep = render_deployment(template, args.image, settings, bundles_token_sha256=token_sha256, style=args.format)
+    summary = describe(dep, args.app_id)  # before writing: a bad --app-id writes nothing
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "docker-compose.yaml").write_text(dep.docker_compose)
     (args.out_dir / "app-compose.json").write_bytes(dep.app_compose)
     print(f"wrote {args.out_dir / 'docker-compose.yaml'} and {args.out_dir / 'app-compose.json'}")
-    print("\n".join(describe(dep, args.app_id)))
+    print("\n".join(summary))
     return 0
 
 

@@ -72,6 +72,9 @@ def render_deployment(template: str, image: str, settings: C.AppComposeSettings,
     if bundles_token_sha256 is not None and pinned and pinned != {bundles_token_sha256}:
         raise ConfigError(f"the compose pins {TOKEN_ENV}={sorted(pinned)[0][:12]}…, not the hash of your token",
                           fix="start from the repository's docker-compose.yaml (placeholder hash) or pass the token it pins")
+    if not re.fullmatch(r"(0x)?([0-9a-fA-F]{2})*", settings.key_provider_id):
+        raise ConfigError(f"key_provider_id {settings.key_provider_id[:20]!r} is not hex",
+                          fix="pass the key provider's id in hex (KMS: its root CA public key, as the key-provider event shows)")
     svcs = C.services(text)
     passthrough = {n for svc in svcs.values() for n, v in C.env_entries(svc).items() if v is None}
     allowed = tuple(sorted(passthrough | set(settings.allowed_envs)))
@@ -106,6 +109,8 @@ def describe(dep: Deployment, pinned_app_id: str | None) -> list[str]:
     """What ``cvm-tune app-compose`` prints: compose-hash, app-id (or why there is none yet), MRCONFIGID."""
     doc = C.load(dep.app_compose)
     app_id = dep.app_id or (pinned_app_id.lower().removeprefix("0x") if pinned_app_id else None)
+    if app_id is not None and not re.fullmatch(r"[0-9a-f]{40}", app_id):
+        raise ConfigError(f"--app-id {pinned_app_id!r} is not 20 bytes of hex", fix="pass the app id `phala deploy` printed")
     form, mr = C.expected_mr_config_id(doc, dep.compose_hash, app_id)
     lines = [f"compose-hash  {dep.compose_hash}"]
     if app_id:

@@ -127,7 +127,10 @@ def app_id(app_compose: dict[str, Any], compose_hash_hex: str, *, pinned_app_id:
     """The app-id the CVM will measure; None when a KMS deployment's id is assigned outside the file."""
     if not app_compose.get("kms_enabled", False):
         return compose_hash_hex[:40]
-    return pinned_app_id.lower().removeprefix("0x") if pinned_app_id else None
+    pinned = pinned_app_id.lower().removeprefix("0x") if pinned_app_id else None
+    if pinned is not None and not re.fullmatch(r"[0-9a-f]{40}", pinned):
+        raise ComposeError(f"app id {pinned_app_id!r} is not 20 bytes of hex", fix="pass the app id the deployment printed")
+    return pinned
 
 
 def load(raw: bytes) -> dict[str, Any]:

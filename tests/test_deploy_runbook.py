@@ -211,3 +211,13 @@ def test_compose_hash_from_info_takes_the_measured_bytes(tmp_path: Path, capsys:
     assert "no tcb_info.app_compose" in capsys.readouterr().err and not (tmp_path / "m.json").exists()
     assert main(["compose-hash", str(tmp_path / "info.json"), "--save", str(tmp_path / "m.json")]) == 2
     assert not (tmp_path / "m.json").exists()
+
+
+@pytest.mark.parametrize(("extra", "error"), [(["--key-provider-id", "zz"], "is not hex"),
+                                              (["--key-provider-id", "ab", "--app-id", "12"], "not 20 bytes of hex")])
+def test_app_compose_refuses_bad_ids_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, extra: list[str],
+                                                        error: str, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = ["app-compose", "--image", IMAGE, "--compose", str(REPO / "docker-compose.yaml"),
+            "--bundles-token-sha256", "ab" * 32, "--out-dir", "out", *extra]
+    assert main(args) == 2 and error in capsys.readouterr().err and not (tmp_path / "out").exists()
