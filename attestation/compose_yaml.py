@@ -4,6 +4,7 @@ The compose audit must judge what Docker Compose will run, so anchors, aliases a
 exactly as PyYAML's safe loader resolves them (libyaml's ``CSafeLoader`` when PyYAML was built with it, else the pure
 Python ``SafeLoader``: same results). Each mapping and sequence carries the 1-based source line of its keys / items,
 so a finding can name the offending line even when the value was merged in from an anchor elsewhere in the file.
+A key written twice in one mapping is an error (PyYAML would keep the last, Docker Compose refuses the file).
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ class LinedList(list):
 
 
 def _mapping(loader: Any, node: yaml.MappingNode) -> LinedDict:
+    seen: set[str] = set()
+    for key_node, _ in node.value:  # before `<<` merges are flattened: a key written twice is refused, as Compose does
+        if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+            if key_node.value in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key_node.value!r}", key_node.start_mark)
+            seen.add(key_node.value)
     data = LinedDict(loader.construct_mapping(node, deep=True))  # flattens `<<` merges into node.value first
     data.lines = {}
     for key_node, _ in node.value:

@@ -137,7 +137,8 @@ def test_app_compose_fields_are_audited() -> None:
     assert audit({**GOOD, "runner": "bash"}) == ["runner is 'bash': only docker-compose apps can be audited here"]
 
 
-@pytest.mark.parametrize("bad", ["services: [a]\n", "a: [\n", "x: &a [*a]\nservices: {s: {image: *a}}\n", "services: {s: [1]}\n"])
+@pytest.mark.parametrize("bad", ["services: [a]\n", "a: [\n", "x: &a [*a]\nservices: {s: {image: *a}}\n", "services: {s: [1]}\n",
+                                 "services:\n  s:\n    image: a\n    privileged: false\n    privileged: true\n"])
 def test_unparsable_composes_raise_compose_error(bad: str) -> None:
     with pytest.raises(C.ComposeError):
         compose_problems(bad)
