@@ -500,7 +500,10 @@ def _simulator(args: argparse.Namespace) -> int:
             app_compose = args.app_compose.read_text()
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read {args.app_compose}: {exc}") from exc
-    sim = GuestAgentSimulator(SimulatorSettings(emit_event=args.emit_event, app_compose=app_compose))
+    try:
+        sim = GuestAgentSimulator(SimulatorSettings(emit_event=args.emit_event, app_compose=app_compose))
+    except ValueError as exc:  # an app-compose the simulator (like dstack's guest) cannot boot with
+        raise ConfigError(f"{args.app_compose}: {exc}", fix="pass an app-compose.json dstack would boot") from exc
     if args.write_policy:
         args.write_policy.write_text(policy_file_text(simulator_policy(sim.test_root_ca_der)))
         print(f"wrote {args.write_policy}")

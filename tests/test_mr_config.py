@@ -118,3 +118,13 @@ def test_simulator_binds_v2_like_dstack_and_the_verifier_accepts_it() -> None:
     for bad in (text.replace(kms_id, "ab" * 32), text.replace('"kms_enabled": true', '"kms_enabled": false')):
         with pytest.raises(ValueError, match="would refuse to boot"):
             GuestAgentSimulator(SimulatorSettings(app_compose=bad))
+
+
+def test_simulator_cli_refuses_an_app_compose_it_cannot_boot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli import main
+
+    for name, text in (("kp.json", json.dumps({"name": "v", "runner": "docker-compose", "kms_enabled": True,
+                                                "key_provider_id": "abab"})), ("bad.json", "not json")):
+        (tmp_path / name).write_text(text)
+        assert main(["simulator", "--app-compose", str(tmp_path / name), "--write-policy", str(tmp_path / "p.yaml")]) == 2
+        assert not (tmp_path / "p.yaml").exists() and capsys.readouterr().err.startswith("error: ")
