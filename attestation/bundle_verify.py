@@ -345,7 +345,7 @@ def _audit_rtmr3(f: QuoteFindings, entries: list[AuditEntry], m: B.Manifest, pol
           "; ".join(problems) or f"{len(lines) - (start or 0)} audit entries measured into RTMR3 and replayed")
 
 
-def _gpu(f: QuoteFindings, root: Path, m: B.Manifest, events: tuple[Event, ...] | None) -> None:
+def _gpu(f: QuoteFindings, root: Path, m: B.Manifest, events: tuple[Event, ...] | None = None) -> None:
     dstack = boot_gpu_attestation(events)  # dstack's own boot-time GPU attestation, when the OS made one
     if m.gpu is None:
         if dstack is None:
