@@ -55,7 +55,7 @@ ENV PATH=/opt/venv/bin:$PATH \
 RUN if [ "$FLAVOR" = gpu ]; then python -c "import sys; from app.training.options import triton_toolchain_problem as p; sys.exit(p())"; fi
 # The output volume's mount point belongs to the app user, so a new named volume starts writable for it.
 RUN useradd --uid 10001 --create-home --home-dir /home/cvmtune --shell /usr/sbin/nologin cvmtune \
- && mkdir -p /data/dataset /data/models /data/output \
+ && mkdir -p /data/dataset /data/output \
  && chown 10001:10001 /data/output
 USER 10001
 WORKDIR /home/cvmtune

@@ -165,13 +165,18 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
                        "app-id it implies, and what must change before it can be trusted. Exit 1 if the audit finds anything.")
     h.add_argument("app_compose", type=Path, nargs="?", default=Path("app-compose.json"), metavar="APP_COMPOSE_JSON")
     h.add_argument("--app-id", metavar="HEX", help="the app id your KMS deployment pinned (kms_enabled: the file alone cannot say)")
+    h.add_argument("--from-info", action="store_true", help="the file is an Info answer or `phala cvms attestation --json` "
+                   "output: use its tcb_info.app_compose (the exact bytes the CVM measured)")
+    h.add_argument("--save", type=Path, metavar="FILE", help="with --from-info: also write those bytes to FILE")
     h.add_argument("--json", action="store_true", help="print JSON")
 
     a = sub.add_parser("app-compose", help="write the deployable docker-compose.yaml and app-compose.json for an image",
                        description="Put the pushed image's digest into docker-compose.yaml and write app-compose.json as "
                        "dstack's vmm-cli does (or the normalized form Phala Cloud shows); print compose-hash and app-id.")
     a.add_argument("--image", required=True, metavar="REF@sha256:DIGEST", help="the pushed image, pinned by digest")
-    a.add_argument("--bundles-token-sha256", metavar="HEX", help="SHA-256 of the bundle server's token (cvm-tune bundles token FILE)")
+    a.add_argument("--bundles-token", type=Path, metavar="FILE", help="the bundle server's token file (cvm-tune bundles token FILE)")
+    a.add_argument("--bundles-token-sha256", metavar="HEX", help="its SHA-256 instead (refused if it is not the file's)")
+    a.add_argument("--app-id", metavar="HEX", help="the app id your KMS deployment assigned (to print MRCONFIGID v2)")
     a.add_argument("--compose", type=Path, default=Path("docker-compose.yaml"), metavar="FILE", help="template (default: %(default)s)")
     a.add_argument("--out-dir", type=Path, default=Path("deploy"), metavar="DIR", help="output directory (default: %(default)s)")
     a.add_argument("--name", default="cvm-tune", help="app name in app-compose.json")
@@ -182,6 +187,24 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--local-key-provider", action="store_true", help="local_key_provider_enabled true (SGX local key provider)")
     a.add_argument("--key-provider-id", default="", metavar="HEX")
     a.add_argument("--allowed-env", action="append", default=[], metavar="NAME", help="extra allowed_envs name (repeatable)")
+
+    dp = sub.add_parser("deploy-plan", help="size the CVM and print the exact deploy command (phala CLI 1.1.x or vmm-cli.py)",
+                        description="Refuses resources below what the image, the base model and the output need, an "
+                        "app-compose that fails its audit, and an env file without the alert webhook (values are never printed).")
+    dp.add_argument("--target", choices=("phala", "vmm"), required=True)
+    dp.add_argument("--model-gb", type=float, required=True, metavar="GB", help="size of the base model directory")
+    dp.add_argument("--output-gb", type=float, default=50.0, metavar="GB", help="runs, checkpoints, bundles (default: %(default)s)")
+    dp.add_argument("--gpus", type=int, default=1)
+    dp.add_argument("--vcpu", type=int, help="vCPUs (vmm: default the plan's; phala: the instance type's, to check)")
+    dp.add_argument("--memory", metavar="SIZE", help="e.g. 128G (vmm: default the plan's; phala: the instance type's, to check)")
+    dp.add_argument("--disk", metavar="SIZE", help="e.g. 400G (default: the plan's)")
+    dp.add_argument("--name", default="cvm-tune-nightly", help="the CVM's name (default: %(default)s)")
+    dp.add_argument("--deploy-dir", type=Path, default=Path("deploy"), metavar="DIR", help="cvm-tune app-compose's output (default: %(default)s)")
+    dp.add_argument("--env-file", type=Path, default=Path("deploy/secrets.env"), metavar="FILE", help="default: %(default)s")
+    dp.add_argument("--instance-type", metavar="TYPE", help="phala: a GPU instance type, e.g. h200.small")
+    dp.add_argument("--os-image", metavar="NAME", help="vmm: a production dstack OS image (e.g. dstack-nvidia-0.5.11)")
+    dp.add_argument("--kms-url", metavar="URL", help="vmm: your KMS")
+    dp.add_argument("--vmm-url", metavar="URL", help="vmm: dstack-vmm's API (else vmm-cli's own default)")
 
     e = sub.add_parser("env", help="dstack encrypted environment variables").add_subparsers(dest="env_command", required=True, metavar="ACTION")
     ee = e.add_parser("encrypt", help="encrypt variables to a CVM's env public key (dstack-sdk)",
@@ -200,7 +223,7 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
 
     b = sub.add_parser("bundles", help="serve or fetch export bundles (the way out of a CVM)").add_subparsers(
         dest="bundles_command", required=True, metavar="ACTION")
-    bt = b.add_parser("token", help="write a new bearer token file and print the SHA-256 to pin in docker-compose.yaml")
+    bt = b.add_parser("token", help="write a new bearer token file and print its SHA-256 (pinned by cvm-tune app-compose)")
     bt.add_argument("file", type=Path, metavar="FILE")
     bs = b.add_parser("serve", help="read-only HTTP server over the output volume (the compose's bundles service)")
     bs.add_argument("--output", type=Path, default=Path("/data/output"), metavar="DIR", help="output volume (default: %(default)s)")
@@ -477,7 +500,10 @@ def _simulator(args: argparse.Namespace) -> int:
             app_compose = args.app_compose.read_text()
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read {args.app_compose}: {exc}") from exc
-    sim = GuestAgentSimulator(SimulatorSettings(emit_event=args.emit_event, app_compose=app_compose))
+    try:
+        sim = GuestAgentSimulator(SimulatorSettings(emit_event=args.emit_event, app_compose=app_compose))
+    except ValueError as exc:  # an app-compose the simulator (like dstack's guest) cannot boot with
+        raise ConfigError(f"{args.app_compose}: {exc}", fix="pass an app-compose.json dstack would boot") from exc
     if args.write_policy:
         args.write_policy.write_text(policy_file_text(simulator_policy(sim.test_root_ca_der)))
         print(f"wrote {args.write_policy}")
@@ -517,17 +543,28 @@ def _compose_hash(args: argparse.Namespace) -> int:
         raw = args.app_compose.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read {args.app_compose}: {exc.strerror}", fix="pass the app-compose.json to hash") from exc
+    if args.from_info:
+        raw = C.from_info(raw)
+        if args.save is not None:
+            from app.fsutil import atomic_write_bytes
+
+            atomic_write_bytes(args.save, raw)
+    elif args.save is not None:
+        raise ConfigError("--save needs --from-info (the file itself is already the app-compose.json)")
     doc = C.load(raw)
     digest = C.compose_hash(raw)
-    out = {"compose_hash": digest, "app_id": C.app_id(doc, digest, pinned_app_id=args.app_id),
-           "mr_config_id": C.mr_config_id_v1(digest), "kms_enabled": bool(doc.get("kms_enabled")),
+    app_id = C.app_id(doc, digest, pinned_app_id=args.app_id)
+    form, mr_config_id = C.expected_mr_config_id(doc, digest, app_id)
+    out = {"compose_hash": digest, "app_id": app_id, "mr_config_id": mr_config_id, "mr_config_id_form": form,
+           "kms_enabled": bool(doc.get("kms_enabled")),
            "images": C.images(doc) if doc.get("runner") == "docker-compose" else {}, "problems": C.audit(doc)}
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(f"compose-hash  {digest}")
         print(f"app-id        {out['app_id'] or 'assigned by the KMS deployment (pass --app-id): not derivable from the file'}")
-        print(f"mr_config_id  {out['mr_config_id']}")
+        print(f"mr_config_id  {form} {mr_config_id or '(needs the app id: pass --app-id)'}")
+        print(f"              ({C.MR_CONFIG_WHEN})")
         for svc, ref in out["images"].items():
             print(f"image         {svc}: {ref}")
         for problem in out["problems"]:
@@ -538,7 +575,7 @@ def _compose_hash(args: argparse.Namespace) -> int:
 def _app_compose(args: argparse.Namespace) -> int:
     from attestation.compose import AppComposeSettings
 
-    from app.deploy import render_deployment
+    from app.deploy import bundles_token_sha256, describe, render_deployment
 
     try:
         template = args.compose.read_text()
@@ -547,13 +584,27 @@ def _app_compose(args: argparse.Namespace) -> int:
     settings = AppComposeSettings(name=args.name, kms_enabled=not args.no_kms, gateway_enabled=not args.no_gateway,
                                   local_key_provider_enabled=args.local_key_provider, key_provider_id=args.key_provider_id,
                                   allowed_envs=tuple(args.allowed_env))
-    dep = render_deployment(template, args.image, settings, bundles_token_sha256=args.bundles_token_sha256, style=args.format)
+    token_sha256 = bundles_token_sha256(args.bundles_token, args.bundles_token_sha256)
+    dep = render_deployment(template, args.image, settings, bundles_token_sha256=token_sha256, style=args.format)
+    summary = describe(dep, args.app_id)  # before writing: a bad --app-id writes nothing
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "docker-compose.yaml").write_text(dep.docker_compose)
     (args.out_dir / "app-compose.json").write_bytes(dep.app_compose)
     print(f"wrote {args.out_dir / 'docker-compose.yaml'} and {args.out_dir / 'app-compose.json'}")
-    print(f"compose-hash  {dep.compose_hash}")
-    print(f"app-id        {dep.app_id} (unless your KMS deployment pins another: then the KMS's)")
+    print("\n".join(summary))
+    return 0
+
+
+def _deploy_plan(args: argparse.Namespace) -> int:
+    from app.deploy_plan import plan
+
+    p = plan(args.target, model_gb=args.model_gb, output_gb=args.output_gb, gpus=args.gpus, vcpu=args.vcpu,
+             memory=args.memory, disk=args.disk, name=args.name, deploy_dir=args.deploy_dir, env_file=args.env_file,
+             instance_type=args.instance_type, os_image=args.os_image, kms_url=args.kms_url, vmm_url=args.vmm_url)
+    print(f"needs: {p.needs.vcpu} vCPU, {p.needs.memory_gb} GB memory, {p.needs.disk_gb} GB disk")
+    for note in p.notes:
+        print(f"note: {note}")
+    print(p.command)
     return 0
 
 
@@ -597,8 +648,8 @@ def _bundles(args: argparse.Namespace) -> int:
 
     if args.bundles_command == "token":
         digest = bundles.new_token(args.file)
-        print(f"wrote {args.file} (mode 0600). Pin its hash in docker-compose.yaml:")
-        print(f"  {bundles.TOKEN_ENV}={digest}")
+        print(f"wrote {args.file} (mode 0600); its SHA-256 is {digest}")
+        print(f"pin it in the measured compose: cvm-tune app-compose --image IMAGE@sha256:DIGEST --bundles-token {args.file}")
         return 0
     if args.bundles_command == "serve":
         server = bundles.BundleServer(args.output, os.environ.get(bundles.TOKEN_ENV, ""), host=args.host, port=args.port)
@@ -621,5 +672,5 @@ def _bundles(args: argparse.Namespace) -> int:
 
 _COMMANDS = {"run": _run, "serve": _serve, "status": _status, "verify": _verify, "publish": _publish, "verify-quote": _verify_quote,
              "collateral": _collateral, "simulator": _simulator, "schema": _schema, "validate-config": _validate_config,
-             "compose-hash": _compose_hash, "app-compose": _app_compose, "env": _env, "bundles": _bundles,
+             "compose-hash": _compose_hash, "app-compose": _app_compose, "deploy-plan": _deploy_plan, "env": _env, "bundles": _bundles,
              **cli_owner.COMMANDS}

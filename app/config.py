@@ -64,11 +64,13 @@ class TeeSettings(_Closed):
         "in simulator mode, the PCCS in dstack mode. none: export without collateral.",
     )
     pccs_url: str = Field("https://pccs.phala.network", description="PCCS used when collateral is fetched.")
-    gpu_evidence: Literal["auto", "required"] = Field(
+    gpu_evidence: Literal["auto", "required", "attested"] = Field(
         "auto",
         description="auto: record what attests the GPU (nvidia-smi CC state, driver/VBIOS, NVIDIA local-verifier report "
-        "if nvattest is installed), or that there is no GPU. required: also refuse to train unless every GPU is in CC "
-        "mode ON (not DevTools), ready, and any NVIDIA report passed.",
+        "if nvattest is installed), or that there is no GPU. required: also refuse to train unless nvidia-smi reports "
+        "every GPU in CC mode ON (not DevTools) and ready -- the driver's unsigned word -- and any NVIDIA report passed. "
+        "attested: required, and NVIDIA's nvattest report for this run must exist and pass (the published image does "
+        "not install nvattest).",
     )
 
 

@@ -16,13 +16,14 @@ data owner's signature (or match a hash pinned in the measured config), which th
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from attestation import compose as C
 
-from app.bundles import TOKEN_ENV
+from app.bundles import TOKEN_ENV, read_token
 from app.errors import ConfigError
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # dstack-util/src/parse_env_file.rs
@@ -65,8 +66,15 @@ def render_deployment(template: str, image: str, settings: C.AppComposeSettings,
     if placeholder in text:
         if not re.fullmatch(r"[0-9a-f]{64}", bundles_token_sha256 or "") or bundles_token_sha256 == "0" * 64:
             raise ConfigError("the bundle server needs the SHA-256 of your bearer token",
-                              fix="run `cvm-tune bundles token FILE` and pass the printed hash with --bundles-token-sha256")
+                              fix="run `cvm-tune bundles token FILE` and pass the file with --bundles-token FILE")
         text = text.replace(placeholder, f"{TOKEN_ENV}={bundles_token_sha256}")
+    pinned = set(re.findall(rf"{TOKEN_ENV}=([0-9a-fA-F]*)", text))
+    if bundles_token_sha256 is not None and pinned and pinned != {bundles_token_sha256}:
+        raise ConfigError(f"the compose pins {TOKEN_ENV}={sorted(pinned)[0][:12]}…, not the hash of your token",
+                          fix="start from the repository's docker-compose.yaml (placeholder hash) or pass the token it pins")
+    if not re.fullmatch(r"(0x)?([0-9a-fA-F]{2})*", settings.key_provider_id):
+        raise ConfigError(f"key_provider_id {settings.key_provider_id[:20]!r} is not hex",
+                          fix="pass the key provider's id in hex (KMS: its root CA public key, as the key-provider event shows)")
     svcs = C.services(text)
     passthrough = {n for svc in svcs.values() for n, v in C.env_entries(svc).items() if v is None}
     allowed = tuple(sorted(passthrough | set(settings.allowed_envs)))
@@ -78,6 +86,41 @@ def render_deployment(template: str, image: str, settings: C.AppComposeSettings,
                           fix="fix docker-compose.yaml (see docs/deploy.md)")
     digest = C.compose_hash(raw)
     return Deployment(text, raw, digest, C.app_id(doc, digest))
+
+
+def bundles_token_sha256(token_file: Path | None, given_sha256: str | None) -> str | None:
+    """The token hash to pin: from the token file (``cvm-tune bundles token FILE``) and/or as given.
+
+    Raises:
+        ConfigError: a given hash that is not 64 lowercase hex, or not the hash of the token in ``token_file``.
+    """
+    if given_sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", given_sha256):
+        raise ConfigError("--bundles-token-sha256 must be 64 lowercase hex (the SHA-256 `cvm-tune bundles token` printed)")
+    if token_file is None:
+        return given_sha256
+    digest = hashlib.sha256(read_token(token_file).encode()).hexdigest()
+    if given_sha256 is not None and given_sha256 != digest:
+        raise ConfigError(f"--bundles-token-sha256 {given_sha256[:12]}… is not the SHA-256 of the token in {token_file}",
+                          fix="pass only --bundles-token FILE (the hash is computed from it)")
+    return digest
+
+
+def describe(dep: Deployment, pinned_app_id: str | None) -> list[str]:
+    """What ``cvm-tune app-compose`` prints: compose-hash, app-id (or why there is none yet), MRCONFIGID."""
+    doc = C.load(dep.app_compose)
+    app_id = dep.app_id or (pinned_app_id.lower().removeprefix("0x") if pinned_app_id else None)
+    if app_id is not None and not re.fullmatch(r"[0-9a-f]{40}", app_id):
+        raise ConfigError(f"--app-id {pinned_app_id!r} is not 20 bytes of hex", fix="pass the app id `phala deploy` printed")
+    form, mr = C.expected_mr_config_id(doc, dep.compose_hash, app_id)
+    lines = [f"compose-hash  {dep.compose_hash}"]
+    if app_id:
+        lines.append(f"app-id        {app_id}" + ("" if dep.app_id else " (pinned by your KMS deployment)"))
+    else:
+        lines.append("app-id        not in the file: with KMS the deployment assigns it (Phala Cloud prints it after "
+                     "`phala deploy`; dstack-vmm: `vmm-cli.py deploy --app-id`)"
+                     + ("; pass it with --app-id for MRCONFIGID v2" if form == "v2" else ""))
+    lines.append(f"mr_config_id  {form} {mr or '(needs the app id)'} ({C.MR_CONFIG_WHEN})")
+    return lines
 
 
 def read_env_file(path: Path) -> dict[str, str]:

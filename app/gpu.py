@@ -100,13 +100,19 @@ def collect(nonce: str, *, timeout_s: float = 30.0, attest_timeout_s: float = 30
     return GpuEvidence(data, info)
 
 
-def require_confidential(info: G.GpuInfo) -> None:
-    """``tee.gpu_evidence: required``: refuse to train unless the evidence shows attested CC-mode GPUs.
+def require_confidential(info: G.GpuInfo, *, attested: bool = False) -> None:
+    """``tee.gpu_evidence: required`` / ``attested``: refuse to train unless the evidence shows CC-mode GPUs.
+
+    ``required`` rests on nvidia-smi (CC on, not DevTools, ready: the driver's unsigned word) and on NVIDIA's report
+    only when one was made; ``attested`` also demands NVIDIA's report (nvattest local verifier) for this run's nonce.
 
     Raises:
-        TeeError: listing every problem (no GPU, CC off or DevTools, not ready, NVIDIA report failed).
+        TeeError: listing every problem (no GPU, CC off or DevTools, not ready, NVIDIA report failed or absent).
     """
-    issues = G.problems(info)
+    issues = G.problems(info) + (G.unattested(info) if attested else [])
     if issues:
-        raise TeeError(f"GPU evidence required but: {'; '.join(issues)}",
-                       fix="run on an H100/H200 in confidential-computing mode (CC on, ready), or set tee.gpu_evidence: auto")
+        mode = "attested" if attested else "required"
+        fix = ("install NVIDIA's nvattest CLI in the image (docs/gpu.md) and run on an H100/H200 in CC mode, "
+               "or set tee.gpu_evidence: required" if attested and not G.problems(info) else
+               "run on an H100/H200 in confidential-computing mode (CC on, ready), or set tee.gpu_evidence: auto")
+        raise TeeError(f"GPU evidence {mode} but: {'; '.join(issues)}", fix=fix)

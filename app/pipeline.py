@@ -262,8 +262,8 @@ def gpu_stage(cfg: Config, audit: Audit, run: RunIdentity, progress: Progress) -
     gpu = gpu_evidence.collect(audit.log.head)
     audit.recorder.record(run.run_id, "gpu.evidence", gpu.audit_data())
     progress(f"gpu: {describe_gpu(gpu.info)}")
-    if cfg.tee.gpu_evidence == "required":
-        gpu_evidence.require_confidential(gpu.info)
+    if cfg.tee.gpu_evidence != "auto":
+        gpu_evidence.require_confidential(gpu.info, attested=cfg.tee.gpu_evidence == "attested")
     return gpu
 
 

@@ -13,7 +13,8 @@ Bundle steps (after ``attestation.verify``'s quote steps):
  B10 ``base_model.tree`` the base-model tree hash is recomputed (and compared with a local copy if given)
  B11 ``dataset.file``    the encrypted dataset hash (only when the file is given)
  B12 ``gpu.evidence``    gpu-evidence.json re-summarised = the manifest's ``gpu``, committed by the last
-                         ``gpu.evidence`` audit entry, nonce = that entry's prev (``attestation.gpu.check``)
+                         ``gpu.evidence`` audit entry, nonce = that entry's prev (``attestation.gpu.check``); plus
+                         dstack's own measured GPU attestation when the OS made one (``attestation.gpu_dstack``)
  B13 ``dataset.owner``   owner key id = SHA-256(owner public key); with the file: its owner signature
                          verifies under that key and its statement, header and hashes match the manifest
  B14 ``build.image``     the manifest's image is the cvm-tune service's image in app-compose.json, pinned by digest
@@ -39,6 +40,7 @@ from attestation.dcap import Collateral, parse_collateral
 from attestation.errors import AttestationError, BundleError
 from attestation.eventlog import Event, parse_event_log
 from attestation.gpu import check as gpu_check
+from attestation.gpu_dstack import boot_gpu_attestation
 from attestation.hashing import files_digest, sha256_file, sha256_hex, tree_files
 from attestation.policy import Policy
 from attestation.quote import MAX_QUOTE_BYTES
@@ -96,7 +98,7 @@ def verify_bundle(
         _compose_and_app_id(f, root, manifest)
         _build(f, root, manifest)
         _audit(f, root, manifest, policy)
-        _gpu(f, root, manifest)
+        _gpu(f, root, manifest, events)
         _evaluation(f, root, manifest)
         model_sig.check(f, root, manifest)
         _inputs(f, manifest, base_model_dir, dataset_file)
@@ -204,9 +206,11 @@ def _compose_and_app_id(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
         problems.append("app-compose.json does not hash to the manifest's compose_hash")
     if measured != m.tee.compose_hash:
         problems.append(f"event-log compose-hash {measured or '(absent)'} differs from the manifest")
-    if config_id[:1] == b"\x01" and config_id[1:33].hex() != m.tee.compose_hash:
-        problems.append("MRCONFIGID does not carry the manifest's compose_hash")
-    f.add("compose.hash", "fail" if problems else "pass", "; ".join(problems) or f"compose-hash {m.tee.compose_hash[:16]}… consistent")
+    bound, how = C.check_mr_config_id(config_id, m.tee.compose_hash, f.boot.hex("app-id") if f.boot else None,
+                                      f.boot.values.get("key-provider") if f.boot else None) if td else (True, "no quote")
+    if not bound:
+        problems.append(how)
+    f.add("compose.hash", "fail" if problems else "pass", "; ".join(problems) or f"compose-hash {m.tee.compose_hash[:16]}… consistent; {how}")
     app_id = f.boot.hex("app-id") if f.boot else None
     ok = app_id == m.tee.app_id
     f.add("tee.app_id", "pass" if ok else "fail", f"app-id {app_id or '(absent)'}" + ("" if ok else f" != manifest {m.tee.app_id}"))
@@ -341,9 +345,13 @@ def _audit_rtmr3(f: QuoteFindings, entries: list[AuditEntry], m: B.Manifest, pol
           "; ".join(problems) or f"{len(lines) - (start or 0)} audit entries measured into RTMR3 and replayed")
 
 
-def _gpu(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
+def _gpu(f: QuoteFindings, root: Path, m: B.Manifest, events: tuple[Event, ...] | None = None) -> None:
+    dstack = boot_gpu_attestation(events)  # dstack's own boot-time GPU attestation, when the OS made one
     if m.gpu is None:
-        f.add("gpu.evidence", "skip", "the manifest records no GPU evidence (bundle from before cvm-tune collected it)")
+        if dstack is None:
+            f.add("gpu.evidence", "skip", "the manifest records no GPU evidence (bundle from before cvm-tune collected it)")
+        else:
+            f.add("gpu.evidence", "pass" if dstack[0] else "fail", dstack[1])
         return
     try:
         data: bytes | None = _read(root / B.GPU_EVIDENCE)
@@ -354,6 +362,8 @@ def _gpu(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
     except (OSError, AuditFormatError):
         entries = []
     status, detail = gpu_check(data, m.gpu, entries)
+    if dstack is not None:
+        status, detail = ("fail" if not dstack[0] else status), f"{detail}; {dstack[1]}"
     f.add("gpu.evidence", status, detail)
 
 

@@ -56,11 +56,81 @@ def mr_config_id_v1(compose_hash_hex: str) -> str:
     return "01" + compose_hash_hex + "00" * 15
 
 
+# dstack-types/src/mr_config.rs (v0.5.11): KeyProviderKind as one byte; the key-provider boot event's names.
+KEY_PROVIDER_BYTE = {"none": 0, "local": 1, "kms": 2, "tpm": 3}
+EVENT_KEY_PROVIDER = {"none": "none", "local-sgx": "local", "local": "local", "kms": "kms", "tpm": "tpm"}
+MR_CONFIG_WHEN = ("the VMM sets it only with use_mrconfigid = true (as dstack's vmm.toml ships) on an OS image >= 0.5.2; "
+                  "otherwise it is all zeros and binds nothing")
+
+
+def key_provider_kind(app_compose: dict[str, Any]) -> str:
+    """``AppCompose::key_provider()``: the explicit ``key_provider``, else kms / local / none from the flags."""
+    if app_compose.get("key_provider"):
+        return str(app_compose["key_provider"])
+    return "kms" if app_compose.get("kms_enabled") else "local" if app_compose.get("local_key_provider_enabled") else "none"
+
+
+def mr_config_id_v2(compose_hash_hex: str, app_id_hex: str, kind: str, key_provider_id_hex: str) -> str:
+    """MRCONFIGID v2: ``02 || keccak256(compose_hash || app_id || kind byte || key_provider_id) || 15 zero bytes``."""
+    from eth_hash.auto import keccak
+
+    if kind not in KEY_PROVIDER_BYTE:
+        raise ComposeError(f"key provider {kind!r} is not one of {sorted(KEY_PROVIDER_BYTE)}")
+    try:
+        pre = (bytes.fromhex(compose_hash_hex) + bytes.fromhex(app_id_hex.removeprefix("0x")) + bytes([KEY_PROVIDER_BYTE[kind]])
+               + bytes.fromhex(key_provider_id_hex.removeprefix("0x")))
+    except ValueError as exc:
+        raise ComposeError(f"compose-hash, app id and key_provider_id must be hex: {exc}") from exc
+    return "02" + keccak(pre).hex() + "00" * 15
+
+
+def expected_mr_config_id(app_compose: dict[str, Any], compose_hash_hex: str, app_id_hex: str | None) -> tuple[str, str | None]:
+    """(form, hex) of the MRCONFIGID the VMM derives for this app-compose (``vmm/src/app/qemu.rs``, v0.5.11).
+
+    v1 when ``key_provider_id`` is empty, else v2, which also needs the app id (None when it is not known).
+    """
+    kp_id = str(app_compose.get("key_provider_id") or "")
+    if not kp_id:
+        return "v1", mr_config_id_v1(compose_hash_hex)
+    if not app_id_hex:
+        return "v2", None
+    return "v2", mr_config_id_v2(compose_hash_hex, app_id_hex, key_provider_kind(app_compose), kp_id)
+
+
+def check_mr_config_id(config_id: bytes, compose_hash_hex: str, app_id_hex: str | None,
+                       key_provider_event: bytes | None) -> tuple[bool, str]:
+    """Does the quote's MRCONFIGID bind this compose-hash? (ok, what was checked), from measured values only.
+
+    Zero: not bound (ok, said so: the compose-hash then rests on RTMR3 alone). v1: ``01 || compose_hash``. v2: the
+    Keccak over compose-hash, the measured app-id and the ``key-provider`` boot event's kind and id (what dstack's
+    guest checks, ``dstack-util/src/system_setup/config_id_verifier.rs``). Any other version fails.
+    """
+    if config_id == bytes(48):
+        return True, "MRCONFIGID is zero: the VMM did not bind the compose-hash (use_mrconfigid off); RTMR3 alone binds it"
+    version = config_id[0]
+    if version == 1:
+        ok = config_id.hex() == mr_config_id_v1(compose_hash_hex)
+        return ok, "MRCONFIGID v1 " + ("carries" if ok else "does not carry") + " the compose-hash"
+    if version != 2:
+        return False, f"MRCONFIGID version {version} is not one dstack 0.5.x sets (1 or 2): cannot be checked"
+    try:
+        kp = json.loads(key_provider_event or b"")
+        kind, kp_id = EVENT_KEY_PROVIDER[kp["name"]], str(kp.get("id") or "")
+        want = mr_config_id_v2(compose_hash_hex, app_id_hex or "", kind, kp_id) if app_id_hex else None
+    except (ValueError, KeyError, TypeError, ComposeError) as exc:
+        return False, f"MRCONFIGID v2 needs the measured app-id and key-provider events: {exc}"
+    ok = want == config_id.hex()
+    return ok, f"MRCONFIGID v2 {'matches' if ok else 'does not match'} keccak(compose-hash, app-id, {kind} key provider id)"
+
+
 def app_id(app_compose: dict[str, Any], compose_hash_hex: str, *, pinned_app_id: str | None = None) -> str | None:
     """The app-id the CVM will measure; None when a KMS deployment's id is assigned outside the file."""
     if not app_compose.get("kms_enabled", False):
         return compose_hash_hex[:40]
-    return pinned_app_id.lower().removeprefix("0x") if pinned_app_id else None
+    pinned = pinned_app_id.lower().removeprefix("0x") if pinned_app_id else None
+    if pinned is not None and not re.fullmatch(r"[0-9a-f]{40}", pinned):
+        raise ComposeError(f"app id {pinned_app_id!r} is not 20 bytes of hex", fix="pass the app id the deployment printed")
+    return pinned
 
 
 def load(raw: bytes) -> dict[str, Any]:
@@ -78,6 +148,28 @@ def load(raw: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ComposeError("app-compose.json must be a JSON object")
     return data
+
+
+def from_info(raw: bytes) -> bytes:
+    """The exact app-compose.json bytes inside a guest agent ``Info`` answer or a ``phala cvms attestation --json``
+    document: ``tcb_info.app_compose`` (``tcb_info`` may itself be a JSON string, as the agent sends it).
+
+    The text is the raw file the CVM hashed (``AppComposeWrapper.raw``), so its UTF-8 bytes hash to the compose-hash.
+
+    Raises:
+        ComposeError: not JSON, or no ``tcb_info.app_compose`` text.
+    """
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+        tcb = doc.get("tcb_info") if isinstance(doc, dict) else None
+        tcb = json.loads(tcb) if isinstance(tcb, str) else tcb
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ComposeError(f"not a JSON Info / attestation document: {exc}") from exc
+    text = tcb.get("app_compose") if isinstance(tcb, dict) else None
+    if not isinstance(text, str) or not text:
+        raise ComposeError("the document has no tcb_info.app_compose (is the CVM's public_tcbinfo off?)",
+                           fix="pass the guest agent's Info answer or `phala cvms attestation NAME --json` output")
+    return text.encode("utf-8")
 
 
 @dataclass(frozen=True)
@@ -124,9 +216,11 @@ def services(docker_compose_text: str) -> dict[str, dict[str, Any]]:
     Raises:
         ComposeError: not YAML or no services mapping.
     """
+    from attestation.compose_yaml import parse
+
     try:
-        doc = yaml.safe_load(docker_compose_text)
-    except yaml.YAMLError as exc:
+        doc = parse(docker_compose_text)
+    except (yaml.YAMLError, RecursionError) as exc:
         raise ComposeError(f"docker_compose_file is not valid YAML: {str(exc).splitlines()[0]}") from exc
     svcs = doc.get("services") if isinstance(doc, dict) else None
     if not isinstance(svcs, dict) or not all(isinstance(v, dict) for v in svcs.values()):
@@ -161,36 +255,7 @@ def env_entries(svc: dict[str, Any]) -> dict[str, str | None]:
 
 
 def audit(app_compose: dict[str, Any]) -> list[str]:
-    """What must change before this app-compose can be trusted with a dataset key (empty: nothing found)."""
-    problems = []
-    if app_compose.get("runner") != "docker-compose":
-        return [f"runner is {app_compose.get('runner')!r}: only docker-compose apps can be audited here"]
-    if app_compose.get("public_logs", True):
-        problems.append("public_logs is not false: container logs would be served on the guest agent's public port")
-    if app_compose.get("pre_launch_script"):
-        problems.append("pre_launch_script is set: it runs as root before the containers; read it "
-                        "(Phala Cloud adds its own) and pin this compose-hash only if you accept it")
-    if int(app_compose.get("swap_size") or 0) > 0:
-        problems.append("swap_size > 0: keep it 0 (dstack best practice)")
-    svcs = services(app_compose["docker_compose_file"])
-    sockets = []
-    for name, svc in svcs.items():
-        ref = svc.get("image")
-        if svc.get("build") is not None:
-            problems.append(f"service {name}: `build:` is not reproducible in a CVM; use a pushed image by digest")
-        if not isinstance(ref, str) or image_digest(ref) is None:
-            problems.append(f"service {name}: image {ref!r} is not pinned by digest (name@sha256:<64 hex>)")
-        elif image_digest(ref) == PLACEHOLDER_DIGEST:
-            problems.append(f"service {name}: image digest is the placeholder; use the pushed image's digest")
-        for var, value in env_entries(svc).items():
-            if value is not None and SECRET_NAME.search(var) and not var.endswith("_SHA256"):
-                problems.append(f"service {name}: {var} has a value in clear; pass it through from dstack's encrypted env")
-            if var.endswith("_SHA256") and value == "0" * 64:
-                problems.append(f"service {name}: {var} is the placeholder; set the real hash")
-        if any(isinstance(v, str) and v.split(":")[0] == DSTACK_SOCKET for v in svc.get("volumes") or []):
-            sockets.append(name)
-    if len(sockets) > 1:
-        problems.append(f"{DSTACK_SOCKET} is mounted into {sockets}: any container with the socket gets the app's keys")
-    if SERVICE in svcs and sockets != [SERVICE]:
-        problems.append(f"service {SERVICE} does not mount {DSTACK_SOCKET} (it needs the guest agent)")
-    return problems
+    """What must change before this app-compose can be trusted with a dataset key (``attestation.compose_audit``)."""
+    from attestation.compose_audit import audit as run_audit
+
+    return run_audit(app_compose)

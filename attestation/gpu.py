@@ -300,6 +300,14 @@ def problems(info: GpuInfo) -> list[str]:
     return out
 
 
+def unattested(info: GpuInfo) -> list[str]:
+    """``tee.gpu_evidence: attested``: what is missing for NVIDIA's own report to back the CC mode (empty: nothing)."""
+    if info.present and info.nvidia_report is None:
+        return ["no NVIDIA attestation report for this run (nvattest is not installed in the image; "
+                "nvidia-smi's CC flag alone is unsigned)"]
+    return []
+
+
 def describe(info: GpuInfo) -> str:
     """One line for humans (the verifier's ``gpu.evidence`` detail)."""
     if not info.present:
@@ -311,7 +319,8 @@ def describe(info: GpuInfo) -> str:
             + (f", {info.cc_environment}" if info.cc_environment else ""))
     r = info.nvidia_report
     if r is None:
-        text += "; no NVIDIA attestation report (nvattest not installed)"
+        text += ("; no NVIDIA attestation report (nvattest not installed): the CC mode is nvidia-smi's word only "
+                 "(reported by the driver inside the CVM, unsigned)")
     elif r.status != "ok":
         text += f"; NVIDIA attestation {r.status}"
     else:

@@ -25,11 +25,13 @@ Steps (quote level):
 13. ``event_log.boot``     system-ready present, trusted boot events once and before it
 14. ``event_log.names``    RTMR3 names in the policy's boot / app allow-lists, none with ':'
 15. ``policy.measurements`` MRTD/RTMR0-2 in the policy's allow-lists (skip when none listed)
-16. ``policy.compose_hash`` / ``policy.app_id`` from the event log in the policy's lists (skip when none)
+16. ``policy.compose_hash`` / ``policy.app_id`` from the event log in the policy's lists (skip when none); a pinned compose-hash
+    must also be the one a non-zero MRCONFIGID binds (v1 or v2)
 """
 
 from __future__ import annotations
 
+from attestation.compose import check_mr_config_id
 from attestation.dcap import Collateral, DcapResult, collateral_chain_problems, dcap_verify, quote_chain_problems
 from attestation.errors import QuoteParseError
 from attestation.eventlog import Event, boot_info, name_problems, replay
@@ -215,4 +217,8 @@ def _policy_steps(f: QuoteFindings, td: TdReport, policy: Policy) -> None:
             continue
         got = f.boot.hex(event) if f.boot else None
         ok = got is not None and got in allowed
-        f.add(name, "pass" if ok else "fail", f"{event} {got or '(absent)'} {'is' if ok else 'is not'} allowed")
+        detail = f"{event} {got or '(absent)'} {'is' if ok else 'is not'} allowed"
+        if ok and f.boot and event == "compose-hash":  # and the VMM's MRCONFIGID, when set, binds the same compose
+            ok, how = check_mr_config_id(td.mr_config_id, got, f.boot.hex("app-id"), f.boot.values.get("key-provider"))
+            detail += f"; {how}"
+        f.add(name, "pass" if ok else "fail", detail)

@@ -338,3 +338,15 @@ def test_bundles_from_before_gpu_evidence_are_a_skip_not_a_failure(tmp_path: Pat
     assert B.hashed_files(new) == (*B.HASHED_FILES, "gpu-evidence.json")
     _gpu(f, tmp_path, new)  # the manifest records GPU evidence but the file is gone
     assert (f.checks[-1].status, f.checks[-1].detail) == ("fail", "gpu-evidence.json missing or unreadable")
+
+
+def test_attested_mode_demands_nvidias_report_required_rests_on_nvidia_smi() -> None:
+    from app.errors import TeeError
+    from app.gpu import require_confidential
+
+    smi_only = G.summarize(_evidence(_h100()))
+    require_confidential(smi_only)  # required: nvidia-smi's CC flag is enough (and the detail says it is unsigned)
+    assert "nvidia-smi's word only" in G.describe(smi_only) and "unsigned" in G.describe(smi_only)
+    with pytest.raises(TeeError, match="GPU evidence attested but: no NVIDIA attestation report"):
+        require_confidential(smi_only, attested=True)
+    require_confidential(G.summarize(_evidence(_h100(nvattest=SAMPLE.read_text()))), attested=True)

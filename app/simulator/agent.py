@@ -29,6 +29,8 @@ from eth_keys import keys as eth_keys
 from eth_utils import ValidationError as EthValidationError
 from eth_utils import keccak
 
+from attestation.compose import key_provider_kind, mr_config_id_v1, mr_config_id_v2
+
 import app
 import app.simulator.pki as pki
 
@@ -130,9 +132,23 @@ class GuestAgentSimulator:
         ):
             self._append(name, payload)
         body = bytearray(self._base.header_body)
-        body[232:280] = b"\x01" + self.compose_hash + bytes(15)  # MRCONFIGID V1, set by the VMM (§6)
+        body[232:280] = self._mr_config_id(compose, kms.root_spki.hex())
         self._body_template = bytes(body)
         self.vm_config = _VM_CONFIG
+
+    def _mr_config_id(self, compose: dict, kms_id: str) -> bytes:
+        """MRCONFIGID as dstack-vmm sets it (v1, or v2 with ``key_provider_id``) and as the guest accepts it.
+
+        Raises:
+            ValueError: a v2 binding the real guest would refuse at boot (another key provider or id than this KMS's).
+        """
+        kp_id = str(compose.get("key_provider_id") or "").lower().removeprefix("0x")
+        if not kp_id:
+            return bytes.fromhex(mr_config_id_v1(self.compose_hash.hex()))
+        if key_provider_kind(compose) != "kms" or kp_id != kms_id:
+            raise ValueError("app_compose key_provider_id / key provider is not this simulator's KMS "
+                             f"({kms_id[:16]}…): dstack's guest would refuse to boot (MRCONFIGID v2)")
+        return bytes.fromhex(mr_config_id_v2(self.compose_hash.hex(), self.app_id.hex(), "kms", kp_id))
 
     # ------------------------------------------------------------------ event log
     def _append(self, name: str, payload: bytes) -> None:
