@@ -179,6 +179,7 @@ def _manifest(x: ExportInputs, stage: Path, artifacts: dict[str, str], report_fi
         "lineage": x.lineage,
         "evaluation": x.evaluation,
         "signing": model_dirs.signing,
+        "privacy": r.privacy,  # DP-SGD as run (app.training.privacy.outcome); None: trained without DP
     }
 
 
