@@ -53,7 +53,7 @@ MAX_FILE = 64 << 20
 INTEGRITY_CHECKS = frozenset({
     "bundle.files", "manifest.schema", "manifest.files", "quote.parse", "quote.hex", "quote.padding", "report_data",
     "event_log.parse", "event_log.replay", "event_log.boot", "compose.hash", "tee.app_id", "audit.chain",
-    "audit.rtmr3", "base_model.tree", "gpu.evidence", "evaluation.decision", "model.signature",
+    "audit.rtmr3", "base_model.tree", "gpu.evidence", "evaluation.decision", "model.signature", "privacy.dp",
 })
 
 

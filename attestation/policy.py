@@ -102,10 +102,11 @@ class Policy(_Closed):
         "a PCCS cannot forge collateral but can serve stale collateral that hides a TCB recovery. null = off.",
     )
     max_epsilon: float | None = Field(
-        None, gt=0, description="Require differential privacy: reject bundles trained without DP-SGD or whose epsilon "
-        "(as run, at the manifest's delta) is above this. null = not required.",
+        None, gt=0, description="Require differential privacy (check privacy.policy): reject bundles trained without "
+        "DP-SGD or whose epsilon (recomputed from the manifest, at its delta) is above this. null = not required.",
     )
-    max_delta: float | None = Field(None, gt=0, lt=1, description="With DP-SGD: reject a delta above this. null = any.")
+    max_delta: float | None = Field(None, gt=0, lt=1, description="Require differential privacy with a delta at most "
+                                    "this (check privacy.policy). null = any.")
     allowed_boot_events: tuple[str, ...] = Field(
         DSTACK_BOOT_EVENTS, description="RTMR3 event names allowed before system-ready (dstack's own boot events)."
     )

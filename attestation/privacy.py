@@ -13,8 +13,9 @@ quote binds the manifest, so the block says what the measured code did, not what
 * epsilon is recomputed with the Opacus accountant named in the block from (noise multiplier, sample rate, steps)
   at delta (Opacus, and torch with it, is imported only when a bundle carries the block, so ``import attestation``
   stays light);
-* a policy's ``max_epsilon`` / ``max_delta`` bound the recomputed values; a policy with ``max_epsilon`` rejects a
-  bundle trained without DP.
+* ``privacy.dp`` depends on the bundle's bytes only (an integrity check: every honest export passes it); the
+  separate ``privacy.policy`` check, present when the policy sets ``max_epsilon`` or ``max_delta``, bounds the
+  recomputed values, and rejects a bundle trained without DP.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from attestation.policy import Policy
 
 CHECK = "privacy.dp"
+POLICY_CHECK = "privacy.policy"
 EPSILON_REL_TOL = 1e-6  # the recomputed epsilon may differ from the recorded one by float noise only
 
 
@@ -101,7 +103,8 @@ def _config_problems(dp: PrivacyInfo, config_bytes: bytes | None) -> list[str]:
     return problems
 
 
-def _problems(dp: PrivacyInfo, m: Manifest, policy: Policy, config_bytes: bytes | None) -> tuple[list[str], float]:
+def _problems(dp: PrivacyInfo, m: Manifest, config_bytes: bytes | None) -> tuple[list[str], float]:
+    """What is inconsistent in the block, and epsilon as recomputed (inf when it cannot be)."""
     problems = _config_problems(dp, config_bytes)
     if dp.rows != m.dataset.rows:
         problems.append(f"privacy rows {dp.rows} != dataset rows {m.dataset.rows}")
@@ -124,25 +127,32 @@ def _problems(dp: PrivacyInfo, m: Manifest, policy: Policy, config_bytes: bytes 
                         f"these parameters ({eps:.6g})")
     if eps > dp.target_epsilon * (1 + EPSILON_REL_TOL):
         problems.append(f"epsilon {eps:.4g} exceeds the run's target {dp.target_epsilon:g}")
-    if policy.max_epsilon is not None and eps > policy.max_epsilon:
-        problems.append(f"epsilon {eps:.4g} is above the policy's max_epsilon {policy.max_epsilon:g}")
-    if policy.max_delta is not None and dp.delta > policy.max_delta:
-        problems.append(f"delta {dp.delta:.3g} is above the policy's max_delta {policy.max_delta:g}")
     return problems, eps
 
 
 def check(f: QuoteFindings, m: Manifest, policy: Policy, config_bytes: bytes | None) -> None:
-    """Add the ``privacy.dp`` check for a bundle whose manifest parsed (``config_bytes``: its config.json)."""
+    """Add ``privacy.dp`` (the block is what the run did; bundle bytes only) and, when the policy bounds epsilon or
+    delta, ``privacy.policy`` for a bundle whose manifest parsed (``config_bytes``: its config.json)."""
     dp = m.privacy
+    bounded = policy.max_epsilon is not None or policy.max_delta is not None
     if dp is None:
-        if policy.max_epsilon is not None:
-            f.add(CHECK, "fail", f"the policy requires differential privacy (max_epsilon {policy.max_epsilon:g}); "
-                  "this run trained without DP-SGD")
-        else:
-            f.add(CHECK, "skip", "trained without differential privacy (training.privacy off)")
+        f.add(CHECK, "skip", "trained without differential privacy (training.privacy off)")
+        if bounded:
+            f.add(POLICY_CHECK, "fail", "the policy requires differential privacy (max_epsilon "
+                  f"{policy.max_epsilon}, max_delta {policy.max_delta}); this run trained without DP-SGD")
         return
-    problems, eps = _problems(dp, m, policy, config_bytes)
+    problems, eps = _problems(dp, m, config_bytes)
     shown = (f"(ε, δ) = ({eps:.4g}, {dp.delta:.3g}) as run: DP-SGD, Poisson sampling q={dp.sample_rate:.4g} "
              f"of N={dp.rows} rows, clipping C={dp.max_grad_norm:g}, noise σ={dp.noise_multiplier:.4g}, {dp.steps} "
              f"steps, {dp.accountant} accountant, opacus {dp.library.opacus}")
     f.add(CHECK, "fail" if problems else "pass", "; ".join([*problems, shown]))
+    if not bounded:
+        return
+    over = []
+    if policy.max_epsilon is not None and eps > policy.max_epsilon:
+        over.append(f"epsilon {eps:.4g} is above the policy's max_epsilon {policy.max_epsilon:g}")
+    if policy.max_delta is not None and dp.delta > policy.max_delta:
+        over.append(f"delta {dp.delta:.3g} is above the policy's max_delta {policy.max_delta:g}")
+    f.add(POLICY_CHECK, "fail" if over else "pass", "; ".join(over) or
+          f"(ε, δ) = ({eps:.4g}, {dp.delta:.3g}) within the policy's max_epsilon {policy.max_epsilon}, "
+          f"max_delta {policy.max_delta}")

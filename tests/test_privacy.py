@@ -200,6 +200,26 @@ def _train(base: Path, run_dir: Path, **kw: Any) -> Any:
                               privacy=plan(s, rows=20), **kw))
 
 
+def test_dp_noise_makes_two_runs_differ_where_plain_runs_agree(tiny_model: Path, tmp_path: Path) -> None:
+    """Same seed, same rows: plain runs are bit-identical, DP runs differ (OS-seeded noise and Poisson samples); two
+    DP runs with different seeds differ as well."""
+    from safetensors.torch import load_file
+
+    def weights(name: str, s: TrainingSettings) -> dict[str, Any]:
+        res = _train(tiny_model, tmp_path / name, settings=s)
+        assert res.global_step == 2 and (res.privacy is None) == (s.privacy.mode == "off")
+        return load_file(str(res.adapter_dir / "adapter_model.safetensors"))
+
+    short = SETTINGS.model_copy(update={"max_steps": 2, "save_steps": 10, "logging_steps": 10})
+    plain = short.model_copy(update={"privacy": PrivacySettings()})
+    p1, p2 = weights("plain-1", plain), weights("plain-2", plain)
+    assert all(p1[k].equal(p2[k]) for k in p1)
+    d1, d2 = weights("dp-1", short), weights("dp-2", short)
+    d3 = weights("dp-seed-2", short.model_copy(update={"seed": short.seed + 1}))
+    for other in (d2, d3):
+        assert any(not d1[k].equal(other[k]) for k in d1)
+
+
 @pytest.mark.slow  # three DP runs; the pipeline test below covers resume + epsilon in the default suite
 def test_dp_run_epsilon_equals_opacus_and_a_resumed_run_spends_the_same(tiny_model: Path, tmp_path: Path) -> None:
     import torch
@@ -290,6 +310,8 @@ def test_pipeline_resumes_records_verifies_and_budgets_dp(tmp_path: Path, capsys
     assert main(["verify", str(bundle), "--policy", str(_policy(tmp_path, max_epsilon=dp["epsilon"] * 0.9))]) == 1
     assert "above the policy's max_epsilon" in capsys.readouterr().out
 
+    _tampered_blocks_fail(bundle, manifest)
+
     assert main(["status", "--config", str(cfg)]) == 0
     assert f"epsilon {dp['epsilon']:.4g} spent in 1 DP run(s)" in capsys.readouterr().out
     ledger = tmp_path / "out" / "state" / BUDGET_FILE
@@ -309,5 +331,33 @@ def test_policy_max_epsilon_rejects_a_bundle_without_dp() -> None:
     manifest = type("M", (), {"privacy": None})()
     privacy.check(f, manifest, Policy(max_epsilon=8.0), None)  # type: ignore[arg-type]
     privacy.check(f, manifest, Policy(), None)  # type: ignore[arg-type]
-    assert [(c.name, c.status) for c in f.checks] == [("privacy.dp", "fail"), ("privacy.dp", "skip")]
-    assert "requires differential privacy" in f.checks[0].detail
+    assert [(c.name, c.status) for c in f.checks] == [("privacy.dp", "skip"), ("privacy.policy", "fail"),
+                                                      ("privacy.dp", "skip")]
+    assert "requires differential privacy" in f.checks[1].detail
+
+
+def _tampered_blocks_fail(bundle: Path, manifest: dict[str, Any]) -> None:
+    """privacy.dp recomputes what it can: a block that does not match its parameters, the config or the manifest
+    fails (whatever the quote says); the untouched block passes."""
+    from attestation import privacy
+    from attestation.bundle import Manifest
+    from attestation.policy import Policy
+    from attestation.verify import QuoteFindings
+
+    config = (bundle / "config.json").read_bytes()
+    cases = {
+        "untouched": ({}, config, None),
+        "epsilon": ({"epsilon": manifest["privacy"]["epsilon"] / 2}, config, "accountant gives"),
+        "noise": ({"noise_multiplier": 3.0}, config, "noise_multiplier 1.0 in the bundle config"),
+        "steps": ({"steps": 3}, config, "privacy steps 3 != global_step 4"),
+        "rows": ({"rows": manifest["privacy"]["rows"] + 1}, config, "dataset rows"),
+        "clipping": ({"max_grad_norm": 9.0}, config, "max_grad_norm 1.0 in the bundle config"),
+        "config": ({}, config.replace(b'"mode":"dp-sgd"', b'"mode":"off"'), "mode 'off' in the bundle config"),
+    }
+    for name, (change, cfg_bytes, why) in cases.items():
+        m = Manifest.model_validate({**manifest, "privacy": {**manifest["privacy"], **change}})
+        f = QuoteFindings()
+        privacy.check(f, m, Policy(), cfg_bytes)
+        (c,) = f.checks
+        assert (c.name, c.status) == ("privacy.dp", "pass" if why is None else "fail"), (name, c.detail)
+        assert why is None or why in c.detail, (name, c.detail)

@@ -473,6 +473,7 @@ def _callback_class() -> type:
                 "learning_rate": float(logs.get("learning_rate", 0.0)),
                 "grad_norm": None if grad_norm is None else float(grad_norm),
                 "epoch": float(logs.get("epoch", state.epoch or 0.0)),
+                **({"epsilon": float(logs["epsilon"])} if "epsilon" in logs else {}),  # DP-SGD: spent so far
             })
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:

@@ -253,6 +253,11 @@ def trainer_class(base: type, dp: PrivacyPlan, *, micro: int) -> type:
         def _account(self, _opt: Any) -> None:
             self.dp_accountant.step(noise_multiplier=dp.noise_multiplier, sample_rate=dp.sample_rate)
 
+        def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+            if "loss" in logs:  # the spend so far, at every logging step (progress lines, the loss watchdog's logs)
+                logs["epsilon"] = epsilon(dp.accountant, list(self.dp_accountant.history), dp.delta)
+            super().log(logs, *args, **kwargs)
+
         def create_optimizer(self, model: Any = None) -> Any:
             opt = super().create_optimizer(model)
             if self.dp_optimizer is None:
