@@ -30,7 +30,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PENDING = {
     "docs/deploy.md",
     "docs/performance.md",
-    "docs/differential-privacy.md",
 }
 
 RUNNABLE_MARK = "<!-- runnable -->"

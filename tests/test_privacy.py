@@ -69,12 +69,16 @@ def test_dp_refuses_what_it_cannot_run(tmp_path: Path, training: dict[str, Any],
     assert exc.value.exit_code == 2
 
 
-def test_auto_backend_falls_back_to_hf_under_dp(caplog: pytest.LogCaptureFixture) -> None:
-    from app.training.privacy import backend_preference
+def test_auto_backend_falls_back_to_hf_under_dp(caplog: pytest.LogCaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.training.privacy as P
 
-    assert backend_preference(SETTINGS) == "hf"
-    assert "hf backend" in caplog.text
-    assert backend_preference(TrainingSettings()) == "auto"
+    monkeypatch.setattr(P, "_fallback_said", False)
+    assert P.backend_for(SETTINGS, "unsloth") == "hf"  # auto picked Unsloth (a GPU): DP trains with hf
+    assert P.backend_for(SETTINGS, "unsloth") == "hf"
+    assert caplog.text.count("instead of Unsloth") == 1  # said once
+    assert P.backend_for(SETTINGS, "hf") == "hf"
+    assert P.backend_for(TrainingSettings(), "unsloth") == "unsloth"  # DP off: untouched
 
 
 def test_plan_refusals_name_the_setting(tmp_path: Path) -> None:
@@ -302,7 +306,8 @@ def test_pipeline_resumes_records_verifies_and_budgets_dp(tmp_path: Path, capsys
     assert dp["epsilon"] == acc.get_epsilon(delta=dp["delta"]) <= 30.0
     entries = [json.loads(line) for line in (bundle / "audit.jsonl").read_text().splitlines()]
     assert [e["data"] for e in entries if e["type"] == "privacy.spent"] == [dp]
-    capsys.readouterr()
+    assert f"step 4/4  loss" in (progress := capsys.readouterr().out)  # the running spend, step by step
+    assert f"ε {dp['epsilon']:.4g}\n" in progress and f"spent (ε, δ) = ({dp['epsilon']:.4g}," in progress
 
     assert main(["verify", str(bundle), "--policy", str(_policy(tmp_path, max_epsilon=dp["epsilon"] + 0.01))]) == 0
     out = capsys.readouterr().out

@@ -177,7 +177,7 @@ def prepare_backend(settings: TrainingSettings) -> str:
     calls it again (a no-op then). Returns the backend name (see :func:`select_backend`).
     """
     set_offline_env()
-    backend = select_backend(privacy.backend_preference(settings), devices=settings.gpu.devices)
+    backend = privacy.backend_for(settings, select_backend(settings.backend, devices=settings.gpu.devices))
     if backend == "unsloth":
         apply_unsloth_env()
         _import_unsloth()

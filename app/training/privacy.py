@@ -49,6 +49,7 @@ STATE_SCHEMA = "cvm-tune/privacy-state/v1"
 # The HF trainer sees one logical (Poisson) batch per optimizer step and must not clip the aggregate itself.
 SFT_ARGS: dict[str, Any] = {"gradient_accumulation_steps": 1, "max_grad_norm": 0.0}
 _FORWARD_KEYS = ("input_ids", "attention_mask", "position_ids")
+_fallback_said = False  # the Unsloth -> hf message is logged once per process
 
 
 @dataclass(frozen=True)
@@ -79,13 +80,18 @@ def epsilon(accountant: str, history: list[tuple[float, float, int]], delta: flo
     return accountant_epsilon(accountant, history, delta)
 
 
-def backend_preference(s: TrainingSettings) -> str:
-    """The backend to ask for: ``hf`` under DP (Opacus cannot hook Unsloth's fused LoRA), else the configured one."""
-    if s.privacy.mode == "dp-sgd" and s.backend == "auto":
-        logger.warning("training.privacy dp-sgd: training with the hf backend (transformers + PEFT); Unsloth's fused "
-                       "LoRA kernels bypass the per-example gradient hooks Opacus needs")
-        return "hf"
-    return s.backend
+def backend_for(s: TrainingSettings, selected: str) -> str:
+    """The backend to train with: ``hf`` under DP where ``auto`` selected Unsloth (said once, in the log), whose fused
+    LoRA kernels bypass the module hooks Opacus needs for per-example gradients; else ``selected``."""
+    global _fallback_said
+    if s.privacy.mode == "off" or selected != "unsloth":
+        return selected
+    if not _fallback_said:
+        logger.warning("training.privacy dp-sgd: training with the hf backend (transformers + PEFT) instead of Unsloth, "
+                       "whose fused LoRA kernels bypass the per-example gradient hooks Opacus needs; gradient "
+                       "checkpointing is off under DP, so expect more GPU memory and lower throughput")
+        _fallback_said = True
+    return "hf"
 
 
 def plan(s: TrainingSettings, *, rows: int) -> PrivacyPlan | None:
@@ -245,6 +251,7 @@ def trainer_class(base: type, dp: PrivacyPlan, *, micro: int) -> type:
             self.dp_plan = dp
             self.dp_accountant = create_accountant(mechanism=dp.accountant)
             self.dp_optimizer: Any = None
+            self.dp_rdp_step: Any = None  # rdp: Opacus' RDP of one step at each order (running epsilon)
             self.add_callback(_BudgetGuard(self))
 
         def dp_steps(self) -> int:
@@ -254,9 +261,29 @@ def trainer_class(base: type, dp: PrivacyPlan, *, micro: int) -> type:
             self.dp_accountant.step(noise_multiplier=dp.noise_multiplier, sample_rate=dp.sample_rate)
 
         def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-            if "loss" in logs:  # the spend so far, at every logging step (progress lines, the loss watchdog's logs)
-                logs["epsilon"] = epsilon(dp.accountant, list(self.dp_accountant.history), dp.delta)
+            if "loss" in logs:  # the spend so far, at every logging step (progress lines)
+                logs["epsilon"] = self.running_epsilon()
             super().log(logs, *args, **kwargs)
+
+        def running_epsilon(self) -> float:
+            """epsilon after the steps taken so far; rdp: Opacus' RDP of one step times the steps (the accountant
+            sums the same per-step RDP, 100x slower per call); the manifest's figure is the accountant's own."""
+            if dp.accountant != "rdp":
+                return epsilon(dp.accountant, list(self.dp_accountant.history), dp.delta)
+            from opacus.accountants import RDPAccountant
+            from opacus.accountants.analysis import rdp as analysis
+
+            if self.dp_rdp_step is None:
+                self.dp_rdp_step = analysis.compute_rdp(q=dp.sample_rate, noise_multiplier=dp.noise_multiplier, steps=1,
+                                                        orders=RDPAccountant.DEFAULT_ALPHAS)
+            steps = self.dp_steps()
+            if steps == 0:
+                return 0.0
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+                eps, _alpha = analysis.get_privacy_spent(orders=RDPAccountant.DEFAULT_ALPHAS,
+                                                         rdp=self.dp_rdp_step * steps, delta=dp.delta)
+            return float(eps)
 
         def create_optimizer(self, model: Any = None) -> Any:
             opt = super().create_optimizer(model)
@@ -285,7 +312,9 @@ def trainer_class(base: type, dp: PrivacyPlan, *, micro: int) -> type:
                          for k, v in inputs.items()}
                 with self.compute_loss_context_manager():
                     losses = per_example_loss(model, chunk)
-                self.accelerator.backward(losses.sum())
+                with warnings.catch_warnings():  # frozen embeddings: the LoRA layers' inputs need no grad
+                    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                    self.accelerator.backward(losses.sum())
                 total += losses.detach().sum()
             return total / n
 
