@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from app.dataset.versions import load_state, save_state
-from app.errors import PrivacyBudgetError
+from app.errors import PrivacyBudgetError, StateError
 
 SCHEMA = "cvm-tune/privacy-budget/v1"
 FILE = "privacy-budget.json"
@@ -31,6 +31,35 @@ def _key(dataset_id: str, version: int) -> str:
 def load(state_dir: Path) -> dict[str, dict[str, Any]]:
     """``{"<id>@v<version>": {"dataset_id", "dataset_version", "runs": {run_id: {"epsilon", "delta", "status"}}}}``."""
     return load_state(state_dir, FILE, SCHEMA, "restore it from a backup; without it the lifetime privacy budget is unknown")
+
+
+def rebuild_if_missing(state_dir: Path, audit_entries: list[Any]) -> int:
+    """Recreate the ledger from the audit chain when the file is gone but DP runs were recorded.
+
+    Every ``privacy.spent`` entry holds a run's epsilon and delta, and that run's ``run.start``/``run.resume``
+    names its dataset id and version, so deleting the file does not reset the lifetime budget. (Reservations of runs
+    that died before spending are not in the chain: those runs released nothing.) Returns the runs restored.
+
+    Raises:
+        StateError: a ``privacy.spent`` entry whose run names no dataset version (refuse rather than under-count).
+    """
+    if (Path(state_dir) / FILE).exists():
+        return 0
+    spent = [e for e in audit_entries if e.type == "privacy.spent"]
+    if not spent:
+        return 0
+    opens = {e.run_id: e.data for e in audit_entries if e.type in ("run.start", "run.resume")}
+    datasets: dict[str, dict[str, Any]] = {}
+    for e in spent:
+        ds_id, version = opens.get(e.run_id, {}).get("dataset_id"), opens.get(e.run_id, {}).get("dataset_version")
+        if not isinstance(ds_id, str) or not isinstance(version, int):
+            raise StateError(f"{Path(state_dir) / FILE} is missing and the audit chain cannot say which dataset version "
+                             f"run {e.run_id} spent its privacy budget on",
+                             fix="restore state/privacy-budget.json from a backup of the output volume")
+        entry = datasets.setdefault(_key(ds_id, version), {"dataset_id": ds_id, "dataset_version": version, "runs": {}})
+        entry["runs"][e.run_id] = {"epsilon": float(e.data["epsilon"]), "delta": float(e.data["delta"]), "status": "spent"}
+    save_state(state_dir, datasets, what="the rebuilt privacy budget", file=FILE, schema=SCHEMA)
+    return len(spent)
 
 
 def totals(entry: dict[str, Any], *, exclude: str | None = None) -> tuple[float, float, int]:

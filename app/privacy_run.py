@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app import privacy_budget
+from app.audit import AuditLog, AuditRecorder
 
 if TYPE_CHECKING:
-    from app.audit import AuditRecorder
     from app.config import Config
     from app.training.privacy import PrivacyPlan
 
@@ -47,10 +47,12 @@ def reserve_stage(cfg: Config, out: Path, dataset: dict[str, Any], run_id: str, 
 
     Raises:
         PrivacyBudgetError: the cap would be exceeded (exit 2; nothing trained).
-        StateError: the ledger is unreadable or cannot be written.
+        StateError: the ledger is unreadable, cannot be written, or is missing and cannot be rebuilt.
     """
     if dp is None:
         return
+    if not (out / "state" / privacy_budget.FILE).exists():  # deleted? rebuilt from the audit chain's privacy.spent
+        privacy_budget.rebuild_if_missing(out / "state", AuditLog(out / "state" / "audit.jsonl").entries)
     privacy_budget.reserve(out / "state", cap=cfg.training.privacy.lifetime_epsilon, dataset_id=dataset["dataset_id"],
                            version=int(dataset["dataset_version"]), run_id=run_id, epsilon=dp.planned_epsilon,
                            delta=dp.delta)

@@ -5,9 +5,10 @@
 Trains the tiny Llama-shaped model on the bundled sample (duplicates dropped, a seeded 20% held out) three times in
 one process: DP off, DP-SGD at epsilon 8 and at epsilon 1 (noise derived by Opacus for the same steps; clipping 1.0,
 rdp accountant). Reports each run's mean held-out loss (per-example mean token loss) and trainer tokens/s, and
-the ratios against the DP-off run measured in the same process. A warm-up run first takes the imports; each variant
-trains ``--repeats`` times (throughput: the best run; held-out loss: the first run). Shared machines are noisy:
-read the load average in the result before trusting a throughput ratio.
+the ratios against the DP-off run measured in the same process. Warm-up runs (off and DP) first take the imports;
+then the variants train ``--repeats`` times, interleaved (throughput: the best run; held-out loss: the mean over
+runs, each listed). Shared machines are noisy: read the load average and the per-run figures before trusting a
+throughput ratio.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _eval_loss(base: Path, adapter: Path, rows: list[dict[str, Any]], max_length
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--repeats", type=int, default=2, help="training runs per variant; tokens/s is the best")
+    ap.add_argument("--repeats", type=int, default=3, help="training runs per variant; tokens/s is the best")
     ap.add_argument("--out", type=Path, help="also write the result as JSON here")
     args = ap.parse_args()
     train_rows, eval_rows = _rows()
@@ -73,23 +74,33 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cvm-tune-dp-bench-") as tmp:
         base = Path(tmp) / "tiny-llama"
         build_tiny_model(base)
+
+        def run(name: str, s: TrainingSettings, i: int) -> Any:
+            return train(TrainRequest(base_model_dir=base, base_model_name="cvm-tune/tiny-llama", rows=train_rows,
+                                      run_dir=Path(tmp) / f"{name}-{i}", settings=s, fingerprint="ab" * 32,
+                                      privacy=plan(s, rows=len(train_rows))))
+
+        run("warm-up-off", base_settings, 0)  # imports, first-call kernels
+        run("warm-up-dp", variants["dp-eps8"], 0)
         load_before = os.getloadavg()[0]
-        for name, s in [("warm-up", base_settings), *variants.items()]:
-            dp = plan(s, rows=len(train_rows))
-            results = [train(TrainRequest(base_model_dir=base, base_model_name="cvm-tune/tiny-llama", rows=train_rows,
-                                          run_dir=Path(tmp) / f"{name}-{i}", settings=s, fingerprint="ab" * 32,
-                                          privacy=dp)) for i in range(1 if name == "warm-up" else args.repeats)]
-            if name == "warm-up":
-                continue
-            res = results[0]
+        results: dict[str, list[Any]] = {name: [] for name in variants}
+        for i in range(args.repeats):  # interleaved: a load change on the shared machine hits every variant alike
+            for name, s in variants.items():
+                results[name].append(run(name, s, i))
+        for name, rs in results.items():
+            losses = [_eval_loss(base, r.adapter_dir, eval_rows, base_settings.max_length) for r in rs]
+            tps = [(r.tokens_seen or 0) / r.train_runtime_s for r in rs]
+            dp = rs[0].privacy
             runs[name] = {
-                "eval_loss": round(_eval_loss(base, res.adapter_dir, eval_rows, s.max_length), 4),
-                "final_train_loss": round(res.losses[-1][1], 4),
-                "tokens_per_s": round(max((r.tokens_seen or 0) / r.train_runtime_s for r in results), 1),
-                "train_runtime_s": round(min(r.train_runtime_s for r in results), 3),
-                "epsilon": None if res.privacy is None else round(res.privacy["epsilon"], 4),
-                "delta": None if res.privacy is None else res.privacy["delta"],
-                "noise_multiplier": None if res.privacy is None else round(res.privacy["noise_multiplier"], 4),
+                "eval_loss": round(sum(losses) / len(losses), 4),
+                "eval_loss_each": [round(x, 4) for x in losses],
+                "final_train_loss": round(sum(r.losses[-1][1] for r in rs) / len(rs), 4),
+                "tokens_per_s": round(max(tps), 1),
+                "tokens_per_s_each": [round(x, 1) for x in tps],
+                "train_runtime_s": round(min(r.train_runtime_s for r in rs), 3),
+                "epsilon": None if dp is None else round(dp["epsilon"], 4),
+                "delta": None if dp is None else dp["delta"],
+                "noise_multiplier": None if dp is None else round(dp["noise_multiplier"], 4),
             }
     off = runs["off"]
     for r in runs.values():
@@ -100,8 +111,9 @@ def main() -> None:
         "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "steps": args.steps, "train_rows": len(train_rows), "eval_rows": len(eval_rows), "effective_batch": 8,
         "sample_rate": round(8 / len(train_rows), 5), "runs": runs,
+        "repeats": args.repeats,
         "note": "tiny random-init model: losses show the noise's cost, not a real model's; tokens/s is the trainer's "
-                "(non-padding tokens / train_runtime), DP includes per-example gradients, clipping and noise",
+                "(non-padding tokens / train_runtime), DP includes per-example gradients, clipping, noise, accounting",
     }
     text = json.dumps(report, indent=2) + "\n"
     print(text, end="")

@@ -325,6 +325,9 @@ def test_pipeline_resumes_records_verifies_and_budgets_dp(tmp_path: Path, capsys
     assert main(["run", "--config", str(capped)]) == 2  # a second night on this dataset version would exceed the cap
     assert "lifetime_epsilon" in capsys.readouterr().err
     assert ledger.read_bytes() == before and sorted((tmp_path / "out" / "exports").iterdir()) == exports
+    ledger.unlink()  # a host that deletes the ledger does not reset the budget: it is rebuilt from the audit chain
+    assert main(["run", "--config", str(capped)]) == 2
+    assert ledger.read_bytes() == before and sorted((tmp_path / "out" / "exports").iterdir()) == exports
 
 
 def test_policy_max_epsilon_rejects_a_bundle_without_dp() -> None:

@@ -30,7 +30,7 @@ import json
 import logging
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -193,27 +193,6 @@ def make_private(model: Any, optimizer: Any, dp: PrivacyPlan, *, device: Any, on
     return opt
 
 
-def _poisson_sampler(rows: int, q: float, steps: int) -> Any:
-    from torch.utils.data import Sampler
-
-    class PoissonBatches(Sampler):  # type: ignore[misc]
-        """One independent Poisson sample of row indices per optimizer step (may be empty)."""
-
-        def __init__(self) -> None:
-            self.gen = _secret_generator("cpu")
-
-        def __len__(self) -> int:
-            return steps
-
-        def __iter__(self) -> Iterator[list[int]]:
-            import torch
-
-            for _ in range(steps):
-                yield (torch.rand(rows, generator=self.gen) < q).nonzero().flatten().tolist()
-
-    return PoissonBatches()
-
-
 def _with_empty(collate: Any) -> Any:
     def collate_or_empty(examples: list[Any]) -> Any:
         if examples:
@@ -229,6 +208,7 @@ def _with_empty(collate: Any) -> Any:
 def trainer_class(base: type, dp: PrivacyPlan, *, micro: int) -> type:
     """A subclass of the SFT trainer that trains with DP-SGD (module docstring); ``micro`` bounds a forward pass."""
     import torch
+    from opacus.utils.uniform_sampler import UniformWithReplacementSampler
     from torch.utils.data import DataLoader
     from transformers import TrainerCallback
 
@@ -294,9 +274,11 @@ def trainer_class(base: type, dp: PrivacyPlan, *, micro: int) -> type:
 
         def get_train_dataloader(self) -> Any:
             loader = super().get_train_dataloader()  # the collator and columns TRL prepared
-            steps = max(1, round(1.0 / dp.sample_rate))
-            return DataLoader(loader.dataset, batch_sampler=_poisson_sampler(len(loader.dataset), dp.sample_rate, steps),
-                              collate_fn=_with_empty(loader.collate_fn), num_workers=0)
+            # Opacus' Poisson sampler: every row joins each step's batch with probability q (an empty batch is a step)
+            sampler = UniformWithReplacementSampler(num_samples=len(loader.dataset), sample_rate=dp.sample_rate,
+                                                    generator=_secret_generator("cpu"))
+            return DataLoader(loader.dataset, batch_sampler=sampler, collate_fn=_with_empty(loader.collate_fn),
+                              num_workers=0)
 
         def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
             model.train()
