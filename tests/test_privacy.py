@@ -369,3 +369,30 @@ def _tampered_blocks_fail(bundle: Path, manifest: dict[str, Any]) -> None:
         (c,) = f.checks
         assert (c.name, c.status) == ("privacy.dp", "pass" if why is None else "fail"), (name, c.detail)
         assert why is None or why in c.detail, (name, c.detail)
+
+
+def test_service_does_not_retry_a_night_refused_by_the_lifetime_budget(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from datetime import datetime, timezone
+
+    from app import alerts
+    from app.config import Config
+    from app.scheduler import Service
+
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr(alerts, "send", lambda settings, event, output: sent.append(dict(event)) or True)
+    now = datetime(2026, 11, 20, 2, 0, tzinfo=timezone.utc)
+    clock = type("Clock", (), {"now": lambda self: now, "monotonic": lambda self: 0.0})()
+    calls: list[str] = []
+
+    def refused(*, run_id: str, **_kw: Any) -> Any:
+        calls.append(run_id)
+        raise PrivacyBudgetError("privacy budget: dataset 'ds' v1 has spent epsilon 16.000 in 2 run(s)")
+
+    cfg = Config.model_validate({"output": {"dir": str(tmp_path / "out")}, "schedule": {"max_attempts": 3}})
+    svc = Service(cfg, clock=clock, runner=refused)
+    assert svc.tick() == "failed: nightly-2026-11-20 attempt 1, final"
+    assert svc.tick() == "idle: nightly-2026-11-20 failed" and calls == ["nightly-2026-11-20"]
+    row = svc.db.get("nightly-2026-11-20")
+    assert row.next_attempt_at is None and row.reason.startswith("PrivacyBudgetError: privacy budget")
+    assert [e["event"] for e in sent] == ["failed"] and sent[0]["retry_at"] is None
