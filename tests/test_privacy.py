@@ -396,3 +396,45 @@ def test_service_does_not_retry_a_night_refused_by_the_lifetime_budget(tmp_path:
     row = svc.db.get("nightly-2026-11-20")
     assert row.next_attempt_at is None and row.reason.startswith("PrivacyBudgetError: privacy budget")
     assert [e["event"] for e in sent] == ["failed"] and sent[0]["retry_at"] is None
+
+
+@pytest.mark.slow  # two real processes
+def test_sigkill_mid_dp_run_resumes_to_the_uninterrupted_epsilon(tmp_path: Path) -> None:
+    """kill -9 after the step-4 checkpoint (step 5 already trained and lost), then `cvm-tune run` again: the run
+    resumes from step 4 and the manifest's epsilon is what 8 uninterrupted steps spend (Opacus' accountant)."""
+    import importlib.util
+    import signal
+    import time
+
+    from opacus.accountants import RDPAccountant
+
+    from app.training.checkpoints import latest_name
+
+    spec = importlib.util.spec_from_file_location("faults", Path(__file__).resolve().parent.parent / "bench" / "faults.py")
+    faults = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(faults)  # type: ignore[union-attr]
+    cfg = faults.write_config(tmp_path, steps=8, save_steps=4)
+    doc = json.loads(cfg.read_text())
+    doc["training"]["privacy"] = {"mode": "dp-sgd", "noise_multiplier": 1.0, "target_epsilon": 30.0}
+    cfg.write_text(json.dumps(doc))
+    log = tmp_path / "log.txt"
+    proc = faults.start(cfg, log, args=("run",))
+    end = time.monotonic() + 300
+    while not (latest_name(next((tmp_path / "out" / "runs").glob("run-*/checkpoints"), tmp_path / "none"))
+               == "checkpoint-4" and faults.last_step(log) >= 5):
+        assert proc.poll() is None and time.monotonic() < end, log.read_text()[-3000:]
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert faults.start(cfg, log, args=("run",)).wait(timeout=300) == 0, log.read_text()[-3000:]
+    (bundle,) = (tmp_path / "out" / "exports").glob("run-*")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    dp = manifest["privacy"]
+    assert manifest["training"]["resumed_from_step"] == 4 and dp["steps"] == manifest["training"]["global_step"] == 8
+    acc = RDPAccountant()
+    for _ in range(8):
+        acc.step(noise_multiplier=1.0, sample_rate=dp["sample_rate"])
+    assert dp["epsilon"] == acc.get_epsilon(delta=dp["delta"])
+    ledger = json.loads((tmp_path / "out" / "state" / BUDGET_FILE).read_text())["datasets"]
+    (entry,) = ledger.values()
+    assert list(entry["runs"].values()) == [{"epsilon": dp["epsilon"], "delta": dp["delta"], "status": "spent"}]
