@@ -109,6 +109,19 @@ def test_derived_noise_multiplier_fits_the_target() -> None:
     assert epsilon("rdp", [(dp.noise_multiplier, dp.sample_rate, 6)], dp.delta) == dp.planned_epsilon
 
 
+def test_prv_accountant_plan_equals_opacus() -> None:
+    from opacus.accountants import PRVAccountant
+
+    from app.training.privacy import plan
+
+    dp = plan(SETTINGS.model_copy(update={"privacy": DP.model_copy(update={"accountant": "prv"})}), rows=20)
+    assert dp is not None and dp.accountant == "prv"
+    acc = PRVAccountant()
+    for _ in range(SETTINGS.max_steps):
+        acc.step(noise_multiplier=DP.noise_multiplier, sample_rate=dp.sample_rate)
+    assert dp.planned_epsilon == pytest.approx(acc.get_epsilon(delta=dp.delta), rel=1e-9)
+
+
 def test_lifetime_cap_refuses_the_night_that_would_exceed_it(tmp_path: Path) -> None:
     state = tmp_path / "state"
     reserve(state, cap=10.0, dataset_id="ds", version=1, run_id="night-1", epsilon=6.0, delta=1e-5)
