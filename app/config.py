@@ -278,7 +278,7 @@ class PrivacySettings(_Closed):
                                   "derived so that max_steps spend at most this; a run never spends more.")
     target_delta: float | None = Field(
         None, gt=0, lt=1, description="delta of the (epsilon, delta) guarantee; must be below 1/N (N: rows after "
-        "deduplication and the token policy), checked once N is known. Unset: 1/N^1.1.",
+        "deduplication and the token policy), checked once N is known. Unset: 1/N^2.",
     )
     max_grad_norm: float = Field(1.0, gt=0, description="Per-example clipping norm C (L2, over all LoRA parameters).")
     noise_multiplier: float | None = Field(

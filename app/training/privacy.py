@@ -70,8 +70,9 @@ class PrivacyPlan:
 
 
 def default_delta(rows: int) -> float:
-    """delta when ``target_delta`` is unset: 1/N^1.1 (below 1/N for every N >= 2)."""
-    return 1.0 / float(rows) ** 1.1
+    """delta when ``target_delta`` is unset: 1/N^2 (far below 1/N, the level at which publishing one row outright
+    would still be "private")."""
+    return 1.0 / float(rows) ** 2
 
 
 def epsilon(accountant: str, history: list[tuple[float, float, int]], delta: float) -> float:
@@ -116,7 +117,7 @@ def plan(s: TrainingSettings, *, rows: int) -> PrivacyPlan | None:
     if not delta < 1.0 / rows:
         raise ConfigError(f"training.privacy.target_delta {delta:g} is not below 1/N = 1/{rows} (N: rows after "
                           "deduplication): a delta that large allows publishing a row outright",
-                          fix=f"set training.privacy.target_delta below {1.0 / rows:.3g}, or leave it unset (1/N^1.1)")
+                          fix=f"set training.privacy.target_delta below {1.0 / rows:.3g}, or leave it unset (1/N^2)")
     q = batch / rows
     sigma, derived = p.noise_multiplier, False
     if sigma is None:
