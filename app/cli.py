@@ -448,6 +448,8 @@ def _write_verdict(verdict: Verdict, *, as_json: bool) -> None:
                 print(f"{c.status.upper():4} {c.name}: {c.detail}")
             elif c.name == "gpu.evidence":
                 print(f"GPU: {c.detail}")  # shown even when intact: CC off / no GPU is for the reader to judge
+            elif c.name == "privacy.dp":
+                print(f"differential privacy: {c.detail}")  # the guarantee the adapter was trained under
         if verdict.accepted:
             passed = sum(c.status == "pass" for c in verdict.checks)
             print(f"{passed} checks passed; TCB {verdict.findings.tcb_status}")

@@ -267,6 +267,33 @@ class GpuTrainingSettings(_Closed):
     )
 
 
+class PrivacySettings(_Closed):
+    """Differential privacy for the adapter: DP-SGD with Opacus on the LoRA parameters (docs/differential-privacy.md)."""
+
+    mode: Literal["off", "dp-sgd"] = Field(
+        "off", description="dp-sgd: per-example gradient clipping and Gaussian noise at every optimizer step, Poisson "
+        "sampling of each step's rows, (epsilon, delta) accounted and recorded in the attested manifest. Runs on the hf "
+        "backend only (backend auto falls back to it; backend unsloth is refused).",
+    )
+    target_epsilon: float = Field(8.0, gt=0, le=1000, description="The run's privacy budget epsilon: the noise is "
+                                  "derived so that max_steps spend at most this; a run never spends more.")
+    target_delta: float | None = Field(
+        None, gt=0, lt=1, description="delta of the (epsilon, delta) guarantee; must be below 1/N (N: rows after "
+        "deduplication and the token policy), checked once N is known. Unset: 1/N^2.",
+    )
+    max_grad_norm: float = Field(1.0, gt=0, description="Per-example clipping norm C (L2, over all LoRA parameters).")
+    noise_multiplier: float | None = Field(
+        None, gt=0, description="sigma: noise standard deviation / C. Unset: the smallest sigma (Opacus "
+        "get_noise_multiplier) that fits max_steps into target_epsilon. Set: a run whose max_steps do not fit is refused.",
+    )
+    accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus privacy accountant: rdp (Renyi DP) or prv "
+                                              "(privacy loss random variables; tighter, slower).")
+    lifetime_epsilon: float | None = Field(
+        None, gt=0, description="Cap on the epsilon spent on one dataset version across all runs on this output volume "
+        "(summed: basic composition). A run whose target_epsilon would exceed what is left is refused. Unset: no cap.",
+    )
+
+
 class TrainingSettings(_Closed):
     """Optimisation settings shared by both backends."""
 
@@ -296,6 +323,7 @@ class TrainingSettings(_Closed):
     lora: LoraSettings = LoraSettings()
     loss_watchdog: LossWatchdogSettings = LossWatchdogSettings()
     gpu: GpuTrainingSettings = GpuTrainingSettings()
+    privacy: PrivacySettings = PrivacySettings()
 
     @model_validator(mode="after")
     def _gpu_combinations(self) -> TrainingSettings:
@@ -307,6 +335,18 @@ class TrainingSettings(_Closed):
             raise ValueError("training.gpu.gradient_checkpointing 'unsloth' needs the Unsloth backend")
         if self.backend == "unsloth" and g.devices > 1:
             raise ValueError("training.gpu.devices > 1 runs the hf backend only")
+        if self.privacy.mode == "dp-sgd":
+            dp = {"training.backend 'unsloth' (Opacus cannot hook Unsloth's fused LoRA kernels: use auto or hf)":
+                  self.backend == "unsloth",
+                  "training.gpu.devices > 1 (one process only)": g.devices > 1,
+                  f"training.gpu.batching '{g.batching}' (padded only)": g.batching != "padded",
+                  f"training.gpu.gradient_checkpointing '{g.gradient_checkpointing}' (auto or off)":
+                  g.gradient_checkpointing in ("on", "unsloth"),
+                  "training.eval_fraction > 0 (held-out rows would be evaluated and reported without DP)":
+                  self.eval_fraction > 0}
+            bad = [name for name, hit in dp.items() if hit]
+            if bad:
+                raise ValueError(f"training.privacy.mode dp-sgd does not support {'; '.join(bad)}")
         return self
 
 

@@ -207,3 +207,10 @@ class InputsUnchanged(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+class PrivacyBudgetError(ConfigError):
+    """training.privacy: the run would spend more than the dataset version's lifetime epsilon allows."""
+
+    default_fix = ("lower training.privacy.target_epsilon, raise training.privacy.lifetime_epsilon deliberately, or "
+                   "train on a new dataset version (the budget is kept per dataset version)")

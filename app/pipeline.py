@@ -24,7 +24,7 @@ from attestation import Verdict
 from attestation.gpu import describe as describe_gpu
 from attestation.hashing import sha256_file, sha256_hex
 
-from app import continual, export, publish
+from app import continual, export, privacy_run, publish
 from app import gpu as gpu_evidence
 from app.audit import AuditLog, AuditRecorder, utc_now
 from app.config import Config
@@ -149,10 +149,12 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             base = base_model_stage(cfg, out, progress)  # 5. local base model, hashed, checked against the pin
         with timer.phase("decrypt_validate"):
             token_stage(cfg, ds, base, progress)  # 6. too-long policy, rows without a trainable token
+            dp = privacy_run.plan_stage(cfg, len(ds.rows), progress)  # DP-SGD: refused up front if it cannot fit
         with timer.phase("parent"):
             parent = parent_stage(cfg, out, ag, ds, base, hooks, progress)  # 7. warm start? (or nothing new: skip)
         with timer.phase("hashing"):
             run = identity_stage(cfg, out, ds, base, parent, run_id)  # 8. resume the newest unfinished run, or start
+            privacy_run.reserve_stage(cfg, out, ds.info, run.run_id, dp)  # DP-SGD: the dataset version's lifetime cap
         with timer.phase("audit"):
             audit = audit_stage(cfg, out, ag, ds, base, parent, run, progress)  # 9. run.start commits to the inputs
         done: list[bool] = []  # set once the bundle is published
@@ -160,10 +162,11 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         with timer.phase("gpu_evidence"):
             gpu = gpu_stage(cfg, audit, run, progress)  # 9. GPU evidence, nonce = the chain head
         with timer.phase("train"):
-            result = train_stage(cfg, ds, base, keys, parent, run, audit, scratch, hooks, progress)  # 10. checkpoints
+            result = train_stage(cfg, ds, base, keys, parent, run, audit, scratch, hooks, progress, dp)  # 10. checkpoints
         with timer.phase("audit"):
             audit.recorder.record(run.run_id, "train.done", {"global_step": result.global_step, "adapter_sha256": {
                 f"adapter/{p.name}": sha256_file(p) for p in sorted(result.adapter_dir.iterdir())}})
+            privacy_run.spent_stage(audit.recorder, out, ds.info, run.run_id, result, progress)  # privacy.spent
         with timer.phase("evaluate"):
             evaluation = gate_stage(cfg, ds, base, parent, result, progress)  # 11. promotion gate (eval rows)
         published = publish.export_bundle(publish.ExportInputs(  # 11. stage, quote, self-verify, publish
@@ -268,7 +271,7 @@ def gpu_stage(cfg: Config, audit: Audit, run: RunIdentity, progress: Progress) -
 
 
 def train_stage(cfg: Config, ds: Dataset, base: BaseModel, keys: Keys, parent: continual.Parent | None,
-                run: RunIdentity, audit: Audit, scratch: Path, hooks: RunHooks, progress: Progress) -> Any:
+                run: RunIdentity, audit: Audit, scratch: Path, hooks: RunHooks, progress: Progress, dp: Any = None) -> Any:
     """Train (sealed checkpoints under runs/<id>/checkpoints; resumes from the newest complete one)."""
     from app.training import TrainingStopped, TrainRequest, train
 
@@ -290,8 +293,9 @@ def train_stage(cfg: Config, ds: Dataset, base: BaseModel, keys: Keys, parent: c
         fingerprint=run.fingerprint, checkpoint_key=keys.checkpoint, inputs=run.inputs, scratch_dir=scratch,
         keep_checkpoints=cfg.output.keep_checkpoints, on_step_end=step_end,
         on_event=lambda t, d: audit.recorder.record(run.run_id, t, d),
-        on_log=lambda m: progress(f"  step {m['step']}/{ts.max_steps}  loss {m['loss']:.4f}"),
-        on_batch_change=batch_changed, init_adapter=parent.adapter_dir if parent else None))
+        on_log=lambda m: progress(f"  step {m['step']}/{ts.max_steps}  loss {m['loss']:.4f}"
+                                  + (f"  ε {m['epsilon']:.4g}" if "epsilon" in m else "")),
+        on_batch_change=batch_changed, init_adapter=parent.adapter_dir if parent else None, privacy=dp))
     if result.resumed_from_step:
         progress(f"training resumed from checkpoint step {result.resumed_from_step}")
     return result

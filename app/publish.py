@@ -151,6 +151,8 @@ def _checks(x: ExportInputs) -> list[str]:
          if r.resumed_from_step else "trained from step 0"),
         *(f"refused {name}: {why}" for name, why in r.rejected_checkpoints),
         "loss watchdog: " + ("no NaN/Inf or spike" if ts.loss_watchdog.enabled else "disabled"),
+        *([f"DP-SGD: (ε, δ) = ({r.privacy['epsilon']:.4g}, {r.privacy['delta']:.3g}) spent in {r.privacy['steps']} steps"]
+          if r.privacy else []),
     ]
 
 
@@ -179,6 +181,7 @@ def _manifest(x: ExportInputs, stage: Path, artifacts: dict[str, str], report_fi
         "lineage": x.lineage,
         "evaluation": x.evaluation,
         "signing": model_dirs.signing,
+        "privacy": r.privacy,  # DP-SGD as run (app.training.privacy.outcome); None: trained without DP
     }
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from app.config import Config
+from app.privacy_budget import privacy_lines
+from app.privacy_budget import summary as privacy_summary
 from app.scheduler import DailySchedule
 from app.state import RunDB, iso, read_heartbeat
 
@@ -22,12 +24,14 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
     db = RunDB.existing(out)
     rows = db.recent(limit) if db is not None else []
     beat = read_heartbeat(out)
+    budget = privacy_summary(out / "state")
     nxt = DailySchedule(cfg.schedule.time, cfg.schedule.timezone).next(now)
     if as_json:
         return json.dumps({"schema": STATUS_SCHEMA, "output": str(out), "heartbeat": beat,
                            "next_slot": {"run_id": nxt.run_id, "at": iso(nxt.at)},
                            "runs": [r.__dict__ for r in rows], "adapters": adapters(out),
-                           "adhoc_runs": adhoc_runs(out, {r.id for r in rows}, limit)}, indent=2, sort_keys=True)
+                           "adhoc_runs": adhoc_runs(out, {r.id for r in rows}, limit), "privacy_budget": budget},
+                          indent=2, sort_keys=True)
     lines = [f"cvm-tune service on {out}  (schedule {cfg.schedule.time} {cfg.schedule.timezone})"]
     if beat is None:
         lines.append("heartbeat: none (the service has not run on this volume)")
@@ -43,6 +47,7 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
         lines.append(f"promoted adapter: {_describe(ad['promoted'])}")
         if ad["candidate"] and ad["candidate"] != ad["promoted"]:
             lines.append(f"last candidate:   {_describe(ad['candidate'])}")
+    lines += privacy_lines(budget, cfg.training.privacy.lifetime_epsilon)
     lines.append("")
     table = [_HEAD]
     for r in rows:

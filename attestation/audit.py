@@ -21,7 +21,8 @@ from attestation.hashing import canonical_json, sha256_hex
 GENESIS = "0" * 64
 EVENT_PREFIX = "cvm-tune."
 ENTRY_TYPES = ("run.start", "run.resume", "gpu.evidence", "train.batch", "train.done", "export",
-               "checkpoint", "checkpoint.rejected", "run.abort")  # the last three: metadata only
+               "checkpoint", "checkpoint.rejected", "run.abort",  # these three: metadata only
+               "privacy.spent")  # DP-SGD: the manifest's privacy block (parameters and (epsilon, delta) spent)
 _KEYS = {"v", "seq", "run_id", "type", "time", "data", "prev"}
 
 

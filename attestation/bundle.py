@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from attestation.gpu import FILE as GPU_EVIDENCE
 from attestation.gpu import GpuInfo
+from attestation.privacy import PrivacyInfo
 
 MANIFEST_SCHEMA = "cvm-tune/manifest/v1"
 REPORT_DATA_TAG = b"cvm-tune-manifest-v1"
@@ -281,3 +282,4 @@ class Manifest(_Closed):
     lineage: LineageInfo | None = None  # None: trained from the base model
     evaluation: EvaluationInfo | None = None  # None: no promotion gate
     signing: SigningInfo | None = None  # absent only in bundles from before model signatures
+    privacy: PrivacyInfo | None = None  # absent: trained without differential privacy

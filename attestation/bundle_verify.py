@@ -20,6 +20,8 @@ Bundle steps (after ``attestation.verify``'s quote steps):
  B14 ``build.image``     the manifest's image is the cvm-tune service's image in app-compose.json, pinned by digest
  B15 ``build.lock``      the run's environment matched the hash lock the image was built from
  B16 ``model.signature`` adapter/ (and merged/) verify with model-signing under the manifest's key (``attestation.model_sig``)
+ B17 ``privacy.dp``      DP-SGD as run (``attestation.privacy``): epsilon recomputed with the Opacus accountant,
+                         parameters = the bundle config, rows/steps/sample rate = the manifest's; policy ``max_epsilon``
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pydantic import ValidationError
 
 from attestation import bundle as B
 from attestation import compose as C
-from attestation import model_sig
+from attestation import model_sig, privacy
 from attestation.audit import AuditEntry, AuditFormatError, chain_problems, parse_entry, parse_lines
 from attestation.dataset_sig import TrailerError, owner_key_id, read_signed_file
 from attestation.dcap import Collateral, parse_collateral
@@ -53,7 +55,7 @@ MAX_FILE = 64 << 20
 INTEGRITY_CHECKS = frozenset({
     "bundle.files", "manifest.schema", "manifest.files", "quote.parse", "quote.hex", "quote.padding", "report_data",
     "event_log.parse", "event_log.replay", "event_log.boot", "compose.hash", "tee.app_id", "audit.chain",
-    "audit.rtmr3", "base_model.tree", "gpu.evidence", "evaluation.decision", "model.signature",
+    "audit.rtmr3", "base_model.tree", "gpu.evidence", "evaluation.decision", "model.signature", "privacy.dp",
 })
 
 
@@ -101,6 +103,7 @@ def verify_bundle(
         _gpu(f, root, manifest, events)
         _evaluation(f, root, manifest)
         model_sig.check(f, root, manifest)
+        privacy.check(f, manifest, policy, _config_bytes(root))
         _inputs(f, manifest, base_model_dir, dataset_file)
     return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
 
@@ -286,8 +289,11 @@ def _entry_contents(entries: list[AuditEntry], m: B.Manifest, config_bytes: byte
     last = {
         "train.done": {"global_step": m.training.global_step, "adapter_sha256": {k: m.files[k] for k in B.ADAPTER_FILES}},
         "export": {"artifacts_sha256": files_digest({k: m.files[k] for k in B.ARTIFACT_FILES})},
+        "privacy.spent": m.privacy.model_dump(mode="json") if m.privacy is not None else {"mechanism": None},
     }
     problems = []
+    if m.privacy is not None and not any(e.type == "privacy.spent" for e in entries):
+        problems.append("the manifest records DP-SGD but the audit chain has no privacy.spent entry")
     opens = [e for e in entries if e.type == "run.start" or (e.type == "run.resume" and "config_sha256" in e.data)]
     for e in opens:
         want = dict(inputs)

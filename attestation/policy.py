@@ -101,6 +101,12 @@ class Policy(_Closed):
         description="Reject collateral whose tcbEvaluationDataNumber (min of TCB info and QE identity) is lower: "
         "a PCCS cannot forge collateral but can serve stale collateral that hides a TCB recovery. null = off.",
     )
+    max_epsilon: float | None = Field(
+        None, gt=0, description="Require differential privacy (check privacy.policy): reject bundles trained without "
+        "DP-SGD or whose epsilon (recomputed from the manifest, at its delta) is above this. null = not required.",
+    )
+    max_delta: float | None = Field(None, gt=0, lt=1, description="Require differential privacy with a delta at most "
+                                    "this (check privacy.policy). null = any.")
     allowed_boot_events: tuple[str, ...] = Field(
         DSTACK_BOOT_EVENTS, description="RTMR3 event names allowed before system-ready (dstack's own boot events)."
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from app.errors import DatasetRollbackError, StateError
 from app.fsutil import atomic_write_bytes
@@ -23,17 +24,18 @@ SCHEMA = "cvm-tune/dataset-versions/v1"
 FILE = "dataset-versions.json"
 
 
-def _load(state_dir: Path) -> dict[str, dict]:
-    path = Path(state_dir) / FILE
+def load_state(state_dir: Path, file: str = FILE, schema: str = SCHEMA,
+               fix: str = "restore it from a backup (deleting it disables rollback protection until the next run)") -> dict[str, dict]:
+    """The ``datasets`` mapping of a per-dataset state file (``{}`` when absent); also the privacy budget's reader."""
+    path = Path(state_dir) / file
     try:
         obj = json.loads(path.read_bytes())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
-        raise StateError(f"{path} is unreadable: {type(exc).__name__}",
-                         fix="restore it from a backup (deleting it disables rollback protection until the next run)") from exc
-    if not isinstance(obj, dict) or obj.get("schema") != SCHEMA or not isinstance(obj.get("datasets"), dict):
-        raise StateError(f"{path} is not a {SCHEMA} file")
+        raise StateError(f"{path} is unreadable: {type(exc).__name__}", fix=fix) from exc
+    if not isinstance(obj, dict) or obj.get("schema") != schema or not isinstance(obj.get("datasets"), dict):
+        raise StateError(f"{path} is not a {schema} file")
     return obj["datasets"]
 
 
@@ -62,11 +64,7 @@ def rebuild_if_missing(state_dir: Path, audit_entries: list) -> int:
     if not best:
         raise StateError(f"{path} is missing, but the audit log records {len(opens)} runs: the rollback record was removed",
                          fix="restore state/dataset-versions.json from a backup of the output volume")
-    data = json.dumps({"schema": SCHEMA, "datasets": dict(sorted(best.items()))}, indent=2, sort_keys=True).encode()
-    try:
-        atomic_write_bytes(path, data + b"\n")
-    except OSError as exc:
-        raise StateError(f"cannot rebuild {path}: {exc.strerror}") from exc
+    save_state(state_dir, best, what="the rebuilt dataset versions")
     return len(best)
 
 
@@ -77,7 +75,7 @@ def check_version(state_dir: Path, dataset_id: str, version: int, plaintext_sha2
         DatasetRollbackError: ``version`` is lower than the last one, or equal with other content.
         StateError: the state file is unreadable.
     """
-    last = _load(state_dir).get(dataset_id)
+    last = load_state(state_dir).get(dataset_id)
     if last is None:
         return None
     if version < last["version"]:
@@ -98,11 +96,16 @@ def record_version(state_dir: Path, dataset_id: str, version: int, plaintext_sha
         StateError: the state file cannot be written.
     """
     check_version(state_dir, dataset_id, version, plaintext_sha256)
-    datasets = _load(state_dir)
+    datasets = load_state(state_dir)
     datasets[dataset_id] = {"version": version, "plaintext_sha256": plaintext_sha256}
-    data = json.dumps({"schema": SCHEMA, "datasets": dict(sorted(datasets.items()))}, indent=2, sort_keys=True).encode()
+    save_state(state_dir, datasets, what="the dataset version")
+
+
+def save_state(state_dir: Path, datasets: dict[str, Any], *, what: str, file: str = FILE, schema: str = SCHEMA) -> None:
+    """Replace a per-dataset state file atomically (also the privacy budget's writer)."""
+    data = json.dumps({"schema": schema, "datasets": dict(sorted(datasets.items()))}, indent=2, sort_keys=True).encode()
     try:
         Path(state_dir).mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(Path(state_dir) / FILE, data + b"\n")
+        atomic_write_bytes(Path(state_dir) / file, data + b"\n")
     except OSError as exc:
-        raise StateError(f"cannot record the dataset version in {state_dir}: {exc.strerror}") from exc
+        raise StateError(f"cannot record {what} in {state_dir}: {exc.strerror}") from exc

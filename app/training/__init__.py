@@ -87,6 +87,7 @@ class TrainRequest:
             ``{"phase", "reason", "at_step", "from", "to"}`` (``app.training.batch``).
         init_adapter: Warm start: a PEFT adapter directory of the same LoRA shape whose weights replace the fresh
             LoRA initialisation (continual retraining); a resumed checkpoint's weights still win.
+        privacy: The DP-SGD plan (``app.training.privacy.plan``); ``None`` trains without DP.
     """
 
     base_model_dir: Path
@@ -106,6 +107,7 @@ class TrainRequest:
     on_event: Callable[[str, dict[str, Any]], None] | None = None
     on_batch_change: Callable[[dict[str, Any]], None] | None = None
     init_adapter: Path | None = None
+    privacy: Any = None  # app.training.privacy.PrivacyPlan: DP-SGD (None: off)
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,7 @@ class TrainResult:
         batch: Configured and final micro-batch / accumulation, processes, effective batch and
             every adjustment (``app.training.batch.summary``).
         eval_losses: ``(step, eval loss)`` when ``training.eval_fraction`` > 0.
+        privacy: DP-SGD only: the manifest's ``privacy`` block (``app.training.privacy.outcome``).
     """
 
     adapter_dir: Path
@@ -145,6 +148,7 @@ class TrainResult:
     peak_gpu_memory_bytes: int | None = None
     batch: dict[str, Any] = field(default_factory=dict)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
+    privacy: dict[str, Any] | None = None
 
 
 class TrainingInterrupted(TrainingError):

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.errors import BaseModelError, CvmTuneError, StateError, TrainingError, disk_error
 
-from . import LossDiverged, TrainingInterrupted, TrainingStopped, TrainRequest, TrainResult, ranks, set_offline_env
+from . import LossDiverged, TrainingInterrupted, TrainingStopped, TrainRequest, TrainResult, privacy, ranks, set_offline_env
 from .batch import BatchPlan, OutOfMemory, guard_eval, initial_plan, is_oom, retry_budget, run_with_backoff, step_watch
 from .batch import summary as batch_summary
 from .checkpoints import ResumeChoice, export_adapter, restore_checkpoint, seal_checkpoint
@@ -177,7 +177,7 @@ def prepare_backend(settings: TrainingSettings) -> str:
     calls it again (a no-op then). Returns the backend name (see :func:`select_backend`).
     """
     set_offline_env()
-    backend = select_backend(settings.backend, devices=settings.gpu.devices)
+    backend = privacy.backend_for(settings, select_backend(settings.backend, devices=settings.gpu.devices))
     if backend == "unsloth":
         apply_unsloth_env()
         _import_unsloth()
@@ -287,6 +287,7 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
         batch=batch_summary(current[0], s, world, records + eval_records), eval_losses=eval_losses,
         rejected_checkpoints=resume.rejected,
         peak_gpu_memory_bytes=int(torch.cuda.max_memory_allocated()) if cuda else None,
+        privacy=privacy.outcome(trainer, resume.path) if req.privacy is not None else None,
     )
 
 
@@ -472,6 +473,7 @@ def _callback_class() -> type:
                 "learning_rate": float(logs.get("learning_rate", 0.0)),
                 "grad_norm": None if grad_norm is None else float(grad_norm),
                 "epoch": float(logs.get("epoch", state.epoch or 0.0)),
+                **({"epsilon": float(logs["epsilon"])} if "epsilon" in logs else {}),  # DP-SGD: spent so far
             })
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
@@ -523,6 +525,8 @@ def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dat
         extra["gradient_checkpointing_kwargs"] = {"use_reentrant": False}  # DDP + PEFT safe
     if world > 1:
         extra["ddp_find_unused_parameters"] = False  # frozen base weights never get gradients
+    trainer_cls = SFTTrainer if req.privacy is None else privacy.trainer_class(SFTTrainer, req.privacy, micro=plan.micro)
+    extra.update(privacy.SFT_ARGS if req.privacy is not None else {})  # DP-SGD: one Poisson sample per step
     with warnings.catch_warnings():
         # transformers 5.2x renames gradient_checkpointing; the old name also works on 5.17 (GPU lock).
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category=FutureWarning)
@@ -551,7 +555,7 @@ def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dat
             logging_nan_inf_filter=False,  # HF would log a NaN/Inf loss as the running mean: hide it from the watchdog
             **extra,
         )
-        trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tok,
+        trainer = trainer_cls(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tok,
                              peft_config=peft_config, callbacks=[_callback_class()(req, sealing)])
     # Unsloth's trainer lowers an eval batch of 8 to the train micro-batch: keep the plan's (the manifest records it).
     trainer.args.per_device_eval_batch_size = plan.eval_micro

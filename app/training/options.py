@@ -103,6 +103,8 @@ def check_max_length(model_config: Mapping[str, Any], max_length: int) -> None:
 def gradient_checkpointing(backend: str, s: TrainingSettings, *, cuda: bool) -> bool | str:
     """The checkpointing mode: False, True, or ``"unsloth"`` (Unsloth's offloaded variant)."""
     mode = s.gpu.gradient_checkpointing
+    if s.privacy.mode == "dp-sgd":
+        return False  # a recomputed forward would fire Opacus' activation hooks twice
     if mode == "auto":
         if not cuda:
             return False  # tiny CPU models only slow down

@@ -1,0 +1,158 @@
+"""Differential privacy in the manifest: the ``privacy`` block and the verifier step ``privacy.dp``.
+
+A bundle trained with ``training.privacy.mode: dp-sgd`` carries a ``privacy`` block: the mechanism's parameters
+(clipping norm, noise multiplier, Poisson sample rate, steps, accountant) and the (epsilon, delta) they spent. The
+quote binds the manifest, so the block says what the measured code did, not what someone claims.
+
+``privacy.dp`` trusts none of the numbers it can recompute:
+
+* ``rows`` = ``dataset.rows`` (N after deduplication and the token policy), ``steps`` = ``training.global_step``,
+  ``sample_rate`` = ``expected_batch_size / rows``, ``delta`` < 1/N;
+* clipping norm, accountant, target epsilon, a configured noise multiplier and the batch are the bundle config's
+  ``training`` section (``config.json``, hashed in the manifest);
+* epsilon is recomputed with the Opacus accountant named in the block from (noise multiplier, sample rate, steps)
+  at delta (Opacus, and torch with it, is imported only when a bundle carries the block, so ``import attestation``
+  stays light);
+* ``privacy.dp`` depends on the bundle's bytes only (an integrity check: every honest export passes it); the
+  separate ``privacy.policy`` check, present when the policy sets ``max_epsilon`` or ``max_delta``, bounds the
+  recomputed values, and rejects a bundle trained without DP.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from attestation.verdict import QuoteFindings
+
+if TYPE_CHECKING:
+    from attestation.bundle import Manifest
+    from attestation.policy import Policy
+
+CHECK = "privacy.dp"
+POLICY_CHECK = "privacy.policy"
+EPSILON_REL_TOL = 1e-6  # the recomputed epsilon may differ from the recorded one by float noise only
+
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PrivacyLibraries(_Closed):
+    opacus: str
+    torch: str
+
+
+class PrivacyInfo(_Closed):
+    """DP-SGD as run (``training.privacy``): the mechanism's parameters and the (epsilon, delta) it spent.
+
+    ``rows`` is N after deduplication and the token policy (= ``dataset.rows``); ``sample_rate`` =
+    ``expected_batch_size / rows``; ``steps`` = ``training.global_step``; the verifier checks all three.
+    """
+
+    mechanism: Literal["dp-sgd"]
+    sampling: Literal["poisson"]
+    library: PrivacyLibraries
+    max_grad_norm: float = Field(gt=0)
+    noise_multiplier: float = Field(gt=0)
+    noise_derived: bool
+    sample_rate: float = Field(gt=0, le=1)
+    expected_batch_size: int = Field(ge=1)
+    rows: int = Field(ge=2)
+    steps: int = Field(ge=0)
+    accountant: Literal["rdp", "prv"]
+    epsilon: float = Field(ge=0)
+    delta: float = Field(gt=0, lt=1)
+    target_epsilon: float = Field(gt=0)
+
+
+def accountant_epsilon(accountant: str, history: list[tuple[float, float, int]], delta: float) -> float:
+    """Epsilon spent at ``delta`` by ``history`` [(noise multiplier, sample rate, steps)], computed by Opacus."""
+    from opacus.accountants import create_accountant  # imports torch: only for bundles that carry DP
+
+    if not history:
+        return 0.0
+    acc = create_accountant(mechanism=accountant)
+    acc.history = [tuple(h) for h in history]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+        return float(acc.get_epsilon(delta=delta))
+
+
+def _config_problems(dp: PrivacyInfo, config_bytes: bytes | None) -> list[str]:
+    """The block's parameters must be the bundle config's ``training.privacy`` and batch."""
+    try:
+        training = json.loads(config_bytes or b"")["training"]
+        p = training["privacy"]
+        batch = int(training["per_device_batch_size"]) * int(training["gradient_accumulation_steps"])
+    except (ValueError, KeyError, TypeError):
+        return ["the bundle config has no readable training.privacy section"]
+    want: dict[str, Any] = {"mode": "dp-sgd", "max_grad_norm": dp.max_grad_norm, "accountant": dp.accountant,
+                            "target_epsilon": dp.target_epsilon}
+    if not dp.noise_derived:
+        want["noise_multiplier"] = dp.noise_multiplier
+    if p.get("target_delta") is not None:
+        want["target_delta"] = dp.delta
+    problems = [f"{k} {p.get(k)!r} in the bundle config, {v!r} in the manifest" for k, v in want.items() if p.get(k) != v]
+    if batch != dp.expected_batch_size:
+        problems.append(f"expected batch {dp.expected_batch_size} is not the config's {batch}")
+    return problems
+
+
+def _problems(dp: PrivacyInfo, m: Manifest, config_bytes: bytes | None) -> tuple[list[str], float]:
+    """What is inconsistent in the block, and epsilon as recomputed (inf when it cannot be)."""
+    problems = _config_problems(dp, config_bytes)
+    if dp.rows != m.dataset.rows:
+        problems.append(f"privacy rows {dp.rows} != dataset rows {m.dataset.rows}")
+    if dp.steps != m.training.global_step:
+        problems.append(f"privacy steps {dp.steps} != global_step {m.training.global_step}")
+    if not math.isclose(dp.sample_rate, dp.expected_batch_size / dp.rows, rel_tol=1e-9):
+        problems.append(f"sample rate {dp.sample_rate:g} != expected batch {dp.expected_batch_size} / {dp.rows} rows")
+    if not dp.delta < 1 / dp.rows:
+        problems.append(f"delta {dp.delta:.3g} is not below 1/N = 1/{dp.rows}")
+    try:
+        eps = accountant_epsilon(dp.accountant, [(dp.noise_multiplier, dp.sample_rate, dp.steps)], dp.delta)
+    except ImportError as exc:
+        problems.append(f"epsilon cannot be recomputed without opacus ({exc.name}): install cvm-tune's dependencies")
+        return problems, math.inf
+    except (ValueError, ArithmeticError) as exc:
+        problems.append(f"epsilon cannot be recomputed from the block: {exc}")
+        return problems, math.inf
+    if not math.isclose(eps, dp.epsilon, rel_tol=EPSILON_REL_TOL, abs_tol=1e-9):
+        problems.append(f"recorded epsilon {dp.epsilon:.6g} is not what the {dp.accountant} accountant gives for "
+                        f"these parameters ({eps:.6g})")
+    if eps > dp.target_epsilon * (1 + EPSILON_REL_TOL):
+        problems.append(f"epsilon {eps:.4g} exceeds the run's target {dp.target_epsilon:g}")
+    return problems, eps
+
+
+def check(f: QuoteFindings, m: Manifest, policy: Policy, config_bytes: bytes | None) -> None:
+    """Add ``privacy.dp`` (the block is what the run did; bundle bytes only) and, when the policy bounds epsilon or
+    delta, ``privacy.policy`` for a bundle whose manifest parsed (``config_bytes``: its config.json)."""
+    dp = m.privacy
+    bounded = policy.max_epsilon is not None or policy.max_delta is not None
+    if dp is None:
+        f.add(CHECK, "skip", "trained without differential privacy (training.privacy off)")
+        if bounded:
+            f.add(POLICY_CHECK, "fail", "the policy requires differential privacy (max_epsilon "
+                  f"{policy.max_epsilon}, max_delta {policy.max_delta}); this run trained without DP-SGD")
+        return
+    problems, eps = _problems(dp, m, config_bytes)
+    shown = (f"(ε, δ) = ({eps:.4g}, {dp.delta:.3g}) as run: DP-SGD, Poisson sampling q={dp.sample_rate:.4g} "
+             f"of N={dp.rows} rows, clipping C={dp.max_grad_norm:g}, noise σ={dp.noise_multiplier:.4g}, {dp.steps} "
+             f"steps, {dp.accountant} accountant, opacus {dp.library.opacus}")
+    f.add(CHECK, "fail" if problems else "pass", "; ".join([*problems, shown]))
+    if not bounded:
+        return
+    over = []
+    if policy.max_epsilon is not None and eps > policy.max_epsilon:
+        over.append(f"epsilon {eps:.4g} is above the policy's max_epsilon {policy.max_epsilon:g}")
+    if policy.max_delta is not None and dp.delta > policy.max_delta:
+        over.append(f"delta {dp.delta:.3g} is above the policy's max_delta {policy.max_delta:g}")
+    f.add(POLICY_CHECK, "fail" if over else "pass", "; ".join(over) or
+          f"(ε, δ) = ({eps:.4g}, {dp.delta:.3g}) within the policy's max_epsilon {policy.max_epsilon}, "
+          f"max_delta {policy.max_delta}")
