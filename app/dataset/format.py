@@ -132,8 +132,9 @@ final chunk), so both are reported as truncation, which is what `TruncatedDatase
   that forged a dstack encrypted env var, say) still cannot produce a file the pinned owner signed.
 * Rollback to an older *validly signed* file is not a format property: the app keeps the last
   trained `dataset_version` per dataset id on its output volume (`app.dataset.versions`).
-* Streaming decryption overlaps AES-GCM with the ciphertext and plaintext SHA-256 on two worker
-  threads (chunks ≥ 64 KiB); memory stays at about one ciphertext block and two plaintext chunks.
+* Streaming decryption runs in two stages (chunks ≥ 64 KiB): a worker thread reads, hashes and
+  opens each block while the caller's thread hashes the previous plaintext; memory stays at about
+  one ciphertext block and two plaintext chunks.
 
 ## Version 2 test vector
 
