@@ -219,7 +219,6 @@ from app.dataset.format_header import (
     _derive,
     _header_from_obj,
     _hmac,
-    _nonce,
     _parse_header,
     _read_prefix,
     _read_upto,
@@ -227,6 +226,7 @@ from app.dataset.format_header import (
 )
 from app.dataset.format_read import THREADED_HASH_MIN_CHUNK, DecryptedStream
 from app.dataset.format_sig import _read_trailer, read_signature
+from app.dataset.format_write import write_chunks
 from app.errors import (
     ConfigError,
     DataError,
@@ -237,7 +237,6 @@ from app.errors import (
     WrongKeyError,
 )
 from app.fsutil import fsync_dir
-from attestation.dataset_sig import make_trailer, parse_trailer
 from attestation.hashing import canonical_json
 
 __all__ = [
@@ -296,42 +295,8 @@ def encrypt_stream(src: BinaryIO, dst: BinaryIO, key: bytes, *, dataset_id: str,
     header_mac = _hmac(_derive(key, salt, b"header", version), prefix + key_check).finalize()
     aead = AESGCM(_derive(key, salt, b"payload", version))
 
-    ct_hash, pt_hash = hashlib.sha256(), hashlib.sha256()
-    written = 0
-
-    def emit(data: bytes) -> None:
-        nonlocal written
-        ct_hash.update(data)
-        view = memoryview(data)
-        while view:  # a raw stream may write only part of the buffer
-            n = dst.write(view)
-            if n is None:
-                raise BlockingIOError("the output stream is non-blocking and not ready")
-            view = view[n:]
-        written += len(data)
-
-    emit(prefix + key_check + header_mac)
-    index, plain_size = 0, 0
-    cur = _read_upto(src, chunk_size)
-    while True:
-        nxt = _read_upto(src, chunk_size) if len(cur) == chunk_size else b""
-        final = not nxt  # a full chunk followed by end-of-file is itself the final chunk
-        pt_hash.update(cur)
-        plain_size += len(cur)
-        emit(aead.encrypt(_nonce(index, final), cur, header_mac))
-        index += 1
-        if final:
-            break
-        cur = nxt
-    signature = None
-    if owner_key is not None:
-        trailer = make_trailer(owner_key, plaintext_size=plain_size, plaintext_sha256=pt_hash.digest(),
-                               body_sha256=ct_hash.digest())
-        signature = parse_trailer(trailer)
-        emit(trailer)
-    return EncryptResult(header=header, plaintext_size=plain_size, plaintext_sha256=pt_hash.hexdigest(),
-                         ciphertext_size=written, ciphertext_sha256=ct_hash.hexdigest(), chunks=index,
-                         signature=signature)
+    return write_chunks(src, dst, header=header, head=prefix + key_check + header_mac, aead=aead, aad=header_mac,
+                        owner_key=owner_key)
 
 
 def encrypt_file(src: Path, dst: Path, key: bytes, **kw: Any) -> EncryptResult:
