@@ -95,8 +95,9 @@ def verify_bundle(
         _file_hashes(f, root, manifest)
         _compose_and_app_id(f, root, manifest)
         _build(f, root, manifest)
-        _audit(f, root, manifest, policy)
-        _gpu(f, root, manifest)
+        entries = _audit_entries(root)  # parsed once: the audit and GPU steps both read them
+        _audit(f, entries, root, manifest, policy)
+        _gpu(f, root, manifest, entries if isinstance(entries, list) else [])
         _evaluation(f, root, manifest)
         model_sig.check(f, root, manifest)
         _inputs(f, manifest, base_model_dir, dataset_file)
@@ -235,11 +236,17 @@ def _build(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
         f.add("build.lock", "pass", f"{b.lock_file} sha256 {b.lock_sha256}; every pin installed")
 
 
-def _audit(f: QuoteFindings, root: Path, m: B.Manifest, policy: Policy) -> None:
+def _audit_entries(root: Path) -> list[AuditEntry] | Exception:
+    """The entries of audit.jsonl, or why they cannot be read."""
     try:
-        entries = parse_lines(_read(root / B.AUDIT))
+        return parse_lines(_read(root / B.AUDIT))
     except (OSError, AuditFormatError) as exc:
-        f.add("audit.chain", "fail", f"audit.jsonl unreadable: {exc}")
+        return exc
+
+
+def _audit(f: QuoteFindings, entries: list[AuditEntry] | Exception, root: Path, m: B.Manifest, policy: Policy) -> None:
+    if isinstance(entries, Exception):
+        f.add("audit.chain", "fail", f"audit.jsonl unreadable: {entries}")
         return
     problems = chain_problems(entries)
     if not entries:
@@ -341,7 +348,7 @@ def _audit_rtmr3(f: QuoteFindings, entries: list[AuditEntry], m: B.Manifest, pol
           "; ".join(problems) or f"{len(lines) - (start or 0)} audit entries measured into RTMR3 and replayed")
 
 
-def _gpu(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
+def _gpu(f: QuoteFindings, root: Path, m: B.Manifest, entries: list[AuditEntry]) -> None:
     if m.gpu is None:
         f.add("gpu.evidence", "skip", "the manifest records no GPU evidence (bundle from before cvm-tune collected it)")
         return
@@ -349,10 +356,6 @@ def _gpu(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
         data: bytes | None = _read(root / B.GPU_EVIDENCE)
     except OSError:
         data = None
-    try:
-        entries = parse_lines(_read(root / B.AUDIT))
-    except (OSError, AuditFormatError):
-        entries = []
     status, detail = gpu_check(data, m.gpu, entries)
     f.add("gpu.evidence", status, detail)
 
