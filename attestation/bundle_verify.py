@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -97,7 +96,7 @@ def verify_bundle(
         _build(f, root, manifest)
         entries = _audit_entries(root)  # parsed once: the audit and GPU steps both read them
         _audit(f, entries, root, manifest, policy)
-        _gpu(f, root, manifest, entries if isinstance(entries, list) else [])
+        _gpu(f, root, manifest, entries)
         _evaluation(f, root, manifest)
         model_sig.check(f, root, manifest)
         _inputs(f, manifest, base_model_dir, dataset_file)
@@ -110,17 +109,7 @@ def _read(path: Path, limit: int = MAX_FILE) -> bytes:
 
 
 def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> B.Manifest | None:
-    present, odd, dirs = set(), [], set()
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            full = Path(dirpath) / name
-            mode = os.lstat(full).st_mode
-            if stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
-                odd.append(full.relative_to(root).as_posix())
-            elif stat.S_ISREG(mode):
-                present.add(full.relative_to(root).as_posix())
-            else:
-                dirs.add(full.relative_to(root).as_posix())
+    present, odd, dirs = _walk(root)
     manifest = None
     try:
         doc = json.loads(manifest_bytes)
@@ -142,6 +131,30 @@ def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> 
                 *(f"{p} is a symlink or special file" for p in odd)]
     f.add("bundle.files", "fail" if problems else "pass", "; ".join(problems) or f"{len(present)} files, none unexpected")
     return manifest
+
+
+def _walk(root: Path) -> tuple[set[str], list[str], set[str]]:
+    """Regular files, symlinks/special files and directories under ``root`` (relative posix paths); symlinks
+    are never followed. One ``scandir`` per directory: the entry types come with the listing."""
+    present: set[str] = set()
+    odd: list[str] = []
+    dirs: set[str] = set()
+    stack = [(str(root), "")]
+    while stack:
+        path, prefix = stack.pop()
+        with os.scandir(path) as it:
+            for entry in it:
+                rel = prefix + entry.name
+                if entry.is_symlink():
+                    odd.append(rel)
+                elif entry.is_dir(follow_symlinks=False):
+                    dirs.add(rel)
+                    stack.append((entry.path, rel + "/"))
+                elif entry.is_file(follow_symlinks=False):
+                    present.add(rel)
+                else:
+                    odd.append(rel)
+    return present, sorted(odd), dirs
 
 
 def _quote_bytes(f: QuoteFindings, root: Path) -> bytes | None:
@@ -348,7 +361,7 @@ def _audit_rtmr3(f: QuoteFindings, entries: list[AuditEntry], m: B.Manifest, pol
           "; ".join(problems) or f"{len(lines) - (start or 0)} audit entries measured into RTMR3 and replayed")
 
 
-def _gpu(f: QuoteFindings, root: Path, m: B.Manifest, entries: list[AuditEntry]) -> None:
+def _gpu(f: QuoteFindings, root: Path, m: B.Manifest, entries: list[AuditEntry] | Exception | None = None) -> None:
     if m.gpu is None:
         f.add("gpu.evidence", "skip", "the manifest records no GPU evidence (bundle from before cvm-tune collected it)")
         return
@@ -356,7 +369,9 @@ def _gpu(f: QuoteFindings, root: Path, m: B.Manifest, entries: list[AuditEntry])
         data: bytes | None = _read(root / B.GPU_EVIDENCE)
     except OSError:
         data = None
-    status, detail = gpu_check(data, m.gpu, entries)
+    if entries is None:
+        entries = _audit_entries(root)
+    status, detail = gpu_check(data, m.gpu, entries if isinstance(entries, list) else [])
     f.add("gpu.evidence", status, detail)
 
 
