@@ -15,6 +15,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
+_ONE_READ = 1 << 20  # files up to this size are read whole (``read`` reads to end-of-file even if it grew)
+
 def canonical_json(obj: Any) -> bytes:
     """Sorted-key, compact, UTF-8 JSON (raises ValueError on NaN/Infinity)."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
@@ -28,14 +30,16 @@ def sha256_hex(data: bytes) -> str:
 def sha256_file(path: Path) -> str:
     """Hex SHA-256 of a regular file (symlinks and special files are refused).
 
-    The one file-hashing path of the verifier and exporter: ``hashlib.file_digest`` on an unbuffered
-    file (``readinto`` one reused buffer, no copy per block), so large files hash at the speed of
-    SHA-256 itself and small ones cost one ``lstat``, one ``open`` and one read.
+    The one file-hashing path of the verifier and exporter: an unbuffered file, read whole when small
+    (one ``lstat``, one ``open``, one ``read``), else ``hashlib.file_digest`` (``readinto`` one reused
+    buffer, no copy per block), so large files hash at the speed of SHA-256 itself.
     """
     st = os.lstat(path)
     if not stat.S_ISREG(st.st_mode):
         raise ValueError(f"{path} is not a regular file")
     with open(path, "rb", buffering=0) as fh:
+        if st.st_size <= _ONE_READ:  # a manifest, config or adapter file: one read, no 256 KiB buffer
+            return hashlib.sha256(fh.read()).hexdigest()
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
