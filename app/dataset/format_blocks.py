@@ -102,7 +102,8 @@ class BlockReader:
 
     def advance(self) -> None:
         """The consumer's caller moved past the previous chunk: stage one may open one more."""
-        self._credit.release()
+        if self._ready is not None:  # inline, the consumer's own pace is the limit
+            self._credit.release()
 
     def hexdigest(self) -> str:
         """SHA-256 of the prefix and every block read (after the last block)."""
