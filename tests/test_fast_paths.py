@@ -67,7 +67,7 @@ def test_bad_yaml_is_one_error(text: str) -> None:
     assert type(err.value) is PolicyError
 
 
-@pytest.mark.parametrize("size", [0, 1, 4095, (1 << 20) + 3, 3 << 20])
+@pytest.mark.parametrize("size", [0, 1, 4095, 1 << 20, (1 << 20) + 3, (64 << 20) + 5])
 def test_sha256_file_is_hashlib(tmp_path: Path, size: int) -> None:
     data = os.urandom(size)
     path = tmp_path / "f"
