@@ -27,14 +27,13 @@ OpenBlock = Callable[[memoryview, int, int, bool], bytes]
 class BlockReader:
     """Iterate ``(plaintext, last)`` over the blocks of ``src`` opened by ``open_block``.
 
-    Call :meth:`advance` once the caller no longer needs the chunk before the one just received
-    (threaded: stage one waits for it before opening the next block).
-
     ``last`` marks the block after which end-of-file follows; a file with no block at all yields
     ``(None, True)``. Errors (reads, authentication) surface in order, in place of their block.
-    The ciphertext hash (:meth:`hexdigest`) covers ``prefix`` and every byte read, complete once
-    the last block arrived; ``size`` counts the same bytes. :meth:`close` stops and joins the
-    worker: no thread outlives the stream.
+    Call :meth:`advance` once the caller no longer needs the chunk before the one just received
+    (threaded, stage one waits for it before opening the next block). The ciphertext hash
+    (:meth:`hexdigest`) covers ``prefix`` and every byte read, complete once the last block
+    arrived; ``size`` counts the same bytes. :meth:`close` stops and joins the worker: no thread
+    outlives the stream.
     """
 
     def __init__(self, src: BinaryIO, block_size: int, prefix: bytes, open_block: OpenBlock, *, threaded: bool) -> None:
