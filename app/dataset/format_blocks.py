@@ -4,8 +4,8 @@ Decryption runs as two stages on two cores. Stage one reads every ``chunk_size +
 into one reused buffer, feeds it to the ciphertext SHA-256, looks one byte ahead to learn whether
 end-of-file follows, and opens it with AES-GCM (the ``open_block`` callback, which also classifies
 failures). Stage two, the consumer (:class:`app.dataset.format_read.DecryptedStream`), hashes the
-plaintext and hands it on. hashlib, file reads and AES-GCM run without the GIL on large buffers,
-so the two SHA-256 passes proceed in parallel. Stage one opens block ``i + 1`` only after the
+plaintext and hands it on. hashlib and file reads release the GIL on large buffers, so the two
+SHA-256 passes proceed in parallel. Stage one opens block ``i + 1`` only after the
 consumer resumed past block ``i - 1``: memory stays at one ciphertext block and two plaintext
 chunks (the one the caller holds and the next). With ``threaded`` false stage one runs inline.
 """

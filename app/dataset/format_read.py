@@ -19,8 +19,8 @@ from app.dataset.format_header import TAG_LEN, TRAILING_SEARCH, DatasetHeader, _
 from app.errors import ChunkIntegrityError, DatasetFormatError, DatasetSignatureError, TrailingDataError, TruncatedDatasetError
 from attestation.dataset_sig import OwnerSignature
 
-# Chunks at least this large are read and hashed on a worker thread (hashlib and reads release the
-# GIL), overlapping the ciphertext hash with AES-GCM and the plaintext hash; smaller ones inline.
+# Chunks at least this large are read, hashed and opened on a worker thread (hashlib and reads release the GIL):
+# the ciphertext hash overlaps the plaintext hash; smaller chunks are handled inline.
 THREADED_HASH_MIN_CHUNK = 64 << 10
 
 
