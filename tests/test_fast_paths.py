@@ -102,3 +102,18 @@ def test_one_dcap_call_answers_as_verify(quote: str, collateral: str, now: int |
         assert not got.ok and got.error == " | ".join(x.strip() for x in str(exc).splitlines() if x.strip())
     else:
         assert got.ok and (got.status, got.advisory_ids) == (rep.status, tuple(rep.advisory_ids))
+
+
+def test_help_and_usage_errors_load_no_verifier_and_no_pydantic() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom app.cli import main\n"
+            "for argv in (['--help'], ['verify', '--help'], ['no-such-command']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "loaded = sorted(m for m in ('attestation', 'pydantic', 'dcap_qvl', 'yaml', 'cryptography', 'torch', 'logging')"
+            " if m in sys.modules)\n"
+            "print('LOADED', loaded)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "LOADED []" in out.stdout, out.stdout[-500:]
