@@ -16,20 +16,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import logging
+import importlib
 import os
 import sys
-import time
-import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-from attestation import AttestationError, Verdict
 
 import app
 from app import cli_owner
-from app.errors import ConfigError, CvmTuneError, InputsUnchanged
+from app.errors import CvmTuneError
 
 EXIT_REJECTED = 1
 EXIT_INTERNAL = 70
@@ -240,27 +235,49 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    import logging  # after parsing: ``--help`` and usage errors exit before any of this is loaded
+
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return _COMMANDS[args.command](args)
-    except (CvmTuneError, AttestationError) as exc:
-        if args.debug:  # the traceback, and still the documented exit code
-            traceback.print_exc()
-        print(f"error: {exc.message}", file=sys.stderr)
-        print(f"fix: {exc.fix}", file=sys.stderr)
-        return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (`cvm-tune verify … | head -1`): its verdict was already decided
         _silence_stdout()
         return EXIT_BROKEN_PIPE
-    except Exception as exc:  # a bug: one line, no traceback unless --debug
-        if args.debug:
+    except Exception as exc:
+        if args.debug:  # the traceback, and still the documented exit code
+            import traceback
+
             traceback.print_exc()
+        if _is_expected(exc):
+            print(f"error: {exc.message}", file=sys.stderr)  # type: ignore[attr-defined]
+            print(f"fix: {exc.fix}", file=sys.stderr)  # type: ignore[attr-defined]
+            return exc.exit_code  # type: ignore[attr-defined, no-any-return]
+        # a bug: one line, no traceback unless --debug
         print(f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
         print("fix: rerun with --debug and report the traceback", file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _is_expected(exc: Exception) -> bool:
+    """A cvm-tune or verifier error (message + fix + exit code), not a bug. ``attestation`` is loaded only by
+    the commands that use it; a process that never loaded it cannot have raised its errors."""
+    if isinstance(exc, CvmTuneError):
+        return True
+    errors = sys.modules.get("attestation.errors")
+    return errors is not None and isinstance(exc, errors.AttestationError)
+
+
+def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """The handler ``module.name``, imported on first call: each command loads only what it uses."""
+
+    def handler(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(module), name)(args)  # type: ignore[no-any-return]
+
+    handler.__qualname__ = f"{module}.{name}"
+    return handler
 
 
 def _silence_stdout() -> None:
@@ -270,409 +287,14 @@ def _silence_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
 
 
-def _stop_on_sigterm() -> list[str]:
-    """SIGTERM/SIGINT set a flag the trainer polls at every step boundary (checkpoint, then stop)."""
-    import signal
-
-    flag: list[str] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: flag.append(signal.Signals(signum).name))
-    return flag
-
-
-def _run(args: argparse.Namespace) -> int:
-    from app.config import load_config
-    from app.pipeline import RunHooks, run_once
-    from app.state import Locked, run_lock
-    from app.training import TrainingStopped
-
-    cfg = load_config(args.config)
-    flag = _stop_on_sigterm()
-    hooks = RunHooks(should_stop=lambda: f"{flag[0]} received" if flag else None)
-    try:
-        with run_lock(cfg.output.dir):
-            res = run_once(cfg, progress=lambda m: print(m, flush=True), run_id=args.run_id, hooks=hooks)
-    except Locked as exc:
-        print(f"skipped: locked ({exc} is held by another cvm-tune process)", flush=True)
-        return 0
-    except TrainingStopped as exc:
-        print(f"stopped: {exc.message}; run again to resume", flush=True)
-        return 0
-    except InputsUnchanged as exc:
-        print(f"skipped: {exc.message} (nothing new to train on)", flush=True)
-        return 0
-    print()
-    print(f"Export bundle: {res.bundle_dir}" + ("" if res.promoted else f" (not promoted: {res.promotion_refused})"))
-    for name, verdict in res.verdicts:
-        failed = ", ".join(c.name for c in verdict.failed)
-        note = " (expected: the simulator's test CA is not trusted by the default policy)" if (
-            failed and res.policy_file and name == "default") else ""
-        print(f"Verdict ({name}): {verdict.summary()}" + (f" — failed: {failed}" if failed else "") + note)
-    cmd = f"cvm-tune verify {res.bundle_dir}" + (f" --policy {res.policy_file}" if res.policy_file else "")
-    print(f"Verify again: {cmd}")
-    return 0
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from app.config import load_config
-    from app.scheduler import serve
-
-    cfg = load_config(args.config)
-    outcome = serve(cfg, once=args.once, progress=lambda m: print(m, flush=True))
-    print(f"service: {outcome}", flush=True)
-    return 0
-
-
-def _status(args: argparse.Namespace) -> int:
-    from app.config import load_config
-    from app.status import render_status
-
-    cfg = load_config(args.config)
-    if args.health:
-        from app.scheduler import health
-
-        ok, why = health(cfg)
-        print(why)
-        return 0 if ok else EXIT_REJECTED
-    print(render_status(cfg, limit=args.n, as_json=args.json))
-    return 0
-
-
-def _verify(args: argparse.Namespace) -> int:
-    from attestation import load_policy, read_collateral_file, verify_bundle
-
-    if (args.bundle is None) == (args.chain is None):
-        raise ConfigError("verify takes a BUNDLE or --chain EXPORTS_DIR (one of them)",
-                          fix="cvm-tune verify exports/RUN_ID, or cvm-tune verify --chain exports/")
-    if args.chain is not None and (args.parent or args.collateral or args.base_model or args.dataset):
-        raise ConfigError("--chain verifies whole bundles: --parent, --collateral, --base-model and --dataset apply "
-                          "to one BUNDLE", fix="drop them, or verify one bundle at a time")
-    policy = load_policy(args.policy)
-    now = args.now if args.now is not None else int(time.time())
-    if args.chain is not None:
-        return _verify_chain(args.chain, policy, now, as_json=args.json)
-    coll = read_collateral_file(args.collateral) if args.collateral is not None else None
-    verdict = verify_bundle(args.bundle, policy=policy, now=now, collateral=coll,
-                            base_model_dir=args.base_model, dataset_file=args.dataset)
-    if args.parent is None:
-        return _print_verdict(verdict, as_json=args.json)
-    from attestation.lineage import check_link
-
-    parent = verify_bundle(args.parent, policy=policy, now=now)
-    problems = check_link(args.bundle, args.parent)
-    ok = verdict.accepted and parent.accepted and not problems
-    try:
-        if args.json:
-            print(json.dumps({"accepted": ok, "bundle": verdict.to_json(), "parent": parent.to_json(),
-                              "link_problems": problems}, indent=2))
-        else:
-            _write_verdict(verdict, as_json=False)
-            print(f"parent {args.parent}: {parent.summary()}")
-            for c in parent.failed:
-                print(f"  FAIL {c.name}: {c.detail}")
-            print("lineage: " + ("the bundle continued from this parent (manifest, adapter and base model hashes match)"
-                                 if not problems else "BROKEN: " + "; ".join(problems)))
-        sys.stdout.flush()
-    except BrokenPipeError:
-        _silence_stdout()
-    return 0 if ok else EXIT_REJECTED
-
-
-def _verify_chain(exports: Path, policy: Any, now: int, *, as_json: bool) -> int:
-    from attestation.lineage import verify_chain
-
-    report = verify_chain(exports, policy=policy, now=now)
-    broken = report.first_broken
-    try:
-        if as_json:
-            print(json.dumps(report.to_json(), indent=2))
-        else:
-            print(f"{len(report.links)} bundle(s) in {exports}, policy {policy.name}, roots first:")
-            for link in report.links:
-                where = f"<- {link.parent_run_id}" if link.parent_run_id else "root (from the base model)"
-                mark = " (PROMOTED)" if link.run_id == report.promoted else ""
-                print(f"  {'ok  ' if link.ok else 'FAIL'} {link.run_id}{mark}  {where}")
-                for c in link.verdict.failed:
-                    print(f"         {c.name}: {c.detail}")
-                for problem in link.link_problems:
-                    print(f"         lineage: {problem}")
-            print("chain verified: every bundle accepted and every link holds" if broken is None
-                  else f"first broken link: {broken.run_id}")
-        sys.stdout.flush()
-    except BrokenPipeError:
-        _silence_stdout()
-    return 0 if broken is None else EXIT_REJECTED
-
-
-def _publish(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from attestation import load_policy, verify_bundle
-
-    from app import hub
-
-    repo = hub.check_repo_id(args.repo)
-    policy = load_policy(args.policy)
-    verdict = verify_bundle(args.bundle, policy=policy, now=args.now if args.now is not None else int(time.time()))
-    if not verdict.accepted:
-        _print_verdict(verdict, as_json=False)
-        print(f"refused: the bundle is rejected under policy {policy.name}; nothing was uploaded", file=sys.stderr)
-        return EXIT_REJECTED
-    if args.stage_only is not None:
-        print(f"staged {hub.stage_repo(args.bundle, args.stage_only)} (verified; not uploaded)")
-        return 0
-    with tempfile.TemporaryDirectory(prefix="cvm-tune-publish-") as tmp:
-        folder = hub.stage_repo(args.bundle, Path(tmp) / "repo")
-        url = hub.upload(folder, repo, private=args.private, message=f"cvm-tune bundle {args.bundle.resolve().name}")
-    print(f"published {args.bundle} (verified under {policy.name}) to {url}")
-    return 0
-
-
-def _print_verdict(verdict: Verdict, *, as_json: bool) -> int:
-    """Print the verdict; its exit code stands even when the reader closes the pipe early (``| head -1``)."""
-    try:
-        _write_verdict(verdict, as_json=as_json)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        _silence_stdout()
-    return 0 if verdict.accepted else EXIT_REJECTED
-
-
-def _write_verdict(verdict: Verdict, *, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(verdict.to_json(), indent=2))
-    else:
-        print(verdict.summary())
-        for c in verdict.checks:
-            if c.status != "pass":
-                print(f"{c.status.upper():4} {c.name}: {c.detail}")
-            elif c.name == "gpu.evidence":
-                print(f"GPU: {c.detail}")  # shown even when intact: CC off / no GPU is for the reader to judge
-            elif c.name == "privacy.dp":
-                print(f"differential privacy: {c.detail}")  # the guarantee the adapter was trained under
-        if verdict.accepted:
-            passed = sum(c.status == "pass" for c in verdict.checks)
-            print(f"{passed} checks passed; TCB {verdict.findings.tcb_status}")
-
-
-def _verify_quote(args: argparse.Namespace) -> int:
-    from attestation import load_policy, parse_report_data_hex, read_collateral_file, read_event_log_file, read_quote_input
-    from attestation.inputs import event_log_from_json
-    from attestation.verify import quote_verdict
-
-    policy = load_policy(args.policy)
-    raw, embedded_log = read_quote_input(args.quote)
-    coll = read_collateral_file(args.collateral) if args.collateral is not None else None
-    if args.event_log is not None:
-        events = read_event_log_file(args.event_log)
-    elif embedded_log is not None:
-        events = event_log_from_json({"event_log": embedded_log}, source=f"{args.quote} event_log")
-    else:
-        events = None
-    expected = parse_report_data_hex(args.report_data) if args.report_data is not None else None
-    now = args.now if args.now is not None else int(time.time())
-    verdict = quote_verdict(raw, policy=policy, now=now, collateral=coll, events=events, expected_report_data=expected)
-    return _print_verdict(verdict, as_json=args.json)
-
-
-def _collateral(args: argparse.Namespace) -> int:
-    from attestation import read_quote_file
-    from attestation.pccs import PHALA_PCCS_URL, fetch_collateral, save_collateral
-
-    raw = read_quote_file(args.quote)
-    url = args.pccs or PHALA_PCCS_URL
-    text = fetch_collateral(raw, pccs_url=url, timeout=args.timeout, retries=args.retries)
-    save_collateral(args.output, text)
-    obj = json.loads(text)
-    tcb = json.loads(obj["tcb_info"])
-    print(f"wrote {args.output}: collateral from {url} for FMSPC {tcb.get('fmspc')}, TCB info issued "
-          f"{tcb.get('issueDate')}, next update {tcb.get('nextUpdate')}, tcbEvaluationDataNumber "
-          f"{tcb.get('tcbEvaluationDataNumber')}")
-    return 0
-
-
-def _simulator(args: argparse.Namespace) -> int:
-    from attestation.policy import policy_file_text, simulator_policy
-
-    from app.simulator import GuestAgentSimulator, SimulatorServer, SimulatorSettings
-
-    app_compose = None
-    if args.app_compose is not None:
-        try:
-            app_compose = args.app_compose.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read {args.app_compose}: {exc}") from exc
-    try:
-        sim = GuestAgentSimulator(SimulatorSettings(emit_event=args.emit_event, app_compose=app_compose))
-    except ValueError as exc:  # an app-compose the simulator (like dstack's guest) cannot boot with
-        raise ConfigError(f"{args.app_compose}: {exc}", fix="pass an app-compose.json dstack would boot") from exc
-    if args.write_policy:
-        args.write_policy.write_text(policy_file_text(simulator_policy(sim.test_root_ca_der)))
-        print(f"wrote {args.write_policy}")
-        return 0
-    if args.port is not None:
-        server = SimulatorServer(sim, port=args.port)
-    else:
-        server = SimulatorServer(sim, socket_path=args.socket or Path("dstack.sock"))
-    server.start()
-    print(f"cvm-tune dstack simulator (TEST CA — NOT a TEE) listening on {server.endpoint}", flush=True)
-    print(f"use it with: export DSTACK_SIMULATOR_ENDPOINT={os.path.abspath(server.endpoint) if args.port is None else server.endpoint}", flush=True)
-    try:
-        server.serve_forever()
-    finally:
-        server.stop()
-    return 0
-
-
-def _schema(_args: argparse.Namespace) -> int:
-    from app.config import Config
-
-    print(json.dumps(Config.model_json_schema(), indent=2))
-    return 0
-
-
-def _validate_config(args: argparse.Namespace) -> int:
-    from app.config import load_config
-
-    print(json.dumps(load_config(args.config).model_dump(mode="json"), indent=2))
-    return 0
-
-
-def _compose_hash(args: argparse.Namespace) -> int:
-    from attestation import compose as C
-
-    try:
-        raw = args.app_compose.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {args.app_compose}: {exc.strerror}", fix="pass the app-compose.json to hash") from exc
-    if args.from_info:
-        raw = C.from_info(raw)
-        if args.save is not None:
-            from app.fsutil import atomic_write_bytes
-
-            atomic_write_bytes(args.save, raw)
-    elif args.save is not None:
-        raise ConfigError("--save needs --from-info (the file itself is already the app-compose.json)")
-    doc = C.load(raw)
-    digest = C.compose_hash(raw)
-    app_id = C.app_id(doc, digest, pinned_app_id=args.app_id)
-    form, mr_config_id = C.expected_mr_config_id(doc, digest, app_id)
-    out = {"compose_hash": digest, "app_id": app_id, "mr_config_id": mr_config_id, "mr_config_id_form": form,
-           "kms_enabled": bool(doc.get("kms_enabled")),
-           "images": C.images(doc) if doc.get("runner") == "docker-compose" else {}, "problems": C.audit(doc)}
-    if args.json:
-        print(json.dumps(out, indent=2))
-    else:
-        print(f"compose-hash  {digest}")
-        print(f"app-id        {out['app_id'] or 'assigned by the KMS deployment (pass --app-id): not derivable from the file'}")
-        print(f"mr_config_id  {form} {mr_config_id or '(needs the app id: pass --app-id)'}")
-        print(f"              ({C.MR_CONFIG_WHEN})")
-        for svc, ref in out["images"].items():
-            print(f"image         {svc}: {ref}")
-        for problem in out["problems"]:
-            print(f"PROBLEM       {problem}")
-    return EXIT_REJECTED if out["problems"] else 0
-
-
-def _app_compose(args: argparse.Namespace) -> int:
-    from attestation.compose import AppComposeSettings
-
-    from app.deploy import bundles_token_sha256, describe, render_deployment
-
-    try:
-        template = args.compose.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read {args.compose}: {exc}") from exc
-    settings = AppComposeSettings(name=args.name, kms_enabled=not args.no_kms, gateway_enabled=not args.no_gateway,
-                                  local_key_provider_enabled=args.local_key_provider, key_provider_id=args.key_provider_id,
-                                  allowed_envs=tuple(args.allowed_env))
-    token_sha256 = bundles_token_sha256(args.bundles_token, args.bundles_token_sha256)
-    dep = render_deployment(template, args.image, settings, bundles_token_sha256=token_sha256, style=args.format)
-    summary = describe(dep, args.app_id)  # before writing: a bad --app-id writes nothing
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "docker-compose.yaml").write_text(dep.docker_compose)
-    (args.out_dir / "app-compose.json").write_bytes(dep.app_compose)
-    print(f"wrote {args.out_dir / 'docker-compose.yaml'} and {args.out_dir / 'app-compose.json'}")
-    print("\n".join(summary))
-    return 0
-
-
-def _deploy_plan(args: argparse.Namespace) -> int:
-    from app.deploy_plan import plan
-
-    p = plan(args.target, model_gb=args.model_gb, output_gb=args.output_gb, gpus=args.gpus, vcpu=args.vcpu,
-             memory=args.memory, disk=args.disk, name=args.name, deploy_dir=args.deploy_dir, env_file=args.env_file,
-             instance_type=args.instance_type, os_image=args.os_image, kms_url=args.kms_url, vmm_url=args.vmm_url)
-    print(f"needs: {p.needs.vcpu} vCPU, {p.needs.memory_gb} GB memory, {p.needs.disk_gb} GB disk")
-    for note in p.notes:
-        print(f"note: {note}")
-    print(p.command)
-    return 0
-
-
-def _env(args: argparse.Namespace) -> int:
-    from attestation.compose import load
-
-    from app.deploy import check_env, encrypt_env, read_env_file, verify_public_key
-
-    if args.env_file is not None:
-        values = read_env_file(args.env_file)
-    else:
-        missing = [n for n in args.from_env if n not in os.environ]
-        if missing:
-            raise ConfigError(f"not set in the environment: {missing}")
-        values = {n: os.environ[n] for n in args.from_env}
-    allowed = None
-    if args.app_compose is not None:
-        try:
-            allowed = list(load(args.app_compose.read_bytes()).get("allowed_envs") or [])
-        except OSError as exc:
-            raise ConfigError(f"cannot read {args.app_compose}: {exc.strerror}") from exc
-    check_env(values, allowed)
-    if args.kms_signature:
-        if not (args.app_id and args.timestamp is not None and args.kms_signer):
-            raise ConfigError("--kms-signature needs --app-id, --timestamp and --kms-signer")
-        verify_public_key(args.public_key, args.kms_signature, args.app_id, args.timestamp, args.kms_signer)
-    else:
-        print("warning: the env public key is not authenticated (no --kms-signature): make sure it comes from your KMS",
-              file=sys.stderr)
-    blob = encrypt_env(values, args.public_key)
-    if args.output is not None:
-        args.output.write_text(blob + "\n")
-        print(f"encrypted {len(values)} variables ({', '.join(sorted(values))}) to {args.output}", file=sys.stderr)
-    else:
-        print(blob)
-    return 0
-
-
-def _bundles(args: argparse.Namespace) -> int:
-    from app import bundles
-
-    if args.bundles_command == "token":
-        digest = bundles.new_token(args.file)
-        print(f"wrote {args.file} (mode 0600); its SHA-256 is {digest}")
-        print(f"pin it in the measured compose: cvm-tune app-compose --image IMAGE@sha256:DIGEST --bundles-token {args.file}")
-        return 0
-    if args.bundles_command == "serve":
-        server = bundles.BundleServer(args.output, os.environ.get(bundles.TOKEN_ENV, ""), host=args.host, port=args.port)
-        print(f"cvm-tune bundle server (read-only) on {server.url} for {args.output}", flush=True)
-        try:
-            server.serve_forever()
-        finally:
-            server.server_close()
-        return 0
-    token = bundles.read_token(args.token_file)
-    if args.bundles_command == "list":
-        for r in bundles.list_runs(args.url, token):
-            print(f"{r['run_id']:40} {str(r['status']):10} {str(r['started_at']):22} {'exported' if r['exported'] else ''}")
-        return 0
-    out = bundles.fetch(args.url, args.run_id, args.out_dir, token)
-    print(f"fetched {out}")
-    print(f"verify it: cvm-tune verify {out} --policy YOUR_POLICY.yaml")
-    return 0
-
-
-_COMMANDS = {"run": _run, "serve": _serve, "status": _status, "verify": _verify, "publish": _publish, "verify-quote": _verify_quote,
-             "collateral": _collateral, "simulator": _simulator, "schema": _schema, "validate-config": _validate_config,
-             "compose-hash": _compose_hash, "app-compose": _app_compose, "deploy-plan": _deploy_plan, "env": _env, "bundles": _bundles,
-             **cli_owner.COMMANDS}
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    **{name: _lazy("app.cli_service", fn) for name, fn in (
+        ("run", "_run"), ("serve", "_serve"), ("status", "_status"), ("simulator", "_simulator"), ("schema", "_schema"),
+        ("validate-config", "_validate_config"))},
+    **{name: _lazy("app.cli_verify", fn) for name, fn in (
+        ("verify", "_verify"), ("publish", "_publish"), ("verify-quote", "_verify_quote"), ("collateral", "_collateral"))},
+    **{name: _lazy("app.cli_deploy", fn) for name, fn in (
+        ("compose-hash", "_compose_hash"), ("app-compose", "_app_compose"), ("deploy-plan", "_deploy_plan"), ("env", "_env"),
+        ("bundles", "_bundles"))},
+    **cli_owner.COMMANDS,
+}

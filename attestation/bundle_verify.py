@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -99,8 +98,9 @@ def verify_bundle(
         _file_hashes(f, root, manifest)
         _compose_and_app_id(f, root, manifest)
         _build(f, root, manifest)
-        _audit(f, root, manifest, policy)
-        _gpu(f, root, manifest, events)
+        entries = _audit_entries(root)  # parsed once: the audit and GPU steps both read them
+        _audit(f, entries, root, manifest, policy)
+        _gpu(f, root, manifest, events, entries)
         _evaluation(f, root, manifest)
         model_sig.check(f, root, manifest)
         privacy.check(f, manifest, policy, _config_bytes(root))
@@ -114,17 +114,7 @@ def _read(path: Path, limit: int = MAX_FILE) -> bytes:
 
 
 def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> B.Manifest | None:
-    present, odd, dirs = set(), [], set()
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            full = Path(dirpath) / name
-            mode = os.lstat(full).st_mode
-            if stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
-                odd.append(full.relative_to(root).as_posix())
-            elif stat.S_ISREG(mode):
-                present.add(full.relative_to(root).as_posix())
-            else:
-                dirs.add(full.relative_to(root).as_posix())
+    present, odd, dirs = _walk(root)
     manifest = None
     try:
         doc = json.loads(manifest_bytes)
@@ -146,6 +136,30 @@ def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> 
                 *(f"{p} is a symlink or special file" for p in odd)]
     f.add("bundle.files", "fail" if problems else "pass", "; ".join(problems) or f"{len(present)} files, none unexpected")
     return manifest
+
+
+def _walk(root: Path) -> tuple[set[str], list[str], set[str]]:
+    """Regular files, symlinks/special files and directories under ``root`` (relative posix paths); symlinks
+    are never followed. One ``scandir`` per directory: the entry types come with the listing."""
+    present: set[str] = set()
+    odd: list[str] = []
+    dirs: set[str] = set()
+    stack = [(str(root), "")]
+    while stack:
+        path, prefix = stack.pop()
+        with os.scandir(path) as it:
+            for entry in it:
+                rel = prefix + entry.name
+                if entry.is_symlink():
+                    odd.append(rel)
+                elif entry.is_dir(follow_symlinks=False):
+                    dirs.add(rel)
+                    stack.append((entry.path, rel + "/"))
+                elif entry.is_file(follow_symlinks=False):
+                    present.add(rel)
+                else:
+                    odd.append(rel)
+    return present, sorted(odd), dirs
 
 
 def _quote_bytes(f: QuoteFindings, root: Path) -> bytes | None:
@@ -242,11 +256,17 @@ def _build(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
         f.add("build.lock", "pass", f"{b.lock_file} sha256 {b.lock_sha256}; every pin installed")
 
 
-def _audit(f: QuoteFindings, root: Path, m: B.Manifest, policy: Policy) -> None:
+def _audit_entries(root: Path) -> list[AuditEntry] | Exception:
+    """The entries of audit.jsonl, or why they cannot be read."""
     try:
-        entries = parse_lines(_read(root / B.AUDIT))
+        return parse_lines(_read(root / B.AUDIT))
     except (OSError, AuditFormatError) as exc:
-        f.add("audit.chain", "fail", f"audit.jsonl unreadable: {exc}")
+        return exc
+
+
+def _audit(f: QuoteFindings, entries: list[AuditEntry] | Exception, root: Path, m: B.Manifest, policy: Policy) -> None:
+    if isinstance(entries, Exception):
+        f.add("audit.chain", "fail", f"audit.jsonl unreadable: {entries}")
         return
     problems = chain_problems(entries)
     if not entries:
@@ -351,7 +371,8 @@ def _audit_rtmr3(f: QuoteFindings, entries: list[AuditEntry], m: B.Manifest, pol
           "; ".join(problems) or f"{len(lines) - (start or 0)} audit entries measured into RTMR3 and replayed")
 
 
-def _gpu(f: QuoteFindings, root: Path, m: B.Manifest, events: tuple[Event, ...] | None = None) -> None:
+def _gpu(f: QuoteFindings, root: Path, m: B.Manifest, events: tuple[Event, ...] | None = None,
+         entries: list[AuditEntry] | Exception | None = None) -> None:
     dstack = boot_gpu_attestation(events)  # dstack's own boot-time GPU attestation, when the OS made one
     if m.gpu is None:
         if dstack is None:
@@ -363,11 +384,9 @@ def _gpu(f: QuoteFindings, root: Path, m: B.Manifest, events: tuple[Event, ...] 
         data: bytes | None = _read(root / B.GPU_EVIDENCE)
     except OSError:
         data = None
-    try:
-        entries = parse_lines(_read(root / B.AUDIT))
-    except (OSError, AuditFormatError):
-        entries = []
-    status, detail = gpu_check(data, m.gpu, entries)
+    if entries is None:
+        entries = _audit_entries(root)
+    status, detail = gpu_check(data, m.gpu, entries if isinstance(entries, list) else [])
     if dstack is not None:
         status, detail = ("fail" if not dstack[0] else status), f"{detail}; {dstack[1]}"
     f.add("gpu.evidence", status, detail)

@@ -101,16 +101,30 @@ def parse_collateral(text: str | bytes) -> Collateral:
     return Collateral(text, qvl, max(starts), min(ends), tcb_number)
 
 
-def _load_chain(pem: bytes) -> list[x509.Certificate] | None:
+@lru_cache(maxsize=32)
+def _load_chain(pem: bytes) -> tuple[x509.Certificate, ...] | None:
+    """The certificates of a PEM chain (parsed once per verification: the collateral window, the chain
+    checks and the quote's chain all read the same chains)."""
     try:
         with warnings.catch_warnings():  # tampered certificates may trip cryptography's deprecation warnings
             warnings.simplefilter("ignore")
-            return x509.load_pem_x509_certificates(pem)
+            return tuple(x509.load_pem_x509_certificates(pem))
     except ValueError:
         return None
 
 
-def chain_problems(name: str, pem: bytes, root_der: bytes) -> tuple[list[str], list[x509.Certificate]]:
+@lru_cache(maxsize=64)
+def _issued_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
+    """``issuer`` signed ``cert`` (one signature check per pair: the quote's and the collateral's
+    chains share their PCK CA, TCB signing and root links)."""
+    try:
+        cert.verify_directly_issued_by(issuer)
+    except _CERT_ERRORS:
+        return False
+    return True
+
+
+def chain_problems(name: str, pem: bytes, root_der: bytes) -> tuple[list[str], tuple[x509.Certificate, ...]]:
     """A shipped PEM chain must be exactly the canonical PEM of its certificates (nothing else, not
     one whitespace byte different), each certificate issued by the next, ending in ``root_der``.
 
@@ -120,14 +134,12 @@ def chain_problems(name: str, pem: bytes, root_der: bytes) -> tuple[list[str], l
     """
     certs = _load_chain(pem)
     if not certs:
-        return [f"{name} is not a PEM certificate chain"], []
+        return [f"{name} is not a PEM certificate chain"], ()
     problems = []
     if b"".join(c.public_bytes(Encoding.PEM) for c in certs) != pem:
         problems.append(f"{name} is not in canonical PEM form (bytes around the certificates were changed)")
     for i, (cert, issuer) in enumerate(zip(certs, certs[1:], strict=False)):
-        try:
-            cert.verify_directly_issued_by(issuer)
-        except _CERT_ERRORS:
+        if not _issued_by(cert, issuer):
             problems.append(f"{name}: certificate {i} is not issued by certificate {i + 1}")
     if certs[-1].public_bytes(Encoding.DER) != root_der:
         problems.append(f"{name} does not end in the trusted root certificate")
@@ -164,7 +176,7 @@ def _collateral_own_problems(text: str, root_der: bytes) -> tuple[tuple[str, ...
     ``pck_certificate_chain`` (None when absent)."""
     obj = json.loads(text)
     problems: list[str] = []
-    issuers: dict[str, list[x509.Certificate]] = {}
+    issuers: dict[str, tuple[x509.Certificate, ...]] = {}
     for key in _PEM_FIELDS:
         pem = obj.get(key)
         if pem is None and key == "pck_certificate_chain":
@@ -187,23 +199,38 @@ def _collateral_own_problems(text: str, root_der: bytes) -> tuple[tuple[str, ...
 
 
 def dcap_verify(raw: bytes, collateral: Collateral, *, root_der: bytes | None, now: int) -> DcapResult:
-    """Run dcap-qvl (``verify``; ``root_der`` None = Intel's root), then read its claims for the
-    platform TCB level's date and the collateral's TCB evaluation data number.
+    """Run dcap-qvl once (``QuoteVerifier(root_der)``, ``root_der`` None = Intel's root; the claims-only
+    policy: every signature, chain, CRL and TCB check, no policy filter) and read the TCB status, its
+    advisories, the platform TCB level's date and the collateral's TCB evaluation data number from the claims.
 
-    The quote is passed byte-exact (dcap-qvl insists on ``bytes``; ``now`` must be an int).
+    The quote is passed byte-exact (dcap-qvl insists on ``bytes``; ``now`` must be an int). Only on failure
+    is ``verify`` run as well, for its fuller error text (the cause chain).
     """
     try:
-        if root_der is None:
-            rep = dcap_qvl.verify(bytes(raw), collateral.qvl, int(now))
-        else:
-            rep = dcap_qvl.verify_with_root_ca(bytes(raw), collateral.qvl, bytes(root_der), int(now))
         claims = json.loads(
-            dcap_qvl.QuoteVerifier(root_der)
+            dcap_qvl.QuoteVerifier(None if root_der is None else bytes(root_der))
             .verify_with_policy(bytes(raw), collateral.qvl, int(now), dcap_qvl.QuotePolicy.claims_only(int(now)))
             .to_json()
         )
+        status, advisories = str(claims["tcb"]["status"]), tuple(claims["tcb"]["advisory_ids"])
         tcb_date = int(claims["platform"]["tcb_date_tag"])
         eval_number = int(claims["tcb"]["eval_data_number"])
     except (ValueError, TypeError, OverflowError, KeyError) as exc:
-        return DcapResult(False, None, (), " | ".join(line.strip() for line in str(exc).splitlines() if line.strip()))
-    return DcapResult(True, rep.status, tuple(rep.advisory_ids), None, tcb_date, eval_number)
+        return DcapResult(False, None, (), _error_text(_verify_error(raw, collateral, root_der, now) or exc))
+    return DcapResult(True, status, advisories, None, tcb_date, eval_number)
+
+
+def _verify_error(raw: bytes, collateral: Collateral, root_der: bytes | None, now: int) -> Exception | None:
+    """dcap-qvl ``verify``'s own error for a quote the claims call rejected (it names the cause chain)."""
+    try:
+        if root_der is None:
+            dcap_qvl.verify(bytes(raw), collateral.qvl, int(now))
+        else:
+            dcap_qvl.verify_with_root_ca(bytes(raw), collateral.qvl, bytes(root_der), int(now))
+    except (ValueError, TypeError, OverflowError) as exc:
+        return exc
+    return None
+
+
+def _error_text(exc: Exception) -> str:
+    return " | ".join(line.strip() for line in str(exc).splitlines() if line.strip())

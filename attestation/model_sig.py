@@ -47,7 +47,8 @@ def verify_dir(directory: Path, public_key_pem: Path) -> str | None:
         return "missing"
     try:
         model_signing.verifying.Config().use_elliptic_key_verifier(public_key=public_key_pem).set_hashing_config(
-            model_signing.hashing.Config().set_ignored_paths(paths=[B.SIGNATURE_NAME])
+            # one hashing thread: a model directory is a few files, thread start-up costs more than it saves
+            model_signing.hashing.Config().use_file_serialization(max_workers=1).set_ignored_paths(paths=[B.SIGNATURE_NAME])
         ).verify(directory, signature)
     except Exception as exc:  # the library raises ValueError, InvalidSignature, protobuf/JSON errors: all a reject
         return (str(exc).splitlines() or [type(exc).__name__])[0][:300] or type(exc).__name__

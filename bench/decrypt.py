@@ -9,8 +9,8 @@ the file) that measures, in the same run on the same machine:
 * raw AES-256-GCM decrypt (``AESGCM.decrypt`` on 1 MiB chunks in memory) and raw SHA-256: the ceilings;
 * ``open_encrypted`` streaming the file: key check, header MAC, owner signature, every chunk's
   tag, SHA-256 of the ciphertext and of the plaintext, and the signed statement at the end: the
-  path the pipeline takes before it parses rows (threaded hashing, the default);
-* the same with hashing on the calling thread only, to show what the worker threads buy;
+  path the pipeline takes before it parses rows (two stages, the default);
+* the same on the calling thread only, to show what the second stage buys;
 * the child's peak RSS (``VmHWM``).
 
 MB = 10^6 bytes. The file is read back from the page cache right after it was written, so this is
@@ -87,13 +87,15 @@ def child(path: Path, pub_hex: str, limit: int, repeat: int) -> dict:
         mbs, digest = stream_once()
         threaded.append(mbs)
         digests.add(digest)
-    default = fmt.THREADED_HASH_MIN_CHUNK
-    fmt.THREADED_HASH_MIN_CHUNK = 1 << 40  # hash on the calling thread
+    from app.dataset import format_read
+
+    default = format_read.THREADED_HASH_MIN_CHUNK
+    format_read.THREADED_HASH_MIN_CHUNK = 1 << 40  # read, hash and decrypt on the calling thread
     for _ in range(repeat):
         mbs, digest = stream_once()
         single.append(mbs)
         digests.add(digest)
-    fmt.THREADED_HASH_MIN_CHUNK = default
+    format_read.THREADED_HASH_MIN_CHUNK = default
     assert len(digests) == 1
     peak = _hwm_mib()  # before the raw loops below allocate their in-memory chunks
 

@@ -132,8 +132,9 @@ final chunk), so both are reported as truncation, which is what `TruncatedDatase
   that forged a dstack encrypted env var, say) still cannot produce a file the pinned owner signed.
 * Rollback to an older *validly signed* file is not a format property: the app keeps the last
   trained `dataset_version` per dataset id on its output volume (`app.dataset.versions`).
-* Streaming decryption overlaps AES-GCM with the ciphertext and plaintext SHA-256 on two worker
-  threads (chunks ≥ 64 KiB); memory stays at about one ciphertext block and two plaintext chunks.
+* Streaming decryption runs in two stages (chunks ≥ 64 KiB): a worker thread reads, hashes and
+  opens each block while the caller's thread hashes the previous plaintext; memory stays at about
+  one ciphertext block and two plaintext chunks.
 
 ## Version 2 test vector
 
@@ -185,278 +186,69 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
-import re
 import secrets
 import tempfile
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from cryptography.exceptions import InvalidSignature, InvalidTag
-from cryptography.hazmat.primitives import hashes, hmac
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from app.dataset.format_header import (
+    ALG,
+    BLOB_CONTENT_TYPE,
+    CONTENT_TYPE,
+    CONTENT_TYPES,
+    DEFAULT_CHUNK_SIZE,
+    FORMAT_MAGIC,
+    FORMAT_MAGIC_V2,
+    FORMAT_VERSIONS,
+    KEY_CHECK_MESSAGE,
+    KEY_LEN,
+    MAC_LEN,
+    MAX_CHUNK_SIZE,
+    MAX_HEADER_LEN,
+    MIN_CHUNK_SIZE,
+    TAG_LEN,
+    TRAILING_SEARCH,
+    DatasetHeader,
+    EncryptResult,
+    _check_key,
+    _derive,
+    _header_from_obj,
+    _hmac,
+    _parse_header,
+    _read_prefix,
+    _read_upto,
+    read_header,
+)
+from app.dataset.format_read import THREADED_HASH_MIN_CHUNK, DecryptedStream
+from app.dataset.format_sig import _read_trailer, read_signature
+from app.dataset.format_write import write_chunks
 from app.errors import (
-    ChunkIntegrityError,
     ConfigError,
-    CvmTuneError,
     DataError,
     DatasetFormatError,
     DatasetSignatureError,
     HeaderIntegrityError,
-    KeySourceError,
-    TrailingDataError,
-    TruncatedDatasetError,
     UnsignedDatasetError,
     WrongKeyError,
 )
 from app.fsutil import fsync_dir
-from attestation.dataset_sig import TRAILER_LEN, TRAILER_MAGIC, OwnerSignature, TrailerError, make_trailer, parse_trailer
 from attestation.hashing import canonical_json
 
-FORMAT_MAGIC = b"CVMTDS\x00\x01"  # version 1: unsigned
-FORMAT_MAGIC_V2 = b"CVMTDS\x00\x02"  # version 2: version 1 + the owner-signature trailer
-FORMAT_VERSIONS = (1, 2)
-ALG = "AES-256-GCM/HKDF-SHA256/STREAM-v1"
-CONTENT_TYPE = "application/jsonl"
-BLOB_CONTENT_TYPE = "application/octet-stream"  # sealed checkpoint files (app.training.checkpoints)
-CONTENT_TYPES = (CONTENT_TYPE, BLOB_CONTENT_TYPE)
-DEFAULT_CHUNK_SIZE = 1 << 20
-MIN_CHUNK_SIZE = 4096
-MAX_CHUNK_SIZE = 16 << 20
-MAX_HEADER_LEN = 65536
-KEY_LEN = 32
-TAG_LEN = 16
-MAC_LEN = 32
-KEY_CHECK_MESSAGE = b"cvm-tune key check"
-# Bytes after a short final chunk that are still recognised as trailing data. Each candidate costs
-# one AES-GCM pass over the chunk, and only on the error path (~70 ms in all for 1 MiB chunks).
-TRAILING_SEARCH = 1024
-# Chunks at least this large are hashed on worker threads (hashlib releases the GIL), overlapping
-# the ciphertext hash, the plaintext hash and AES-GCM; smaller ones are hashed inline.
-THREADED_HASH_MIN_CHUNK = 64 << 10
-
-_MAX_INT = (1 << 53) - 1  # largest int every JSON implementation reads exactly
-_REQUIRED = frozenset({"alg", "chunk_size", "salt", "content_type", "dataset_id", "dataset_version"})
-_ALLOWED = _REQUIRED | {"metadata"}
-_META_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
-_SALT = re.compile(r"[0-9a-f]{64}\Z")
-# Control characters have several JSON escapings and surrogates have no UTF-8 form; banning them
-# keeps the canonical header bytes identical in every language.
-_BAD_CHARS = re.compile(r"[\x00-\x1f\ud800-\udfff]")
-
-
-@dataclass(frozen=True)
-class DatasetHeader:
-    """The parsed header. Unauthenticated unless it came from :func:`open_encrypted` or encryption."""
-
-    chunk_size: int
-    salt: bytes
-    dataset_id: str
-    dataset_version: int
-    content_type: str
-    metadata: dict
-    raw: bytes  # the exact header JSON bytes as stored in the file
-    format_version: int = 1  # the magic's last byte: 1 unsigned, 2 owner-signed
-
-
-@dataclass(frozen=True)
-class EncryptResult:
-    """What :func:`encrypt_stream` wrote (sizes in bytes, SHA-256 as hex)."""
-
-    header: DatasetHeader
-    plaintext_size: int
-    plaintext_sha256: str
-    ciphertext_size: int
-    ciphertext_sha256: str
-    chunks: int
-    signature: OwnerSignature | None = None  # version 2: the owner's signed statement
-
-
-def _check_key(key: bytes) -> None:
-    if not isinstance(key, bytes | bytearray) or len(key) != KEY_LEN:
-        raise KeySourceError(f"the dataset key must be exactly {KEY_LEN} bytes")
-
-
-def _derive(key: bytes, salt: bytes, label: bytes, version: int = 1) -> bytes:
-    info = f"cvm-tune/dataset/v{version}/".encode() + label  # per version: no cross-version key reuse
-    hkdf = HKDF(algorithm=hashes.SHA256(), length=KEY_LEN, salt=salt, info=info)
-    return hkdf.derive(bytes(key))
-
-
-def _hmac(key: bytes, data: bytes) -> hmac.HMAC:
-    mac = hmac.HMAC(key, hashes.SHA256())
-    mac.update(data)
-    return mac
-
-
-def _nonce(index: int, final: bool) -> bytes:
-    if index >= 1 << 88:  # unreachable in practice (2^88 chunks); never wrap the counter
-        raise DatasetFormatError("too many chunks for one file")
-    return index.to_bytes(11, "big") + (b"\x01" if final else b"\x00")
+__all__ = [
+    "ALG", "BLOB_CONTENT_TYPE", "CONTENT_TYPE", "CONTENT_TYPES", "DEFAULT_CHUNK_SIZE", "FORMAT_MAGIC", "FORMAT_MAGIC_V2",
+    "FORMAT_VERSIONS", "KEY_CHECK_MESSAGE", "KEY_LEN", "MAC_LEN", "MAX_CHUNK_SIZE", "MAX_HEADER_LEN", "MIN_CHUNK_SIZE",
+    "TAG_LEN", "THREADED_HASH_MIN_CHUNK", "TRAILING_SEARCH", "DatasetHeader", "DecryptedStream", "EncryptResult",
+    "encrypt_file", "encrypt_stream", "open_encrypted", "read_header", "read_signature",
+]
 
 
 def _fresh_salt() -> bytes:
     return secrets.token_bytes(32)
-
-
-def _read_upto(src: BinaryIO, n: int) -> bytes:
-    """Read ``n`` bytes, fewer only at end-of-file (file objects may return short reads)."""
-    data = src.read(n)
-    if len(data) == n or not data:
-        return data
-    parts, got = [data], len(data)
-    while got < n and (more := src.read(n - got)):
-        parts.append(more)
-        got += len(more)
-    return b"".join(parts)
-
-
-def _fill(src: BinaryIO, view: memoryview) -> int:
-    """Fill ``view`` from ``src``; returns the byte count (short only at end-of-file)."""
-    got = 0
-    readinto = getattr(src, "readinto", None)
-    while got < len(view):
-        if readinto is not None:
-            n = readinto(view[got:])
-        else:
-            data = src.read(len(view) - got)
-            n = len(data)
-            view[got : got + n] = data
-        if not n:
-            break
-        got += n
-    return got
-
-
-def _text(value: Any, max_len: int, min_len: int) -> bool:
-    return isinstance(value, str) and min_len <= len(value) <= max_len and not _BAD_CHARS.search(value)
-
-
-def _int(value: Any, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
-def _header_from_obj(obj: Any, raw: bytes, err: type[CvmTuneError]) -> DatasetHeader:
-    """Check every header rule (the same rules guard encryption and decryption)."""
-    if not isinstance(obj, dict):
-        raise err("the dataset header is not a JSON object")
-    unknown = sorted(set(obj) - _ALLOWED)
-    if unknown:
-        names = ", ".join(repr(k)[:40] for k in unknown[:5])
-        raise err(f"unknown header key(s) {names} (a newer format version?)")
-    missing = sorted(_REQUIRED - set(obj))
-    if missing:
-        raise err(f"the dataset header lacks {', '.join(missing)}")
-    if obj["alg"] != ALG:
-        raise err(f"unsupported header alg (expected {ALG!r})")
-    if not _int(obj["chunk_size"], MIN_CHUNK_SIZE, MAX_CHUNK_SIZE):
-        raise err(f"header chunk_size must be an int in {MIN_CHUNK_SIZE}..{MAX_CHUNK_SIZE}")
-    if not isinstance(obj["salt"], str) or not _SALT.match(obj["salt"]):
-        raise err("header salt must be 64 lowercase hex characters")
-    if obj["content_type"] not in CONTENT_TYPES:
-        raise err(f"header content_type must be one of {', '.join(CONTENT_TYPES)} in this format")
-    if not _text(obj["dataset_id"], 256, 1):
-        raise err("header dataset_id must be 1-256 characters without control characters")
-    if not _int(obj["dataset_version"], 0, _MAX_INT):
-        raise err("header dataset_version must be an int >= 0")
-    meta = obj.get("metadata", {})
-    if not isinstance(meta, dict) or len(meta) > 64:
-        raise err("header metadata must be an object with at most 64 entries")
-    for k, v in meta.items():
-        if not isinstance(k, str) or not _META_KEY.match(k):
-            raise err("header metadata keys must match [A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-        if not (_text(v, 1024, 0) or _int(v, -_MAX_INT, _MAX_INT)):
-            raise err("header metadata values must be strings (<= 1024 characters) or ints")
-    return DatasetHeader(chunk_size=obj["chunk_size"], salt=bytes.fromhex(obj["salt"]), dataset_id=obj["dataset_id"],
-                         dataset_version=obj["dataset_version"], content_type=obj["content_type"],
-                         metadata=dict(meta), raw=raw)
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        raise ValueError("duplicate key")
-    return obj
-
-
-def _no_constant(_name: str) -> Any:
-    raise ValueError("NaN/Infinity")
-
-
-def _parse_header(raw: bytes) -> DatasetHeader:
-    problem = None
-    try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        problem = type(exc).__name__
-    if problem is not None:  # raised outside the except block: nothing chains to the parser error
-        raise DatasetFormatError(f"the dataset header is not valid JSON ({problem})")
-    header = _header_from_obj(obj, raw, DatasetFormatError)
-    if canonical_json(obj) != raw:  # one byte string per header: no parser differentials
-        raise DatasetFormatError("the dataset header is not canonical JSON")
-    return header
-
-
-def _read_prefix(src: BinaryIO) -> bytes:
-    """Read ``magic ‖ header_len ‖ header`` (step 1 of decoding); returns those bytes."""
-    magic = _read_upto(src, len(FORMAT_MAGIC))
-    if not magic:
-        raise DatasetFormatError("not a cvm-tune encrypted dataset (the file is empty)")
-    if magic[:7] != FORMAT_MAGIC[:7][: len(magic)]:
-        raise DatasetFormatError("not a cvm-tune encrypted dataset (bad magic bytes)")
-    if len(magic) == 8 and magic[7] not in FORMAT_VERSIONS:
-        raise DatasetFormatError(f"unsupported version {magic[7]} of the cvm-tune dataset format (this reads 1 and 2)",
-                                 fix="upgrade cvm-tune, or re-encrypt the dataset with this version")
-    length = _read_upto(src, 4) if len(magic) == 8 else b""
-    if len(length) < 4:
-        raise DatasetFormatError("the file ends inside the dataset header")
-    header_len = int.from_bytes(length, "big")
-    if not 1 <= header_len <= MAX_HEADER_LEN:
-        raise DatasetFormatError(f"dataset header length {header_len} is outside 1..{MAX_HEADER_LEN}")
-    raw = _read_upto(src, header_len)
-    if len(raw) < header_len:
-        raise DatasetFormatError("the file ends inside the dataset header")
-    return magic + length + raw
-
-
-def read_header(src: BinaryIO) -> DatasetHeader:
-    """Parse the header without a key (for ``inspect``). The result is NOT authenticated.
-
-    Args:
-        src: the encrypted file, positioned at its start.
-
-    Returns:
-        The parsed header.
-
-    Raises:
-        DatasetFormatError: not a version-1 dataset, or a malformed header.
-    """
-    prefix = _read_prefix(src)
-    return dataclasses.replace(_parse_header(prefix[12:]), format_version=prefix[7])
-
-
-def read_signature(src: BinaryIO) -> OwnerSignature | None:
-    """The owner signature of a dataset file (``None`` for version 1), without a key.
-
-    The trailer's signature is verified under the key it names; whether that key is the expected
-    owner, and whether the content matches the statement, is the caller's (or decryption's) job.
-
-    Raises:
-        DatasetFormatError: not a dataset, or a malformed header.
-        TruncatedDatasetError, TrailingDataError, DatasetSignatureError: as in :func:`open_encrypted`.
-    """
-    prefix = _read_prefix(src)
-    _parse_header(prefix[12:])
-    if prefix[7] == 1:
-        return None
-    return _read_trailer(src, len(prefix))[0]
 
 
 def encrypt_stream(src: BinaryIO, dst: BinaryIO, key: bytes, *, dataset_id: str, dataset_version: int = 0,
@@ -503,42 +295,8 @@ def encrypt_stream(src: BinaryIO, dst: BinaryIO, key: bytes, *, dataset_id: str,
     header_mac = _hmac(_derive(key, salt, b"header", version), prefix + key_check).finalize()
     aead = AESGCM(_derive(key, salt, b"payload", version))
 
-    ct_hash, pt_hash = hashlib.sha256(), hashlib.sha256()
-    written = 0
-
-    def emit(data: bytes) -> None:
-        nonlocal written
-        ct_hash.update(data)
-        view = memoryview(data)
-        while view:  # a raw stream may write only part of the buffer
-            n = dst.write(view)
-            if n is None:
-                raise BlockingIOError("the output stream is non-blocking and not ready")
-            view = view[n:]
-        written += len(data)
-
-    emit(prefix + key_check + header_mac)
-    index, plain_size = 0, 0
-    cur = _read_upto(src, chunk_size)
-    while True:
-        nxt = _read_upto(src, chunk_size) if len(cur) == chunk_size else b""
-        final = not nxt  # a full chunk followed by end-of-file is itself the final chunk
-        pt_hash.update(cur)
-        plain_size += len(cur)
-        emit(aead.encrypt(_nonce(index, final), cur, header_mac))
-        index += 1
-        if final:
-            break
-        cur = nxt
-    signature = None
-    if owner_key is not None:
-        trailer = make_trailer(owner_key, plaintext_size=plain_size, plaintext_sha256=pt_hash.digest(),
-                               body_sha256=ct_hash.digest())
-        signature = parse_trailer(trailer)
-        emit(trailer)
-    return EncryptResult(header=header, plaintext_size=plain_size, plaintext_sha256=pt_hash.hexdigest(),
-                         ciphertext_size=written, ciphertext_sha256=ct_hash.hexdigest(), chunks=index,
-                         signature=signature)
+    return write_chunks(src, dst, header=header, head=prefix + key_check + header_mac, aead=aead, aad=header_mac,
+                        owner_key=owner_key)
 
 
 def encrypt_file(src: Path, dst: Path, key: bytes, **kw: Any) -> EncryptResult:
@@ -583,258 +341,6 @@ def encrypt_file(src: Path, dst: Path, key: bytes, **kw: Any) -> EncryptResult:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
     return result
-
-
-class _Hasher:
-    """SHA-256 whose updates may run on one worker thread, in order, one at a time.
-
-    hashlib releases the GIL on large buffers, so the ciphertext hash, the plaintext hash and
-    AES-GCM (which holds the GIL) proceed in parallel on separate cores. The caller must not
-    modify a buffer until :meth:`wait` returned after its update.
-    """
-
-    def __init__(self, prefix: bytes, threaded: bool) -> None:
-        self._h = hashlib.sha256(prefix)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="cvm-tune-hash") if threaded else None
-        self._pending: Future[None] | None = None
-
-    def update(self, data: bytes | memoryview) -> None:
-        self.wait()
-        if self._pool is None:
-            self._h.update(data)
-        else:
-            self._pending = self._pool.submit(self._h.update, data)
-
-    def wait(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
-
-    def hexdigest(self) -> str:
-        self.wait()
-        return self._h.hexdigest()
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)  # finishes a pending update: no thread outlives the stream
-            self._pool = None
-
-
-class _Bounded:
-    """A read-only view of ``src`` that ends ``limit`` bytes after its current position."""
-
-    def __init__(self, src: BinaryIO, limit: int) -> None:
-        self._src = src
-        self.left = limit
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.left if n < 0 else min(n, self.left)
-        data = self._src.read(n) if n else b""
-        self.left -= len(data)
-        return data
-
-    def readinto(self, b: memoryview | bytearray) -> int:
-        view = memoryview(b)[: self.left]
-        if not view:
-            return 0
-        readinto = getattr(self._src, "readinto", None)
-        if readinto is not None:
-            n = readinto(view) or 0
-        else:
-            data = self._src.read(len(view))
-            n = len(data)
-            view[:n] = data
-        self.left -= n
-        return n
-
-
-class DecryptedStream:
-    """Authenticated plaintext chunks of one dataset file; iterate once.
-
-    ``header`` is authenticated (key check and header MAC passed). Each yielded chunk verified its
-    own tag, but the stream as a whole is authentic only when iteration ends without an error:
-    callers that must not act on partial data consume the whole stream first. The totals
-    (``plaintext_size``, ``plaintext_sha256``, ``ciphertext_size``, ``ciphertext_sha256`` over all
-    bytes of the file, header and trailer included, and ``chunks``) exist only after a complete
-    iteration. For a version-2 file, ``signature`` is the owner's statement; the final chunk is
-    released only after the body and plaintext matched it.
-    """
-
-    def __init__(self, src: BinaryIO, header: DatasetHeader, payload_key: bytes, aad: bytes, prefix: bytes,
-                 signature: OwnerSignature | None = None) -> None:
-        self.header = header
-        self.signature = signature
-        self._src = src
-        self._aead = AESGCM(payload_key)
-        self._aad = aad
-        threaded = header.chunk_size >= THREADED_HASH_MIN_CHUNK
-        self._ct_hash = _Hasher(prefix, threaded)
-        self._ct_size = len(prefix)
-        self._pt_hash = _Hasher(b"", threaded)
-        self._pt_size = 0
-        self._chunks = 0
-        self._started = False
-        self.complete = False
-
-    def __iter__(self) -> Iterator[bytes]:
-        if self._started:
-            raise RuntimeError("a DecryptedStream can be iterated only once")
-        self._started = True
-        return self._run()
-
-    def _totals(self) -> None:
-        if not self.complete:
-            raise RuntimeError("dataset totals exist only after the whole stream was read and authenticated")
-
-    @property
-    def plaintext_size(self) -> int:
-        self._totals()
-        return self._pt_size
-
-    @property
-    def plaintext_sha256(self) -> str:
-        self._totals()
-        return self._pt_hash.hexdigest()
-
-    @property
-    def ciphertext_size(self) -> int:
-        self._totals()
-        return self._ct_size
-
-    @property
-    def ciphertext_sha256(self) -> str:
-        self._totals()
-        return self._ct_hash.hexdigest()
-
-    @property
-    def chunks(self) -> int:
-        self._totals()
-        return self._chunks
-
-    def _run(self) -> Iterator[bytes]:
-        try:
-            yield from self._chunks_of()
-        finally:
-            self._ct_hash.close()
-            self._pt_hash.close()
-
-    def _chunks_of(self) -> Iterator[bytes]:
-        size = self.header.chunk_size + TAG_LEN
-        buf = bytearray(size)  # reused: memory stays at one ciphertext block plus two plaintext chunks
-        view = memoryview(buf)
-        n = _fill(self._src, view)
-        if n == 0:
-            raise TruncatedDatasetError("the stream ended without a final chunk (no chunks after the header)")
-        index = 0
-        while True:
-            peek = self._src.read(1) if n == size else b""  # look ahead: is this block the last one?
-            block = view[:n]
-            self._ct_hash.update(block)  # on the worker thread, while this thread decrypts
-            offset = self._ct_size
-            self._ct_size += n
-            plain = self._open_inner(block, index, offset) if peek else self._open_last(block, index, offset)
-            self._pt_hash.update(plain)
-            self._pt_size += len(plain)
-            self._chunks += 1
-            if not peek:
-                self._check_signed_statement()
-            self._ct_hash.wait()  # ``buf`` is refilled below
-            self.complete = not peek  # the final chunk verified and end-of-file follows it
-            yield plain
-            if self.complete:
-                return
-            index += 1
-            buf[0] = peek[0]
-            n = 1 + _fill(self._src, view[1:])
-
-    def _check_signed_statement(self) -> None:
-        """Version 2: the body and plaintext must be exactly what the owner signed; then hash the trailer."""
-        sig = self.signature
-        if sig is None:
-            return
-        if (self._ct_hash.hexdigest() != sig.body_sha256 or self._pt_size != sig.plaintext_size
-                or self._pt_hash.hexdigest() != sig.plaintext_sha256):
-            raise DatasetSignatureError("the dataset content differs from what the owner signed "
-                                        "(body or plaintext hash mismatch): it was re-encrypted or replaced")
-        self._ct_hash.update(sig.trailer)
-        self._ct_size += TRAILER_LEN
-
-    def _try(self, block: memoryview, index: int, final: bool) -> bytes | None:
-        try:
-            return self._aead.decrypt(_nonce(index, final), block, self._aad)
-        except InvalidTag:
-            return None
-
-    def _final_prefix(self, block: memoryview, index: int) -> int:
-        """Bytes after a final chunk hidden at the start of ``block`` (0 if none found)."""
-        for extra in range(1, min(TRAILING_SEARCH, len(block) - TAG_LEN) + 1):
-            if self._try(block[: len(block) - extra], index, True) is not None:
-                return extra
-        return 0
-
-    def _open_inner(self, block: memoryview, index: int, offset: int) -> bytes:
-        plain = self._try(block, index, False)
-        if plain is not None:
-            return plain
-        if self._try(block, index, True) is not None or self._final_prefix(block, index):
-            raise TrailingDataError(f"bytes follow the final chunk {index} (appended data or a duplicated final chunk)")
-        raise ChunkIntegrityError(f"chunk {index} (byte offset {offset}) failed authentication: the file was modified, "
-                                  "or its chunks were reordered or duplicated")
-
-    def _open_last(self, block: memoryview, index: int, offset: int) -> bytes:
-        cut = TruncatedDatasetError(f"the stream ended inside chunk {index} (byte offset {offset}) without a final "
-                                    "chunk: the file was cut short (or its last chunk was modified)")
-        if len(block) < TAG_LEN:
-            raise cut
-        plain = self._try(block, index, True)
-        if plain is not None:
-            if not plain and index > 0:
-                raise DatasetFormatError(f"chunk {index} is an empty final chunk after data (not allowed in version 1)")
-            return plain
-        if len(block) == self.header.chunk_size + TAG_LEN and self._try(block, index, False) is not None:
-            raise TruncatedDatasetError(f"the stream ended without a final chunk (after chunk {index}): "
-                                        "the file was cut at a chunk boundary")
-        if self._final_prefix(block, index):
-            raise TrailingDataError(f"bytes follow the final chunk {index} (appended data)")
-        raise cut
-
-
-def _read_trailer(src: BinaryIO, pos: int) -> tuple[OwnerSignature, BinaryIO]:
-    """Version 2, decoding step 2: the owner-signature trailer at end-of-file.
-
-    Returns the verified signature and ``src`` positioned at ``pos``, bounded to end before the
-    trailer (the chunks are then decoded exactly as in version 1).
-    """
-    try:
-        size = src.seek(0, os.SEEK_END)
-    except (AttributeError, OSError, ValueError):
-        raise DatasetFormatError("a signed (version 2) dataset must be read from a seekable file") from None
-    if size < pos + 2 * MAC_LEN:
-        raise DatasetFormatError("the file ends inside the dataset header (key check / MAC)")
-    if size < pos + 2 * MAC_LEN + TRAILER_LEN:
-        raise TruncatedDatasetError("the file ends without chunks and owner-signature trailer: it was cut short")
-    search = min(size - pos - 2 * MAC_LEN, TRAILER_LEN + TRAILING_SEARCH)
-    src.seek(size - search)
-    end = _read_upto(src, search)
-    try:
-        signature = parse_trailer(end[-TRAILER_LEN:])
-    except TrailerError as exc:
-        if end[-TRAILER_LEN:].startswith(TRAILER_MAGIC):  # a trailer whose signature fails
-            raise DatasetSignatureError(str(exc)) from None
-        at = end.rfind(TRAILER_MAGIC, 0, len(end) - TRAILER_LEN - 1 + len(TRAILER_MAGIC))  # a trailer ending earlier
-        if at >= 0 and _is_trailer(end[at : at + TRAILER_LEN]):
-            raise TrailingDataError(f"{len(end) - at - TRAILER_LEN} bytes follow the owner-signature trailer") from None
-        raise TruncatedDatasetError("the file ends without an owner-signature trailer: it was cut short") from None
-    src.seek(pos)
-    return signature, _Bounded(src, size - TRAILER_LEN - pos)  # type: ignore[return-value]  # file-like
-
-
-def _is_trailer(raw: bytes) -> bool:
-    try:
-        parse_trailer(raw)
-    except TrailerError:
-        return False
-    return True
 
 
 def open_encrypted(src: BinaryIO, key: bytes, *, content_type: str = CONTENT_TYPE,
@@ -892,5 +398,5 @@ def open_encrypted(src: BinaryIO, key: bytes, *, content_type: str = CONTENT_TYP
         raise HeaderIntegrityError("the dataset header was modified (header MAC mismatch)") from None
     if header.content_type != content_type:
         raise DatasetFormatError(f"the file holds {header.content_type}, not {content_type}")
-    return DecryptedStream(src, header, _derive(key, header.salt, b"payload", version), header_mac, prefix + tail,
-                           signature)
+    return DecryptedStream(src, header, AESGCM(_derive(key, header.salt, b"payload", version)), header_mac,
+                           prefix + tail, signature)

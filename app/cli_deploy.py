@@ -1,0 +1,146 @@
+"""``cvm-tune`` deployment commands: compose-hash, app-compose, deploy-plan, env, bundles (imported when used; docs/deploy.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from app.cli import EXIT_REJECTED
+from app.errors import ConfigError
+
+
+def _compose_hash(args: argparse.Namespace) -> int:
+    from attestation import compose as C
+
+    try:
+        raw = args.app_compose.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {args.app_compose}: {exc.strerror}", fix="pass the app-compose.json to hash") from exc
+    if args.from_info:
+        raw = C.from_info(raw)
+        if args.save is not None:
+            from app.fsutil import atomic_write_bytes
+
+            atomic_write_bytes(args.save, raw)
+    elif args.save is not None:
+        raise ConfigError("--save needs --from-info (the file itself is already the app-compose.json)")
+    doc = C.load(raw)
+    digest = C.compose_hash(raw)
+    app_id = C.app_id(doc, digest, pinned_app_id=args.app_id)
+    form, mr_config_id = C.expected_mr_config_id(doc, digest, app_id)
+    out = {"compose_hash": digest, "app_id": app_id, "mr_config_id": mr_config_id, "mr_config_id_form": form,
+           "kms_enabled": bool(doc.get("kms_enabled")),
+           "images": C.images(doc) if doc.get("runner") == "docker-compose" else {}, "problems": C.audit(doc)}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"compose-hash  {digest}")
+        print(f"app-id        {out['app_id'] or 'assigned by the KMS deployment (pass --app-id): not derivable from the file'}")
+        print(f"mr_config_id  {form} {mr_config_id or '(needs the app id: pass --app-id)'}")
+        print(f"              ({C.MR_CONFIG_WHEN})")
+        for svc, ref in out["images"].items():
+            print(f"image         {svc}: {ref}")
+        for problem in out["problems"]:
+            print(f"PROBLEM       {problem}")
+    return EXIT_REJECTED if out["problems"] else 0
+
+
+def _app_compose(args: argparse.Namespace) -> int:
+    from attestation.compose import AppComposeSettings
+
+    from app.deploy import bundles_token_sha256, describe, render_deployment
+
+    try:
+        template = args.compose.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {args.compose}: {exc}") from exc
+    settings = AppComposeSettings(name=args.name, kms_enabled=not args.no_kms, gateway_enabled=not args.no_gateway,
+                                  local_key_provider_enabled=args.local_key_provider, key_provider_id=args.key_provider_id,
+                                  allowed_envs=tuple(args.allowed_env))
+    token_sha256 = bundles_token_sha256(args.bundles_token, args.bundles_token_sha256)
+    dep = render_deployment(template, args.image, settings, bundles_token_sha256=token_sha256, style=args.format)
+    summary = describe(dep, args.app_id)  # before writing: a bad --app-id writes nothing
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "docker-compose.yaml").write_text(dep.docker_compose)
+    (args.out_dir / "app-compose.json").write_bytes(dep.app_compose)
+    print(f"wrote {args.out_dir / 'docker-compose.yaml'} and {args.out_dir / 'app-compose.json'}")
+    print("\n".join(summary))
+    return 0
+
+
+def _deploy_plan(args: argparse.Namespace) -> int:
+    from app.deploy_plan import plan
+
+    p = plan(args.target, model_gb=args.model_gb, output_gb=args.output_gb, gpus=args.gpus, vcpu=args.vcpu,
+             memory=args.memory, disk=args.disk, name=args.name, deploy_dir=args.deploy_dir, env_file=args.env_file,
+             instance_type=args.instance_type, os_image=args.os_image, kms_url=args.kms_url, vmm_url=args.vmm_url)
+    print(f"needs: {p.needs.vcpu} vCPU, {p.needs.memory_gb} GB memory, {p.needs.disk_gb} GB disk")
+    for note in p.notes:
+        print(f"note: {note}")
+    print(p.command)
+    return 0
+
+
+def _env(args: argparse.Namespace) -> int:
+    from attestation.compose import load
+
+    from app.deploy import check_env, encrypt_env, read_env_file, verify_public_key
+
+    if args.env_file is not None:
+        values = read_env_file(args.env_file)
+    else:
+        missing = [n for n in args.from_env if n not in os.environ]
+        if missing:
+            raise ConfigError(f"not set in the environment: {missing}")
+        values = {n: os.environ[n] for n in args.from_env}
+    allowed = None
+    if args.app_compose is not None:
+        try:
+            allowed = list(load(args.app_compose.read_bytes()).get("allowed_envs") or [])
+        except OSError as exc:
+            raise ConfigError(f"cannot read {args.app_compose}: {exc.strerror}") from exc
+    check_env(values, allowed)
+    if args.kms_signature:
+        if not (args.app_id and args.timestamp is not None and args.kms_signer):
+            raise ConfigError("--kms-signature needs --app-id, --timestamp and --kms-signer")
+        verify_public_key(args.public_key, args.kms_signature, args.app_id, args.timestamp, args.kms_signer)
+    else:
+        print("warning: the env public key is not authenticated (no --kms-signature): make sure it comes from your KMS",
+              file=sys.stderr)
+    blob = encrypt_env(values, args.public_key)
+    if args.output is not None:
+        args.output.write_text(blob + "\n")
+        print(f"encrypted {len(values)} variables ({', '.join(sorted(values))}) to {args.output}", file=sys.stderr)
+    else:
+        print(blob)
+    return 0
+
+
+def _bundles(args: argparse.Namespace) -> int:
+    from app import bundles
+
+    if args.bundles_command == "token":
+        digest = bundles.new_token(args.file)
+        print(f"wrote {args.file} (mode 0600); its SHA-256 is {digest}")
+        print(f"pin it in the measured compose: cvm-tune app-compose --image IMAGE@sha256:DIGEST --bundles-token {args.file}")
+        return 0
+    if args.bundles_command == "serve":
+        server = bundles.BundleServer(args.output, os.environ.get(bundles.TOKEN_ENV, ""), host=args.host, port=args.port)
+        print(f"cvm-tune bundle server (read-only) on {server.url} for {args.output}", flush=True)
+        try:
+            server.serve_forever()
+        finally:
+            server.server_close()
+        return 0
+    token = bundles.read_token(args.token_file)
+    if args.bundles_command == "list":
+        for r in bundles.list_runs(args.url, token):
+            print(f"{r['run_id']:40} {str(r['status']):10} {str(r['started_at']):22} {'exported' if r['exported'] else ''}")
+        return 0
+    out = bundles.fetch(args.url, args.run_id, args.out_dir, token)
+    print(f"fetched {out}")
+    print(f"verify it: cvm-tune verify {out} --policy YOUR_POLICY.yaml")
+    return 0
+

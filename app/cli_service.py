@@ -1,0 +1,128 @@
+"""``cvm-tune`` service commands: run, serve, status, simulator, schema, validate-config (imported when used)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from app.cli import EXIT_REJECTED
+from app.errors import ConfigError, InputsUnchanged
+
+
+def _stop_on_sigterm() -> list[str]:
+    """SIGTERM/SIGINT set a flag the trainer polls at every step boundary (checkpoint, then stop)."""
+    import signal
+
+    flag: list[str] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: flag.append(signal.Signals(signum).name))
+    return flag
+
+
+def _run(args: argparse.Namespace) -> int:
+    from app.config import load_config
+    from app.pipeline import RunHooks, run_once
+    from app.state import Locked, run_lock
+    from app.training import TrainingStopped
+
+    cfg = load_config(args.config)
+    flag = _stop_on_sigterm()
+    hooks = RunHooks(should_stop=lambda: f"{flag[0]} received" if flag else None)
+    try:
+        with run_lock(cfg.output.dir):
+            res = run_once(cfg, progress=lambda m: print(m, flush=True), run_id=args.run_id, hooks=hooks)
+    except Locked as exc:
+        print(f"skipped: locked ({exc} is held by another cvm-tune process)", flush=True)
+        return 0
+    except TrainingStopped as exc:
+        print(f"stopped: {exc.message}; run again to resume", flush=True)
+        return 0
+    except InputsUnchanged as exc:
+        print(f"skipped: {exc.message} (nothing new to train on)", flush=True)
+        return 0
+    print()
+    print(f"Export bundle: {res.bundle_dir}" + ("" if res.promoted else f" (not promoted: {res.promotion_refused})"))
+    for name, verdict in res.verdicts:
+        failed = ", ".join(c.name for c in verdict.failed)
+        note = " (expected: the simulator's test CA is not trusted by the default policy)" if (
+            failed and res.policy_file and name == "default") else ""
+        print(f"Verdict ({name}): {verdict.summary()}" + (f" — failed: {failed}" if failed else "") + note)
+    cmd = f"cvm-tune verify {res.bundle_dir}" + (f" --policy {res.policy_file}" if res.policy_file else "")
+    print(f"Verify again: {cmd}")
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from app.config import load_config
+    from app.scheduler import serve
+
+    cfg = load_config(args.config)
+    outcome = serve(cfg, once=args.once, progress=lambda m: print(m, flush=True))
+    print(f"service: {outcome}", flush=True)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from app.config import load_config
+    from app.status import render_status
+
+    cfg = load_config(args.config)
+    if args.health:
+        from app.scheduler import health
+
+        ok, why = health(cfg)
+        print(why)
+        return 0 if ok else EXIT_REJECTED
+    print(render_status(cfg, limit=args.n, as_json=args.json))
+    return 0
+
+
+
+def _simulator(args: argparse.Namespace) -> int:
+    from attestation.policy import policy_file_text, simulator_policy
+
+    from app.simulator import GuestAgentSimulator, SimulatorServer, SimulatorSettings
+
+    app_compose = None
+    if args.app_compose is not None:
+        try:
+            app_compose = args.app_compose.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read {args.app_compose}: {exc}") from exc
+    try:
+        sim = GuestAgentSimulator(SimulatorSettings(emit_event=args.emit_event, app_compose=app_compose))
+    except ValueError as exc:  # an app-compose the simulator (like dstack's guest) cannot boot with
+        raise ConfigError(f"{args.app_compose}: {exc}", fix="pass an app-compose.json dstack would boot") from exc
+    if args.write_policy:
+        args.write_policy.write_text(policy_file_text(simulator_policy(sim.test_root_ca_der)))
+        print(f"wrote {args.write_policy}")
+        return 0
+    if args.port is not None:
+        server = SimulatorServer(sim, port=args.port)
+    else:
+        server = SimulatorServer(sim, socket_path=args.socket or Path("dstack.sock"))
+    server.start()
+    print(f"cvm-tune dstack simulator (TEST CA — NOT a TEE) listening on {server.endpoint}", flush=True)
+    print(f"use it with: export DSTACK_SIMULATOR_ENDPOINT={os.path.abspath(server.endpoint) if args.port is None else server.endpoint}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.stop()
+    return 0
+
+
+def _schema(_args: argparse.Namespace) -> int:
+    from app.config import Config
+
+    print(json.dumps(Config.model_json_schema(), indent=2))
+    return 0
+
+
+def _validate_config(args: argparse.Namespace) -> int:
+    from app.config import load_config
+
+    print(json.dumps(load_config(args.config).model_dump(mode="json"), indent=2))
+    return 0
+

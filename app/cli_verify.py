@@ -1,0 +1,170 @@
+"""``cvm-tune`` verifier commands: verify, publish, verify-quote, collateral (imported when used)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from app.cli import EXIT_REJECTED, _silence_stdout
+from app.errors import ConfigError
+
+if TYPE_CHECKING:
+    from attestation import Verdict
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from attestation import load_policy, read_collateral_file, verify_bundle
+
+    if (args.bundle is None) == (args.chain is None):
+        raise ConfigError("verify takes a BUNDLE or --chain EXPORTS_DIR (one of them)",
+                          fix="cvm-tune verify exports/RUN_ID, or cvm-tune verify --chain exports/")
+    if args.chain is not None and (args.parent or args.collateral or args.base_model or args.dataset):
+        raise ConfigError("--chain verifies whole bundles: --parent, --collateral, --base-model and --dataset apply "
+                          "to one BUNDLE", fix="drop them, or verify one bundle at a time")
+    policy = load_policy(args.policy)
+    now = args.now if args.now is not None else int(time.time())
+    if args.chain is not None:
+        return _verify_chain(args.chain, policy, now, as_json=args.json)
+    coll = read_collateral_file(args.collateral) if args.collateral is not None else None
+    verdict = verify_bundle(args.bundle, policy=policy, now=now, collateral=coll,
+                            base_model_dir=args.base_model, dataset_file=args.dataset)
+    if args.parent is None:
+        return _print_verdict(verdict, as_json=args.json)
+    from attestation.lineage import check_link
+
+    parent = verify_bundle(args.parent, policy=policy, now=now)
+    problems = check_link(args.bundle, args.parent)
+    ok = verdict.accepted and parent.accepted and not problems
+    try:
+        if args.json:
+            print(json.dumps({"accepted": ok, "bundle": verdict.to_json(), "parent": parent.to_json(),
+                              "link_problems": problems}, indent=2))
+        else:
+            _write_verdict(verdict, as_json=False)
+            print(f"parent {args.parent}: {parent.summary()}")
+            for c in parent.failed:
+                print(f"  FAIL {c.name}: {c.detail}")
+            print("lineage: " + ("the bundle continued from this parent (manifest, adapter and base model hashes match)"
+                                 if not problems else "BROKEN: " + "; ".join(problems)))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+    return 0 if ok else EXIT_REJECTED
+
+
+def _verify_chain(exports: Path, policy: Any, now: int, *, as_json: bool) -> int:
+    from attestation.lineage import verify_chain
+
+    report = verify_chain(exports, policy=policy, now=now)
+    broken = report.first_broken
+    try:
+        if as_json:
+            print(json.dumps(report.to_json(), indent=2))
+        else:
+            print(f"{len(report.links)} bundle(s) in {exports}, policy {policy.name}, roots first:")
+            for link in report.links:
+                where = f"<- {link.parent_run_id}" if link.parent_run_id else "root (from the base model)"
+                mark = " (PROMOTED)" if link.run_id == report.promoted else ""
+                print(f"  {'ok  ' if link.ok else 'FAIL'} {link.run_id}{mark}  {where}")
+                for c in link.verdict.failed:
+                    print(f"         {c.name}: {c.detail}")
+                for problem in link.link_problems:
+                    print(f"         lineage: {problem}")
+            print("chain verified: every bundle accepted and every link holds" if broken is None
+                  else f"first broken link: {broken.run_id}")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+    return 0 if broken is None else EXIT_REJECTED
+
+
+def _publish(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from attestation import load_policy, verify_bundle
+
+    from app import hub
+
+    repo = hub.check_repo_id(args.repo)
+    policy = load_policy(args.policy)
+    verdict = verify_bundle(args.bundle, policy=policy, now=args.now if args.now is not None else int(time.time()))
+    if not verdict.accepted:
+        _print_verdict(verdict, as_json=False)
+        print(f"refused: the bundle is rejected under policy {policy.name}; nothing was uploaded", file=sys.stderr)
+        return EXIT_REJECTED
+    if args.stage_only is not None:
+        print(f"staged {hub.stage_repo(args.bundle, args.stage_only)} (verified; not uploaded)")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="cvm-tune-publish-") as tmp:
+        folder = hub.stage_repo(args.bundle, Path(tmp) / "repo")
+        url = hub.upload(folder, repo, private=args.private, message=f"cvm-tune bundle {args.bundle.resolve().name}")
+    print(f"published {args.bundle} (verified under {policy.name}) to {url}")
+    return 0
+
+
+def _print_verdict(verdict: Verdict, *, as_json: bool) -> int:
+    """Print the verdict; its exit code stands even when the reader closes the pipe early (``| head -1``)."""
+    try:
+        _write_verdict(verdict, as_json=as_json)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+    return 0 if verdict.accepted else EXIT_REJECTED
+
+
+def _write_verdict(verdict: Verdict, *, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(verdict.to_json(), indent=2))
+    else:
+        print(verdict.summary())
+        for c in verdict.checks:
+            if c.status != "pass":
+                print(f"{c.status.upper():4} {c.name}: {c.detail}")
+            elif c.name == "gpu.evidence":
+                print(f"GPU: {c.detail}")  # shown even when intact: CC off / no GPU is for the reader to judge
+            elif c.name == "privacy.dp":
+                print(f"differential privacy: {c.detail}")  # the guarantee the adapter was trained under
+        if verdict.accepted:
+            passed = sum(c.status == "pass" for c in verdict.checks)
+            print(f"{passed} checks passed; TCB {verdict.findings.tcb_status}")
+
+
+def _verify_quote(args: argparse.Namespace) -> int:
+    from attestation import load_policy, parse_report_data_hex, read_collateral_file, read_event_log_file, read_quote_input
+    from attestation.inputs import event_log_from_json
+    from attestation.verify import quote_verdict
+
+    policy = load_policy(args.policy)
+    raw, embedded_log = read_quote_input(args.quote)
+    coll = read_collateral_file(args.collateral) if args.collateral is not None else None
+    if args.event_log is not None:
+        events = read_event_log_file(args.event_log)
+    elif embedded_log is not None:
+        events = event_log_from_json({"event_log": embedded_log}, source=f"{args.quote} event_log")
+    else:
+        events = None
+    expected = parse_report_data_hex(args.report_data) if args.report_data is not None else None
+    now = args.now if args.now is not None else int(time.time())
+    verdict = quote_verdict(raw, policy=policy, now=now, collateral=coll, events=events, expected_report_data=expected)
+    return _print_verdict(verdict, as_json=args.json)
+
+
+def _collateral(args: argparse.Namespace) -> int:
+    from attestation import read_quote_file
+    from attestation.pccs import PHALA_PCCS_URL, fetch_collateral, save_collateral
+
+    raw = read_quote_file(args.quote)
+    url = args.pccs or PHALA_PCCS_URL
+    text = fetch_collateral(raw, pccs_url=url, timeout=args.timeout, retries=args.retries)
+    save_collateral(args.output, text)
+    obj = json.loads(text)
+    tcb = json.loads(obj["tcb_info"])
+    print(f"wrote {args.output}: collateral from {url} for FMSPC {tcb.get('fmspc')}, TCB info issued "
+          f"{tcb.get('issueDate')}, next update {tcb.get('nextUpdate')}, tcbEvaluationDataNumber "
+          f"{tcb.get('tcbEvaluationDataNumber')}")
+    return 0
+
