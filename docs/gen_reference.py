@@ -34,7 +34,7 @@ def _default(field) -> str:
 def _type(annotation) -> str:
     text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
     text = text or str(annotation)
-    text = re.sub(r"typing\.|pathlib\.|attestation\.policy\.|app\.config\.", "", text)
+    text = re.sub(r"typing\.|pathlib\.|attestation\.policy\.|app\.config(?:_training|_base)?\.", "", text)
     return "`" + text.replace("|", "\\|") + "`"
 
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from app import continual
 from app.cli import main as cli_main
 from app.config import Config
 from app.dataset.sources import PART, Located, download, locate, newest_version
@@ -336,17 +335,17 @@ def test_chain_names_the_first_broken_link(chain: dict[str, Any], tmp_path: Path
 
 def test_promotion_decision_is_recomputed_by_the_verifier(chain: dict[str, Any]) -> None:
     from attestation import bundle as B
-    from attestation.bundle_verify import _evaluation
+    from attestation.input_checks import evaluation
     from attestation.verify import QuoteFindings
 
     c = chain["c"].bundle_dir
     m = B.Manifest.model_validate_json((c / "manifest.json").read_bytes())
     f = QuoteFindings()
-    _evaluation(f, c, m)
+    evaluation(f, m, (c / "config.json").read_bytes())
     assert [(x.name, x.status) for x in f.checks] == [("evaluation.decision", "pass")]
     forged = m.model_copy(update={"evaluation": m.evaluation.model_copy(update={"promote": True})})
     f = QuoteFindings()
-    _evaluation(f, c, forged)
+    evaluation(f, forged, (c / "config.json").read_bytes())
     assert f.checks[0].status == "fail" and "contradicts the scores" in f.checks[0].detail
 
 

@@ -410,7 +410,7 @@ def test_disk_full_while_sealing_keeps_the_previous_checkpoint(tmp_path: Path, m
 def test_dataset_formats(tiny_model: Path) -> None:
     from transformers import AutoTokenizer
 
-    from app.training.backend import build_dataset
+    from app.training.sft_data import build_dataset
 
     tok = AutoTokenizer.from_pretrained(tiny_model, local_files_only=True)
     chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import json
 import logging
 import os
 import re
@@ -38,20 +37,22 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.errors import BaseModelError, CvmTuneError, StateError, TrainingError, disk_error
 
-from . import LossDiverged, TrainingInterrupted, TrainingStopped, TrainRequest, TrainResult, privacy, ranks, set_offline_env
+from . import TrainRequest, TrainResult, privacy, ranks, set_offline_env
 from .batch import BatchPlan, OutOfMemory, guard_eval, initial_plan, is_oom, retry_budget, run_with_backoff, step_watch
 from .batch import summary as batch_summary
-from .checkpoints import ResumeChoice, export_adapter, restore_checkpoint, seal_checkpoint
+from .callback import callback_class
+from .checkpoints import ResumeChoice, export_adapter, restore_checkpoint
 from .options import (
     OPTIMIZER_ARGS,
     apply_unsloth_env,
-    check_max_length,
+    check_base_dir,
+    first_line,
     check_options,
     check_triton_toolchain,
     gradient_checkpointing,
@@ -63,19 +64,12 @@ from .options import (
     unsloth_load_kwargs,
     unsloth_peft_kwargs,
 )
-from .watchdog import LossWatchdog
+from .sft_data import build_dataset
 
 if TYPE_CHECKING:
     from app.config import TrainingSettings
 
 logger = logging.getLogger(__name__)
-
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-
-
-def _first_line(exc: BaseException, limit: int = 200) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:limit] if text else ''}".rstrip(": ")
 
 
 def select_backend(preference: str, *, devices: int = 1) -> str:
@@ -199,7 +193,7 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
     # Progress bars would interleave with the CLI's own progress lines (metrics only go to on_log).
     transformers.utils.logging.disable_progress_bar()
     datasets.disable_progress_bars()
-    _check_base_dir(Path(req.base_model_dir), s.max_length)
+    check_base_dir(Path(req.base_model_dir), s.max_length)
     cuda = torch.cuda.is_available()
     check_options(backend, s, cuda=cuda)
     check_triton_toolchain(cuda=cuda)
@@ -218,7 +212,7 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
         except CvmTuneError:
             raise
         except Exception as exc:
-            raise BaseModelError(f"cannot load base model from {req.base_model_dir}: {_first_line(exc)}",
+            raise BaseModelError(f"cannot load base model from {req.base_model_dir}: {first_line(exc)}",
                                  fix="restore the base model directory (config.json, weights, tokenizer files)") from exc
         if req.init_adapter is not None:
             from app.training.warm import warm_start
@@ -233,7 +227,7 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
         except CvmTuneError:
             raise
         except Exception as exc:
-            raise TrainingError(f"training setup failed: {_first_line(exc)}") from exc
+            raise TrainingError(f"training setup failed: {first_line(exc)}") from exc
         for cb in (PrinterCallback, ProgressCallback):  # they print metrics to stdout/stderr
             trainer.remove_callback(cb)
         if len(trainer.train_dataset) == 0:
@@ -253,11 +247,11 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
             raise
         except Exception as exc:
             if is_oom(exc):
-                raise OutOfMemory(f"CUDA out of memory in training: {_first_line(exc)}", phase="train",
+                raise OutOfMemory(f"CUDA out of memory in training: {first_line(exc)}", phase="train",
                                   first_step=watch.steps == 0, at_step=watch.last_step) from exc
             if (disk := disk_error(exc, "writing a checkpoint or the adapter failed")) is not None:
                 raise disk from exc
-            raise TrainingError(f"training failed: {_first_line(exc)}") from exc
+            raise TrainingError(f"training failed: {first_line(exc)}") from exc
         return trainer, time.perf_counter() - start, current
 
     if plan is not None:  # a worker of a multi-process run: the launcher retries
@@ -272,7 +266,7 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
         try:
             adapter_dir = export_adapter(trainer.model, adapter_dir, req.base_model_name, req.base_model_revision)
         except OSError as exc:
-            raise StateError(f"cannot write the adapter under {req.run_dir}: {_first_line(exc)}") from exc
+            raise StateError(f"cannot write the adapter under {req.run_dir}: {first_line(exc)}") from exc
     state = trainer.state
     losses = [(int(h["step"]), float(h["loss"])) for h in state.log_history if "loss" in h and "step" in h]
     eval_losses = [(int(h["step"]), float(h["eval_loss"])) for h in state.log_history if "eval_loss" in h]
@@ -321,24 +315,9 @@ def _import_unsloth() -> None:
         import unsloth  # noqa: F401
     except Exception as exc:
         raise TrainingError(
-            f"cannot import unsloth: {_first_line(exc)}",
+            f"cannot import unsloth: {first_line(exc)}",
             fix="check the [gpu] extra's pinned versions and the GPU driver, or set training.backend to 'hf'",
         ) from exc
-
-
-def _check_base_dir(base: Path, max_length: int) -> None:
-    if not base.is_dir():
-        raise BaseModelError(f"base model directory {base} does not exist",
-                             fix="use base_model.source: tiny-llama, or point base_model.path at a local HF model directory")
-    if not (base / "config.json").is_file() or not any((base / w).is_file() for w in _WEIGHT_FILES):
-        raise BaseModelError(f"base model directory {base} lacks config.json or safetensors weights",
-                             fix="restore the complete model directory (config.json, model.safetensors, tokenizer files)")
-    try:
-        config = json.loads((base / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise BaseModelError(f"cannot load base model from {base}: config.json: {_first_line(exc)}",
-                             fix="restore the complete model directory (config.json, model.safetensors, tokenizer files)") from exc
-    check_max_length(config, max_length)
 
 
 def _load_hf(req: TrainRequest, cuda: bool) -> tuple[Any, Any, Any]:
@@ -371,144 +350,7 @@ def _load_unsloth(req: TrainRequest, cuda: bool) -> tuple[Any, Any, Any]:
     return model, tok, None
 
 
-# --- step 3: dataset ------------------------------------------------------------------------------
-
-
-def build_dataset(rows: Sequence[Mapping[str, Any]], tok: Any, *, assistant_only_loss: bool) -> Any:
-    """An in-memory ``datasets.Dataset`` in a format TRL trains natively.
-
-    All-chat rows stay conversational (``messages``; TRL applies the chat template, and
-    ``assistant_only_loss`` masks everything but the ``{% generation %}`` spans). All-text rows stay
-    ``text``, each ending with the EOS token: TRL appends it when missing, but Unsloth replaces TRL's
-    dataset preparation with one that does not, so it is appended here for both backends (TRL then
-    adds nothing). Mixed rows need one schema, so chat rows are rendered with the tokenizer's chat
-    template into ``text`` (the trailing newline after the final end-of-turn is dropped so that the
-    text ends with EOS); the token ids match TRL's own rendering.
-
-    Args:
-        rows: Validated rows.
-        tok: The tokenizer (its chat template renders chat rows in the mixed case).
-        assistant_only_loss: Must only be set when every row is a chat row.
-
-    Returns:
-        ``datasets.Dataset`` held in memory (no cache files).
-
-    Raises:
-        TrainingError: no rows, a malformed row (index only, no content), or
-            ``assistant_only_loss`` with text rows.
-    """
-    from datasets import Dataset
-
-    if not rows:
-        raise TrainingError("no rows to train on", fix="provide a dataset with at least one row")
-    chats: list[list[dict[str, str]] | None] = []
-    for i, row in enumerate(rows):
-        messages, text = row.get("messages"), row.get("text")
-        if isinstance(text, str) and messages is None:
-            chats.append(None)
-        elif isinstance(messages, list) and messages and text is None and all(
-            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        ):
-            chats.append([{"role": m["role"], "content": m["content"]} for m in messages])
-        else:
-            raise TrainingError(f"row {i} is neither a chat row nor a text row", fix="validate the dataset first")
-        if assistant_only_loss and chats[-1] is not None and not any(m["role"] == "assistant" for m in chats[-1]):
-            raise TrainingError(f"row {i} has no assistant message: nothing to train on with assistant_only_loss",
-                                fix="remove the row or set training.assistant_only_loss: false")
-    n_chat = sum(c is not None for c in chats)
-    if assistant_only_loss and n_chat < len(rows):
-        raise TrainingError(
-            f"training.assistant_only_loss needs chat rows only, but {len(rows) - n_chat} of {len(rows)} rows are text rows",
-            fix="set training.assistant_only_loss: false or remove the text rows",
-        )
-    if n_chat == len(rows):
-        return Dataset.from_list([{"messages": c} for c in chats])
-    eos = tok.eos_token
-
-    def with_eos(text: str) -> str:
-        return text if text.endswith(eos) else text + eos
-
-    if n_chat == 0:
-        return Dataset.from_list([{"text": with_eos(row["text"])} for row in rows])
-    eos_nl = f"{eos}\n"
-    records = []
-    for row, chat in zip(rows, chats, strict=True):
-        if chat is None:
-            records.append({"text": with_eos(row["text"])})
-            continue
-        rendered = tok.apply_chat_template(chat, tokenize=False)
-        records.append({"text": with_eos(rendered[:-1] if rendered.endswith(eos_nl) else rendered)})
-    return Dataset.from_list(records)
-
-
 # --- step 5: trainer with sealed checkpoints --------------------------------------------------------
-
-
-def _callback_class() -> type:
-    from transformers import TrainerCallback
-
-    class _CvmTuneCallback(TrainerCallback):  # type: ignore[misc]
-        """Seals checkpoints (rank 0), runs the loss watchdog, forwards metrics, stops on request."""
-
-        def __init__(self, req: TrainRequest, sealing: dict[str, Any]) -> None:
-            self.req = req
-            self.sealing = sealing
-            self.watchdog = LossWatchdog(req.settings.loss_watchdog)
-            self.stop_reason: str | None = None
-
-        def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
-            if not logs or "loss" not in logs:
-                return
-            # Every rank logs the same (all-reduced) loss, so every rank reaches the same verdict.
-            diverged = self.watchdog.check(int(state.global_step), float(logs["loss"]), logs.get("grad_norm"))
-            if diverged is not None:  # raised before this step's save: no diverged checkpoint is sealed
-                raise LossDiverged(f"loss watchdog: {diverged}; aborted, nothing exported")
-            if self.req.on_log is None:
-                return
-            grad_norm = logs.get("grad_norm")
-            self.req.on_log({
-                "step": int(state.global_step),
-                "loss": float(logs["loss"]),
-                "learning_rate": float(logs.get("learning_rate", 0.0)),
-                "grad_norm": None if grad_norm is None else float(grad_norm),
-                "epoch": float(logs.get("epoch", state.epoch or 0.0)),
-                **({"epsilon": float(logs["epsilon"])} if "epsilon" in logs else {}),  # DP-SGD: spent so far
-            })
-
-        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
-            if self.req.stop_after_step is not None and state.global_step == self.req.stop_after_step:
-                control.should_save = True  # the hook promises a checkpoint at that step
-            if self.req.on_step_end is not None and self.stop_reason is None:
-                self.stop_reason = self.req.on_step_end(int(state.global_step))
-            if ranks.any_rank(self.stop_reason is not None, args.device) and self.stop_reason is None:
-                self.stop_reason = "stop requested"  # several processes stop at the same step boundary
-            if self.stop_reason is not None:  # SIGTERM / watchdog: checkpoint at this step boundary
-                control.should_save = True
-                control.should_training_stop = True
-            return control
-
-        def on_save(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            step = int(state.global_step)
-            plain = Path(args.output_dir) / f"checkpoint-{step}"
-            sealed = not self.watchdog.suspicious  # never seal weights from inside a loss spike
-            ranks.barrier()  # several processes: every rank's rng_state_<rank>.pth is written before the seal
-            if state.is_world_process_zero:
-                if sealed:
-                    digest = seal_checkpoint(plain, self.sealing["root"], key=self.sealing["key"],
-                                             fingerprint=self.req.fingerprint, inputs=self.sealing["inputs"], step=step,
-                                             keep=self.req.keep_checkpoints)
-                    if self.req.on_event is not None:
-                        self.req.on_event("checkpoint", {"global_step": step, "manifest_sha256": digest})
-                shutil.rmtree(plain, ignore_errors=True)  # the plaintext copy lives only until it is sealed
-            ranks.barrier()
-            if self.stop_reason is not None:
-                raise TrainingStopped(f"{self.stop_reason}: stopped at step {step}"
-                                      + (f" after sealing checkpoint-{step}" if sealed else " (loss spike: not sealed)"))
-            if self.req.stop_after_step is not None and step >= self.req.stop_after_step:
-                raise TrainingInterrupted(f"training stopped by stop_after_step after sealing checkpoint-{step}")
-
-    return _CvmTuneCallback
 
 
 def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dataset: Any, eval_dataset: Any,
@@ -556,7 +398,7 @@ def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dat
             **extra,
         )
         trainer = trainer_cls(model=model, args=args, train_dataset=dataset, eval_dataset=eval_dataset, processing_class=tok,
-                             peft_config=peft_config, callbacks=[_callback_class()(req, sealing)])
+                             peft_config=peft_config, callbacks=[callback_class()(req, sealing)])
     # Unsloth's trainer lowers an eval batch of 8 to the train micro-batch: keep the plan's (the manifest records it).
     trainer.args.per_device_eval_batch_size = plan.eval_micro
     return trainer

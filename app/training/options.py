@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.metadata
+import json
 import importlib.util
 import os
 import shutil
@@ -26,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.errors import TrainingError
+from app.errors import BaseModelError, TrainingError
 
 if TYPE_CHECKING:
     from app.config import TrainingSettings
@@ -269,3 +270,33 @@ def split_eval(dataset: Any, fraction: float, seed: int) -> tuple[Any, Any]:
                             fix="lower training.eval_fraction or add rows")
     parts = dataset.train_test_split(test_size=n_eval, seed=seed, shuffle=True)
     return parts["train"], parts["test"]
+
+
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """``Type: first line of the message`` (error messages never carry a whole traceback or dataset text)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:limit] if text else ''}".rstrip(": ")
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def check_base_dir(base: Path, max_length: int) -> None:
+    """A complete local model directory (config.json, safetensors) whose context fits ``training.max_length``.
+
+    Raises:
+        BaseModelError: missing directory or files, unreadable config.json.
+        TrainingError: ``max_length`` beyond the model's context.
+    """
+    if not base.is_dir():
+        raise BaseModelError(f"base model directory {base} does not exist",
+                             fix="use base_model.source: tiny-llama, or point base_model.path at a local HF model directory")
+    if not (base / "config.json").is_file() or not any((base / w).is_file() for w in WEIGHT_FILES):
+        raise BaseModelError(f"base model directory {base} lacks config.json or safetensors weights",
+                             fix="restore the complete model directory (config.json, model.safetensors, tokenizer files)")
+    try:
+        config = json.loads((base / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise BaseModelError(f"cannot load base model from {base}: config.json: {first_line(exc)}",
+                             fix="restore the complete model directory (config.json, model.safetensors, tokenizer files)") from exc
+    check_max_length(config, max_length)

@@ -1,7 +1,7 @@
 """Token budget: the too-long policy and the zero-trainable-token check, before any training step.
 
 Every row is tokenized with the base model's tokenizer the way TRL's ``SFTTrainer`` will tokenize
-it: rows rendered by :func:`app.training.backend.build_dataset` (chat rows through the chat
+it: rows rendered by :func:`app.training.sft_data.build_dataset` (chat rows through the chat
 template, with assistant masks when ``assistant_only_loss``; text rows with EOS appended), labels
 = all tokens or the assistant tokens, truncation to the first ``max_length`` tokens. Then:
 
@@ -66,7 +66,7 @@ def apply_token_policy(rows: Sequence[Mapping[str, Any]], *, base_model_dir: Pat
     set_offline_env()
     from transformers import AutoTokenizer
 
-    from app.training.backend import build_dataset
+    from app.training.sft_data import build_dataset
 
     try:
         tok = AutoTokenizer.from_pretrained(str(base_model_dir), local_files_only=True)

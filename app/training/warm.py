@@ -75,7 +75,7 @@ def _eval_loss(base_model_dir: Path, adapter_dir: Path | None, rows: Sequence[Ma
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
     from trl import SFTConfig, SFTTrainer
 
-    from app.training.backend import build_dataset
+    from app.training.sft_data import build_dataset
 
     try:
         tok = AutoTokenizer.from_pretrained(str(base_model_dir), local_files_only=True)
