@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="machine-readable status (schema cvm-tune/status/v1)")
     st.add_argument("-n", type=_bounded_int(1, 10_000), default=10, metavar="N", help="rows to show (default 10)")
 
-    v = sub.add_parser("verify", help="verify an export bundle",
+    v = sub.add_parser("verify", help="verify an export bundle (or a federated round bundle, recursively)",
                        description="Check a bundle's quote (dcap-qvl), report_data binding, file hashes, RTMR0-3 replay "
                        "and audit chain under a policy. Exit 0 accepted, 1 rejected, 2 input error.")
     v.add_argument("bundle", type=Path, nargs="?", metavar="BUNDLE", help="the exports/<run_id> directory")
@@ -329,6 +329,10 @@ def _verify(args: argparse.Namespace) -> int:
     if args.chain is not None:
         return _verify_chain(args.chain, policy, now, as_json=args.json)
     coll = read_collateral_file(args.collateral) if args.collateral is not None else None
+    from attestation.round_verify import is_round_bundle, verify_round
+
+    if is_round_bundle(args.bundle) and not (args.parent or args.base_model or args.dataset):  # federated round
+        return _print_verdict(verify_round(args.bundle, policy=policy, now=now, collateral=coll), as_json=args.json)
     verdict = verify_bundle(args.bundle, policy=policy, now=now, collateral=coll,
                             base_model_dir=args.base_model, dataset_file=args.dataset)
     if args.parent is None:

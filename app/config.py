@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from app.errors import ConfigError
+from app.federated.settings import FederationSettings
 from attestation.safe_yaml import parse_yaml
 
 HEX64 = r"^[0-9a-f]{64}$"
@@ -411,6 +412,7 @@ class Config(_Closed):
     schedule: ScheduleSettings = ScheduleSettings()
     alerts: AlertSettings = AlertSettings()
     state: StateSettings = StateSettings()
+    federation: FederationSettings = FederationSettings()
 
     def canonical_json(self) -> bytes:
         """The bytes hashed into the manifest and written to the bundle's ``config.json``."""

@@ -87,6 +87,8 @@ class TrainRequest:
             ``{"phase", "reason", "at_step", "from", "to"}`` (``app.training.batch``).
         init_adapter: Warm start: a PEFT adapter directory of the same LoRA shape whose weights replace the fresh
             LoRA initialisation (continual retraining); a resumed checkpoint's weights still win.
+        proximal: FedProx: add ``proximal / 2 * ||w - w0||^2`` over the LoRA weights to the loss, ``w0`` being the
+            weights training starts from (the federated round's global adapter): ``app.federated.prox``.
     """
 
     base_model_dir: Path
@@ -106,6 +108,7 @@ class TrainRequest:
     on_event: Callable[[str, dict[str, Any]], None] | None = None
     on_batch_change: Callable[[dict[str, Any]], None] | None = None
     init_adapter: Path | None = None
+    proximal: float | None = None
 
 
 @dataclass(frozen=True)
