@@ -217,14 +217,15 @@ def test_admission_rejects_other_compose_owner_and_mismatched_adapter(federation
     def reply(arrays: Any, client: str = "clinic-a") -> Any:
         content = RecordDict({"arrays": arrays, "metrics": MetricRecord({"trainable-tokens": 10**9}),
                               "bundle": ConfigRecord({"client": client, "tar": pack_bundle(bundle)})})
-        msg = Message(content=content, dst_node_id=0, message_type=MessageType.TRAIN)
-        msg.metadata.__dict__["_src_node_id"] = 7  # the reply's sender, as the SuperLink sets it
-        return msg
+        meta = Metadata(run_id=1, message_id="", src_node_id=7, dst_node_id=0, reply_to_message_id="r",
+                        group_id="", created_at=0.0, ttl=60.0, message_type=MessageType.TRAIN)  # a node's reply
+        return Message(content=content, metadata=meta)
 
     good = safetensors_to_arrays(bundle / B.ADAPTER_FILES[1])
     gate = Admission(fed, _policy(), tmp_path / "w1")
     ok = gate.check(reply(good), terms, set())
-    assert isinstance(ok, Admitted) and ok.trainable_tokens == m2["admitted"][0]["trainable_tokens"] != 10**9
+    listed = {a["client"]: a["trainable_tokens"] for a in m2["admitted"]}
+    assert isinstance(ok, Admitted) and ok.trainable_tokens == listed["clinic-a"] != 10**9  # the manifest's count
     cases = {
         "compose-hash": (fed.model_copy(update={"client_compose_hashes": ("0" * 64,)}), reply(good), terms),
         "not signed by an owner key": (fed.model_copy(update={"clients": {"clinic-a": fed.clients["clinic-b"]}}),
@@ -238,7 +239,6 @@ def test_admission_rejects_other_compose_owner_and_mismatched_adapter(federation
         got = Admission(settings, _policy(), tmp_path / f"w{i + 2}").check(msg, t, set())
         assert isinstance(got, Rejected) and want in got.reason, (want, got)
     assert isinstance(gate.check(reply(good), terms, {"clinic-a"}), Rejected)  # one bundle per client and round
-    _ = Metadata  # imported for the message construction API
 
 
 def test_round_fails_below_min_clients_with_a_clear_reason(tmp_path: Path) -> None:
@@ -261,3 +261,14 @@ def test_round_fails_below_min_clients_with_a_clear_reason(tmp_path: Path) -> No
                                                r"\(clinic-a: bundle rejected: quote.signature: bad\)"):
         s.aggregate_train(1, [object()])
     assert not (tmp_path / "rounds").exists()
+
+
+def test_fedyogi_needs_an_initial_adapter(tmp_path: Path) -> None:
+    from app.config import load_config
+    from app.errors import ConfigError
+    from app.federated.strategy import make_strategy
+
+    with pytest.raises(ConfigError, match="fedyogi needs federation.initial_adapter"):
+        make_strategy(load_config(_server_config(tmp_path, strategy="fedyogi")).federation)
+    inner, record = make_strategy(load_config(_server_config(tmp_path, strategy="fedprox", proximal_mu=0.5)).federation)
+    assert (type(inner).__name__, record) == ("FedProx", {"name": "fedprox", "params": {"proximal_mu": 0.5}})
