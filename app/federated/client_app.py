@@ -78,15 +78,19 @@ def train_round(msg: Message, config_path: Path) -> Message:
 
 
 def reply_for(msg: Message, client: str, bundle: Path) -> Message:
-    """The reply carrying ``bundle`` (its adapter as ``arrays``, the bundle as tar bytes)."""
+    """The reply to ``msg`` carrying ``bundle``."""
+    return Message(content=reply_content(client, bundle), reply_to=msg)
+
+
+def reply_content(client: str, bundle: Path) -> RecordDict:
+    """A reply's records: the bundle's adapter as ``arrays``, its token count, the bundle as tar bytes."""
     manifest = json.loads((bundle / B.MANIFEST).read_bytes())
     tokens = int((manifest["dataset"].get("validation") or {}).get("trainable_tokens", 0))
-    content = RecordDict({
+    return RecordDict({
         "arrays": safetensors_to_arrays(bundle / B.ADAPTER_FILES[1]),
         "metrics": MetricRecord({WEIGHT_KEY: tokens}),
         "bundle": ConfigRecord({"client": client, "tar": pack_bundle(bundle)}),
     })
-    return Message(content=content, reply_to=msg)
 
 
 def make_client_app(config_for: ConfigFor = node_config_path) -> ClientApp:
