@@ -6,9 +6,7 @@ from that adapter, and replies with the exported bundle's adapter weights (``arr
 (``metrics``, a claim the aggregator replaces by its own reading of the verified manifest) and the whole bundle as
 tar bytes with the client's name (``bundle``). The dataset never leaves the CVM: only the bundle does.
 
-Its cvm-tune config: the node config value ``cvm-tune-config``
-(``flower-supernode --node-config 'cvm-tune-config="/etc/cvm-tune/config.yaml"'``), default
-``/etc/cvm-tune/config.yaml``.
+Its cvm-tune config: see :func:`node_config_path`.
 """
 
 from __future__ import annotations
@@ -38,8 +36,23 @@ ConfigFor = Callable[[Context], Path]
 
 
 def node_config_path(context: Context) -> Path:
-    """The node config's ``cvm-tune-config`` (Deployment Engine: one SuperNode per data owner's CVM)."""
-    return Path(str(context.node_config.get("cvm-tune-config", DEFAULT_CONFIG)))
+    """This node's cvm-tune config: the node config's ``cvm-tune-config`` (Deployment Engine: one SuperNode per
+    data owner's CVM); in Flower's simulation engine, entry ``partition-id`` of the run config's space-separated
+    ``client-configs``.
+
+    Raises:
+        ConfigError: a simulated node whose partition has no entry in ``client-configs``.
+    """
+    if "cvm-tune-config" in context.node_config:
+        return Path(str(context.node_config["cvm-tune-config"]))
+    listed = str(context.run_config.get("client-configs", "")).split()
+    if "partition-id" in context.node_config and listed:
+        i = int(context.node_config["partition-id"])
+        if i >= len(listed):
+            raise ConfigError(f"simulated node {i} has no entry in the run config's client-configs ({len(listed)})",
+                              fix="list one cvm-tune config per simulated SuperNode in client-configs")
+        return Path(listed[i])
+    return Path(DEFAULT_CONFIG)
 
 
 def train_round(msg: Message, config_path: Path) -> Message:
