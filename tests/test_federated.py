@@ -323,3 +323,42 @@ def test_client_run_for_a_fedprox_round_records_it_in_the_manifest(tmp_path: Pat
     assert manifest["federation"] == {"round": 1, "nonce": "cd" * 32, "global_adapter_sha256": None, "proximal_mu": 0.25}
     assert manifest["lineage"] is None
     assert verify_bundle(res.bundle_dir, policy=_policy(), now=NOW).accepted
+
+
+@pytest.mark.parametrize("name", ["aggregator-compose.yaml", "client-compose.yaml"])
+def test_compose_examples_carry_valid_configs(name: str) -> None:
+    """The inline cvm-tune config of each role's compose is a valid config for that role."""
+    from app.config import Config
+
+    doc = yaml.safe_load((ROOT / "docs" / "examples" / "federated" / name).read_text())
+    cfg = Config.model_validate(yaml.safe_load(doc["configs"]["cvm-tune"]["content"]))
+    service = next(iter(doc["services"].values()))
+    if name.startswith("aggregator"):
+        assert service["entrypoint"] == ["flower-superlink"] and cfg.federation.clients
+        assert "--disable-runtime-dependency-installation" in service["command"]
+    else:
+        assert service["entrypoint"] == ["flower-supernode"] and cfg.federation.client_name == "clinic-a"
+        assert cfg.dataset.owner_public_key in {k for c in _aggregator_example().federation.clients.values()
+                                                for k in c.owner_public_keys}
+
+
+def _aggregator_example() -> Any:
+    from app.config import Config
+
+    doc = yaml.safe_load((ROOT / "docs" / "examples" / "federated" / "aggregator-compose.yaml").read_text())
+    return Config.model_validate(yaml.safe_load(doc["configs"]["cvm-tune"]["content"]))
+
+
+def test_client_config_comes_from_the_node_or_the_simulation_run_config(tmp_path: Path) -> None:
+    from flwr.app import Context, RecordDict
+
+    from app.errors import ConfigError
+    from app.federated.client_app import node_config_path
+
+    def ctx(node: dict[str, Any], run: dict[str, Any]) -> Any:
+        return Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config=run)
+
+    assert node_config_path(ctx({"cvm-tune-config": "/a.yaml"}, {"client-configs": "/x /y"})) == Path("/a.yaml")
+    assert node_config_path(ctx({"partition-id": 1}, {"client-configs": "/x.yaml /y.yaml"})) == Path("/y.yaml")
+    with pytest.raises(ConfigError, match="simulated node 2 has no entry"):
+        node_config_path(ctx({"partition-id": 2}, {"client-configs": "/x.yaml /y.yaml"}))
