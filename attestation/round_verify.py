@@ -26,7 +26,15 @@ from pydantic import ValidationError
 
 from attestation import bundle as B
 from attestation import round_bundle as R
-from attestation.bundle_verify import _bundle_collateral, _compose_and_app_id, _events, _quote_bytes, _read, verify_bundle
+from attestation.bundle_verify import (
+    _bundle_collateral,
+    _compose_and_app_id,
+    _events,
+    _quote_bytes,
+    _read,
+    file_problems,
+    verify_bundle,
+)
 from attestation.dcap import Collateral
 from attestation.errors import BundleError
 from attestation.hashing import sha256_file, sha256_hex
@@ -111,14 +119,9 @@ def _files(f: QuoteFindings, root: Path, m: R.RoundManifest | None) -> None:
 
 
 def _file_hashes(f: QuoteFindings, root: Path, m: R.RoundManifest) -> None:
-    bad = [] if set(m.files) == {B.APP_COMPOSE, R.GLOBAL_ADAPTER} else ["manifest files are not app-compose.json "
-                                                                        "and the global adapter"]
-    for rel, want in sorted(m.files.items()):
-        try:
-            if sha256_file(root / rel) != want:
-                bad.append(f"{rel} changed")
-        except (OSError, ValueError):
-            bad.append(f"{rel} unreadable")
+    bad = file_problems(root, m.files)
+    if set(m.files) != {B.APP_COMPOSE, R.GLOBAL_ADAPTER}:
+        bad.append("the manifest's files are not app-compose.json and the global adapter")
     if m.files.get(R.GLOBAL_ADAPTER) != m.global_adapter_sha256:
         bad.append("global_adapter_sha256 is not the global adapter file's hash")
     f.add("round.file_hashes", "fail" if bad else "pass", "; ".join(bad) or f"{len(m.files)} file hashes match")

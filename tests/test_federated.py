@@ -362,3 +362,38 @@ def test_client_config_comes_from_the_node_or_the_simulation_run_config(tmp_path
     assert node_config_path(ctx({"partition-id": 1}, {"client-configs": "/x.yaml /y.yaml"})) == Path("/y.yaml")
     with pytest.raises(ConfigError, match="simulated node 2 has no entry"):
         node_config_path(ctx({"partition-id": 2}, {"client-configs": "/x.yaml /y.yaml"}))
+
+
+def test_an_adapter_of_another_shape_is_excluded_before_aggregation(tmp_path: Path) -> None:
+    """A verified bundle whose LoRA tensors do not fit the round's (another base model or rank) is rejected, so it
+    cannot break Flower's aggregation for everyone; with too few left the round fails and writes nothing."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord
+
+    from app.config import load_config
+    from app.errors import RoundFailedError
+    from app.federated.admission import Admitted, RoundTerms
+    from app.federated.strategy import AttestedStrategy, make_strategy
+
+    cfg = load_config(_server_config(tmp_path, min_clients=2))
+    inner, record = make_strategy(cfg.federation)
+
+    def admitted(name: str, rank: int) -> Admitted:
+        arrays = ArrayRecord({"lora_A.weight": Array(np.zeros((rank, 8), np.float32))})
+        return Admitted(name, 1, tmp_path, "r", "0" * 64, "0" * 64, "0" * 64, 10, arrays)
+
+    class Gate:
+        def __init__(self) -> None:
+            self.queue = [admitted("clinic-a", 4), admitted("clinic-b", 16)]
+
+        def check(self, msg: Any, terms: Any, seen: set[str]) -> Admitted:
+            return self.queue.pop(0)
+
+    class Reply:
+        content: Any = None
+
+    s = AttestedStrategy(inner, record, Gate(), None, tmp_path / "rounds", "f", cfg.federation)  # type: ignore[arg-type]
+    s.terms = RoundTerms(1, "00" * 32, None, 0.0)
+    with pytest.raises(RoundFailedError, match=r"1 client bundle\(s\) admitted.*clinic-b: its adapter's tensors"):
+        s.aggregate_train(1, [Reply(), Reply()])
+    assert not (tmp_path / "rounds").exists()

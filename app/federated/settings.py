@@ -6,6 +6,7 @@ and ``client_compose_hashes``; a data owner's CVM (Flower ClientApp) reads ``cli
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -19,6 +20,12 @@ class _Closed(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
+def _all_hex64(value: tuple[str, ...]) -> tuple[str, ...]:
+    if bad := [v for v in value if not re.fullmatch(_HEX64, v)]:
+        raise ValueError(f"{bad[0]!r} is not 64 lowercase hex characters")
+    return value
+
+
 class FederationClient(_Closed):
     """One data owner's CVM the aggregator admits."""
 
@@ -29,11 +36,7 @@ class FederationClient(_Closed):
     @field_validator("owner_public_keys")
     @classmethod
     def _hex(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        import re
-
-        if bad := [v for v in value if not re.fullmatch(_HEX64, v)]:
-            raise ValueError(f"{bad[0]!r} is not 64 lowercase hex characters")
-        return value
+        return _all_hex64(value)
 
 
 class FederationSettings(_Closed):
@@ -67,17 +70,11 @@ class FederationSettings(_Closed):
     @field_validator("client_compose_hashes")
     @classmethod
     def _compose(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        import re
-
-        if bad := [v for v in value if not re.fullmatch(_HEX64, v)]:
-            raise ValueError(f"{bad[0]!r} is not 64 lowercase hex characters")
-        return value
+        return _all_hex64(value)
 
     @field_validator("clients")
     @classmethod
     def _names(cls, value: dict[str, FederationClient]) -> dict[str, FederationClient]:
-        import re
-
         if bad := [k for k in value if not re.fullmatch(_NAME, k)]:
             raise ValueError(f"client name {bad[0]!r} is not allowed (letters, digits, '.', '_', '-')")
         return value

@@ -52,6 +52,7 @@ class AttestedStrategy(Strategy):
         self.inner, self.record, self.admission, self.aggregator = inner, strategy_record, admission, aggregator
         self.out, self.federation_id, self.fed = out, federation_id, fed
         self.terms: RoundTerms | None = None
+        self.layout: dict[str, tuple[str, tuple[int, ...]]] | None = None  # the adapter's tensors: name -> dtype, shape
         self.previous: str | None = None
         self.rounds: list[tuple[int, Path]] = []
         self.rejections: list[tuple[int, Rejected]] = []
@@ -64,6 +65,7 @@ class AttestedStrategy(Strategy):
         global_sha = hashlib.sha256(arrays_to_safetensors(arrays)).hexdigest() if len(arrays) else None
         mu = float(self.record["params"].get("proximal_mu", 0.0))
         self.terms = RoundTerms(server_round, secrets.token_hex(32), global_sha, mu)
+        self.layout = _layout(arrays) if len(arrays) else None
         cfg = ConfigRecord(dict(config))
         cfg["nonce"] = self.terms.nonce
         cfg["global-adapter-sha256"] = global_sha or ""
@@ -79,7 +81,11 @@ class AttestedStrategy(Strategy):
         verified: list[Message] = []
         for msg in replies:
             verdict = self.admission.check(msg, terms, {a.client for a in admitted})
-            if isinstance(verdict, Admitted):  # aggregate exactly the checked weights, with the verified token count
+            if isinstance(verdict, Admitted) and _layout(verdict.arrays) != (self.layout or _layout(verdict.arrays)):
+                verdict = Rejected(verdict.client, verdict.node_id, "its adapter's tensors (names, dtypes or shapes) "
+                                   "differ from the round's global adapter (another base model or LoRA shape)")
+            if isinstance(verdict, Admitted):
+                self.layout = self.layout or _layout(verdict.arrays)  # a first round: the first admitted adapter's  # aggregate exactly the checked weights, with the verified token count
                 msg.content = RecordDict({"arrays": verdict.arrays,
                                           "metrics": MetricRecord({WEIGHT_KEY: verdict.trainable_tokens})})
                 admitted.append(verdict)
@@ -111,3 +117,7 @@ class AttestedStrategy(Strategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         return None
+
+
+def _layout(arrays: ArrayRecord) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {name: (arr.dtype, tuple(arr.shape)) for name, arr in arrays.items()}
