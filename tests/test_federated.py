@@ -200,9 +200,19 @@ def test_edited_round_manifest_breaks_the_quote_binding(federation: Path, tmp_pa
 
 def test_admission_rejects_other_compose_owner_and_mismatched_adapter(federation: Path, tmp_path: Path) -> None:
     """The gate on a real client bundle: compose-hash not allowed, dataset of another owner, adapter weights that
-    are not the bundle's, a round it was not trained for; nothing of a rejected reply is aggregated."""
+    are not the bundle's, a round it was not trained for, an unknown name, a second bundle, a dropped client."""
     import numpy as np
-    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
+    from flwr.app import (
+        Array,
+        ArrayRecord,
+        ConfigRecord,
+        Error,
+        Message,
+        MessageType,
+        Metadata,
+        MetricRecord,
+        RecordDict,
+    )
 
     from app.config import load_config
     from app.federated.admission import Admission, Admitted, Rejected, RoundTerms
@@ -239,6 +249,11 @@ def test_admission_rejects_other_compose_owner_and_mismatched_adapter(federation
         got = Admission(settings, _policy(), tmp_path / f"w{i + 2}").check(msg, t, set())
         assert isinstance(got, Rejected) and want in got.reason, (want, got)
     assert isinstance(gate.check(reply(good), terms, {"clinic-a"}), Rejected)  # one bundle per client and round
+    # a client that dropped mid-round: Flower hands the aggregator an error reply in its place
+    meta = Metadata(run_id=1, message_id="", src_node_id=9, dst_node_id=0, reply_to_message_id="r", group_id="",
+                    created_at=0.0, ttl=60.0, message_type=MessageType.TRAIN)
+    dropped = gate.check(Message(error=Error(code=0, reason="reply timed out"), metadata=meta), terms, set())
+    assert isinstance(dropped, Rejected) and (dropped.node_id, dropped.reason) == (9, "the client failed: reply timed out")
 
 
 def test_round_fails_below_min_clients_with_a_clear_reason(tmp_path: Path) -> None:
