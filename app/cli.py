@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
                        "and audit chain under a policy. Exit 0 accepted, 1 rejected, 2 input error.")
     v.add_argument("bundle", type=Path, nargs="?", metavar="BUNDLE", help="the exports/<run_id> directory")
     v.add_argument("--parent", type=Path, metavar="PARENT_BUNDLE", help="also verify the bundle BUNDLE continued from "
-                   "and the lineage link between them")
+                   "(for a federated round: the previous round) and the link between them")
     v.add_argument("--chain", type=Path, metavar="EXPORTS_DIR", help="instead of BUNDLE: verify every bundle in an "
                    "exports/ directory and every lineage link, roots first; names the first broken link")
     v.add_argument("--policy", type=Path, metavar="FILE", help="YAML policy (default: built-in, Intel root, UpToDate only)")
@@ -329,10 +329,12 @@ def _verify(args: argparse.Namespace) -> int:
     if args.chain is not None:
         return _verify_chain(args.chain, policy, now, as_json=args.json)
     coll = read_collateral_file(args.collateral) if args.collateral is not None else None
-    from attestation.round_verify import is_round_bundle, verify_round
+    from attestation.round_verify import is_round_bundle
 
-    if is_round_bundle(args.bundle) and not (args.parent or args.base_model or args.dataset):  # federated round
-        return _print_verdict(verify_round(args.bundle, policy=policy, now=now, collateral=coll), as_json=args.json)
+    if is_round_bundle(args.bundle) and not (args.base_model or args.dataset):  # a federated round (docs/federated.md)
+        from app.federated.verify_cli import verify_round_cli
+
+        return verify_round_cli(args, policy, now, coll)
     verdict = verify_bundle(args.bundle, policy=policy, now=now, collateral=coll,
                             base_model_dir=args.base_model, dataset_file=args.dataset)
     if args.parent is None:

@@ -210,3 +210,22 @@ def _aggregate(f: QuoteFindings, root: Path, m: R.RoundManifest) -> None:
 def round_digest(raw_manifest: bytes) -> str:
     """SHA-256 of a round-manifest.json (the next round's ``previous_round_sha256``)."""
     return sha256_hex(raw_manifest)
+
+
+def check_round_link(round_dir: Path, previous_dir: Path) -> list[str]:
+    """Problems with ``round_dir`` continuing ``previous_dir`` (empty: it does): the previous round-manifest's hash,
+    the round numbers, the federation, and the global adapter the round started from."""
+    try:
+        raw_prev = _read(Path(previous_dir) / R.ROUND_MANIFEST)
+        cur = R.RoundManifest.model_validate(json.loads(_read(Path(round_dir) / R.ROUND_MANIFEST)))
+        prev = R.RoundManifest.model_validate(json.loads(raw_prev))
+    except (OSError, ValueError, ValidationError) as exc:
+        return [f"a round manifest is unreadable or invalid: {type(exc).__name__}"]
+    problems = []
+    if cur.previous_round_sha256 != round_digest(raw_prev):
+        problems.append("previous_round_sha256 is not the hash of the previous round's manifest")
+    if (cur.federation_id, cur.round) != (prev.federation_id, prev.round + 1):
+        problems.append(f"round {cur.federation_id}/{cur.round} does not follow {prev.federation_id}/{prev.round}")
+    if cur.global_adapter_in_sha256 != prev.global_adapter_sha256:
+        problems.append("the round did not start from the previous round's global adapter")
+    return problems

@@ -162,6 +162,12 @@ def test_cli_verifies_a_round_bundle(federation: Path, tmp_path: Path, capsys: p
     assert main(["verify", str(last), "--policy", str(policy), "--now", str(NOW)]) == 0
     assert "ACCEPTED" in capsys.readouterr().out
     assert main(["verify", str(last), "--now", str(NOW)]) == 1  # the default policy trusts Intel's root only
+    first = _rounds(federation)[0]
+    capsys.readouterr()
+    assert main(["verify", str(last), "--parent", str(first), "--policy", str(policy), "--now", str(NOW)]) == 0
+    assert "link: this round continued the previous one" in capsys.readouterr().out
+    assert main(["verify", str(first), "--parent", str(last), "--policy", str(policy), "--now", str(NOW)]) == 1
+    assert "link: BROKEN: previous_round_sha256" in capsys.readouterr().out
 
 
 def _copy(federation: Path, tmp_path: Path) -> Path:
