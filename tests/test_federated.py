@@ -418,3 +418,15 @@ def test_an_adapter_of_another_shape_is_excluded_before_aggregation(tmp_path: Pa
     with pytest.raises(RoundFailedError, match=r"1 client bundle\(s\) admitted.*clinic-b: its adapter's tensors"):
         s.aggregate_train(1, [Reply(), Reply()])
     assert not (tmp_path / "rounds").exists()
+
+
+def test_a_bfloat16_adapter_is_refused_with_a_clear_error(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from app.errors import DataError
+    from app.federated.transport import safetensors_to_arrays
+
+    save_file({"lora_A.weight": torch.ones(2, 2, dtype=torch.bfloat16)}, str(tmp_path / "adapter_model.safetensors"))
+    with pytest.raises(DataError, match="NumPy cannot represent"):
+        safetensors_to_arrays(tmp_path / "adapter_model.safetensors")

@@ -33,11 +33,19 @@ def arrays_to_safetensors(record: Any) -> bytes:
 
 
 def safetensors_to_arrays(path: Path) -> Any:
-    """The tensors of a safetensors file as an ``ArrayRecord`` (names sorted)."""
+    """The tensors of a safetensors file as an ``ArrayRecord`` (names sorted).
+
+    Raises:
+        DataError: a tensor NumPy has no type for (bfloat16).
+    """
     from flwr.app import Array, ArrayRecord
     from safetensors.numpy import load_file
 
-    tensors = load_file(str(path))
+    try:
+        tensors = load_file(str(path))
+    except (TypeError, ValueError) as exc:  # e.g. bfloat16, which NumPy has no type for
+        raise DataError(f"the adapter {path.name} holds tensors NumPy cannot represent ({str(exc)[:100]})",
+                        fix="train the federation's adapters in float32 (PEFT's default for LoRA weights)") from exc
     return ArrayRecord({name: Array(tensors[name]) for name in sorted(tensors)})
 
 
