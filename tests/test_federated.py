@@ -430,3 +430,29 @@ def test_a_bfloat16_adapter_is_refused_with_a_clear_error(tmp_path: Path) -> Non
     save_file({"lora_A.weight": torch.ones(2, 2, dtype=torch.bfloat16)}, str(tmp_path / "adapter_model.safetensors"))
     with pytest.raises(DataError, match="NumPy cannot represent"):
         safetensors_to_arrays(tmp_path / "adapter_model.safetensors")
+
+
+def test_a_hostile_bundle_archive_is_refused_and_writes_nothing_outside(tmp_path: Path) -> None:
+    """The aggregator unpacks untrusted tar bytes: links, escaping names and non-tar data are refused."""
+    import io
+    import tarfile
+
+    from app.errors import DataError
+    from app.federated.transport import unpack_bundle
+
+    def archive(member: tarfile.TarInfo, data: bytes = b"") -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+        return buf.getvalue()
+
+    link = tarfile.TarInfo("manifest.json")
+    link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+    cases = {"link": archive(link), "escape": archive(tarfile.TarInfo("../outside.txt"), b"x"),
+             "absolute": archive(tarfile.TarInfo(str(tmp_path / "abs.txt")), b"x"), "garbage": b"not a tar" * 100}
+    for name, data in cases.items():
+        with pytest.raises(DataError):
+            unpack_bundle(data, tmp_path / "in" / name)
+    assert not (tmp_path / "in" / "outside.txt").exists() and not (tmp_path / "abs.txt").exists()
+    assert [p for p in (tmp_path / "in").rglob("*") if p.is_file()] == []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import tarfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from app.errors import DataError
@@ -92,8 +92,9 @@ def unpack_bundle(data: bytes, dest: Path) -> Path:
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
             members = tar.getmembers()
-            if odd := [m.name for m in members if not (m.isfile() or m.isdir())]:
-                raise DataError(f"bundle entry {odd[0][:100]!r} is not a plain file or directory")
+            if odd := [m.name for m in members if not (m.isfile() or m.isdir()) or m.name.startswith("/")
+                       or ".." in PurePosixPath(m.name).parts]:
+                raise DataError(f"bundle entry {odd[0][:100]!r} is not a plain file or directory inside the bundle")
             if sum(m.size for m in members) > MAX_BUNDLE_BYTES:
                 raise DataError("bundle unpacks to more than the size limit")
             tar.extractall(dest, members=members, filter="data")
