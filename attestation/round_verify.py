@@ -63,22 +63,38 @@ def verify_round(round_dir: Path, *, policy: Policy, now: int, collateral: Colla
     if not is_round_bundle(root):
         raise BundleError(f"{root} has no {R.ROUND_MANIFEST}: not a cvm-tune round bundle")
     f = QuoteFindings()
+    m = _attested_manifest(f, root, policy, now, collateral)
+    _files(f, root, m)
+    if m is not None:
+        f.bundle = {"run_id": f"{m.federation_id}/round-{m.round}", "created_at": m.created_at}
+        _file_hashes(f, root, m)
+        clients = _clients(f, root, m, policy, now)
+        _terms_and_weights(f, m, clients)
+        _aggregate(f, root, m)
+    return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
+
+
+def verify_round_head(round_dir: Path, *, policy: Policy, now: int) -> tuple[Verdict, R.RoundManifest | None]:
+    """Only the aggregator's attestation of a round: the round manifest bound by its quote, and its compose (what a
+    client checks before it trains on the round's global adapter; no client bundles, no adapter file)."""
+    f = QuoteFindings()
+    m = _attested_manifest(f, Path(round_dir), policy, now, None)
+    return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f), m
+
+
+def _attested_manifest(f: QuoteFindings, root: Path, policy: Policy, now: int,
+                       collateral: Collateral | None) -> R.RoundManifest | None:
+    """round-manifest.json, the aggregator's quote binding it, and the aggregator's compose-hash and app id."""
     raw_manifest = _read(root / R.ROUND_MANIFEST)
     m = _schema(f, raw_manifest)
-    _files(f, root, m)
     quote = _quote_bytes(f, root)
     events = _events(f, root)
     if quote is not None:
         verify_quote(quote, policy=policy, now=now, collateral=collateral or _bundle_collateral(f, root),
                      events=events, expected_report_data=R.round_report_data(raw_manifest), findings=f)
     if m is not None:
-        f.bundle = {"run_id": f"{m.federation_id}/round-{m.round}", "created_at": m.created_at}
-        _file_hashes(f, root, m)
         _compose_and_app_id(f, root, m)  # type: ignore[arg-type]  # reads only .tee
-        clients = _clients(f, root, m, policy, now)
-        _terms_and_weights(f, m, clients)
-        _aggregate(f, root, m)
-    return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
+    return m
 
 
 def _schema(f: QuoteFindings, raw: bytes) -> R.RoundManifest | None:

@@ -58,7 +58,7 @@ def _client_config(root: Path, i: int, name: str) -> Path:
                        "owner_public_key": _pub(i), "key": {"source": "file", "file": str(d / "dataset.key")}},
            "training": {"max_steps": 2, "save_steps": 2},
            "alerts": {"webhook_url_env": "CVM_TUNE_TEST_NO_WEBHOOK"},
-           "federation": {"client_name": name}}
+           "federation": {"client_name": name, "aggregator_compose_hashes": [_sim().compose_hash.hex()]}}
     path = d / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -456,3 +456,38 @@ def test_a_hostile_bundle_archive_is_refused_and_writes_nothing_outside(tmp_path
             unpack_bundle(data, tmp_path / "in" / name)
     assert not (tmp_path / "in" / "outside.txt").exists() and not (tmp_path / "abs.txt").exists()
     assert [p for p in (tmp_path / "in").rglob("*") if p.is_file()] == []
+
+
+def test_a_client_trains_on_a_global_adapter_only_behind_the_aggregators_attested_round(federation: Path,
+                                                                                       tmp_path: Path) -> None:
+    from app.config import load_config
+    from app.errors import TeeError
+    from app.federated.aggregator_check import check_global_adapter
+    from app.federated.round_export import head_files
+    from app.federated.transport import pack_bundle
+
+    first = _rounds(federation)[0]
+    m1 = json.loads((first / R.ROUND_MANIFEST).read_bytes())
+    cfg = load_config(_client_config(tmp_path, 0, "clinic-a"))
+    evidence = pack_bundle(first, head_files(first))
+    check_global_adapter(cfg, {"previous-round": evidence}, 2, m1["global_adapter_sha256"], tmp_path / "ok")
+    forged = tmp_path / "forged"
+    shutil.copytree(first, forged)
+    doc = json.loads((forged / R.ROUND_MANIFEST).read_bytes())
+    doc["global_adapter_sha256"] = "ee" * 32  # an impostor's adapter under the real aggregator's quote
+    (forged / R.ROUND_MANIFEST).write_text(json.dumps(doc))
+    other = cfg.model_copy(update={"federation": cfg.federation.model_copy(
+        update={"aggregator_compose_hashes": ("0" * 64,)})})
+    cases = [
+        (cfg, {"previous-round": evidence}, 2, "ee" * 32, "does not name the global adapter of round 2"),
+        (other, {"previous-round": evidence}, 2, m1["global_adapter_sha256"], "not in federation.aggregator_compose"),
+        (cfg, {}, 2, m1["global_adapter_sha256"], "without the attested round"),
+        (cfg, {"previous-round": pack_bundle(forged, head_files(forged))}, 2, "ee" * 32, "report_data"),
+        (cfg, {}, 1, "ab" * 32, "without the attested round"),  # an initial adapter nobody pinned
+    ]
+    for i, (c, conf, round_, sha, want) in enumerate(cases):
+        with pytest.raises(TeeError, match=want):
+            check_global_adapter(c, conf, round_, sha, tmp_path / f"w{i}")
+    pinned = cfg.model_copy(update={"federation": cfg.federation.model_copy(
+        update={"initial_adapter_sha256": "ab" * 32})})
+    check_global_adapter(pinned, {}, 1, "ab" * 32, tmp_path / "pinned")

@@ -27,6 +27,7 @@ from attestation import bundle as B
 from app.config import load_config
 from app.errors import ConfigError, DataError
 from app.federated.admission import WEIGHT_KEY
+from app.federated.aggregator_check import check_global_adapter
 from app.federated.round_input import RoundInput
 from app.federated.transport import arrays_to_safetensors, pack_bundle, safetensors_to_arrays
 
@@ -85,6 +86,7 @@ def train_round(msg: Message, config_path: Path) -> Message:
             (global_dir / "adapter_model.safetensors").write_bytes(weights)
         if str(conf.get("global-adapter-sha256", "")) != (global_sha or ""):
             raise DataError("the global adapter received does not hash to the value the aggregator announced")
+        check_global_adapter(cfg, conf, round_, global_sha, Path(tmp) / "previous-round")
         ri = RoundInput(round_, nonce, global_dir, global_sha, float(conf.get("proximal-mu", 0.0)))
         result = run_once(cfg, progress=log.info, run_id=f"fed-r{round_}-{nonce[:16]}", hooks=RunHooks(federation=ri))
     return reply_for(msg, name, result.bundle_dir)

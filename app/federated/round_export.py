@@ -125,5 +125,11 @@ def _self_verify(stage: Path, agg: Aggregator, round_: int) -> None:
                           fix="nothing was published; report this with the aggregator's log")
 
 
+def head_files(round_dir: Path) -> tuple[str, ...]:
+    """The files of a round bundle that attest it without its client bundles (``verify_round_head``)."""
+    names = (R.ROUND_MANIFEST, B.QUOTE_BIN, B.QUOTE_HEX, B.EVENT_LOG, B.APP_COMPOSE, B.COLLATERAL)
+    return tuple(n for n in names if (round_dir / n).is_file())
+
+
 def _sha_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()

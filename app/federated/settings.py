@@ -44,6 +44,16 @@ class FederationSettings(_Closed):
 
     client_name: str | None = Field(None, pattern=_NAME, description="Client role: this CVM's name in the "
                                     "aggregator's `federation.clients` (sent with every reply).")
+    aggregator_compose_hashes: tuple[str, ...] = Field(
+        (), description="Client role: allowed compose-hashes of the aggregator. Set: a global adapter is trained on "
+        "only after the previous round's attestation verifies (the aggregator's quote over the round manifest naming "
+        "that adapter). Unset: the global adapter is trusted as sent.")
+    aggregator_policy: Path | None = Field(None, description="Client role: verification policy YAML for the "
+                                           "aggregator's quote. Unset: the simulator's test-CA policy when tee.mode "
+                                           "is embedded-simulator, else the built-in default (Intel root).")
+    initial_adapter_sha256: str | None = Field(None, pattern=_HEX64, description="Client role, with "
+                                               "aggregator_compose_hashes: the SHA-256 of the only initial adapter a "
+                                               "first round may start from (it has no attested round behind it).")
     rounds: int = Field(3, ge=1, le=10_000, description="Aggregator: number of rounds.")
     strategy: Literal["fedavg", "fedprox", "fedyogi"] = Field(
         "fedavg", description="Aggregator: Flower strategy; client updates are weighted by their verified trainable "
@@ -67,7 +77,7 @@ class FederationSettings(_Closed):
     clients: dict[str, FederationClient] = Field({}, description="Aggregator: the admitted clients by name, each "
                                                  "with its owners' keys. Required to run a federation.")
 
-    @field_validator("client_compose_hashes")
+    @field_validator("client_compose_hashes", "aggregator_compose_hashes")
     @classmethod
     def _compose(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return _all_hex64(value)

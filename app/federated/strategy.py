@@ -21,9 +21,9 @@ from flwr.serverapp.strategy import FedAvg, FedProx, FedYogi, Strategy
 
 from app.errors import ConfigError, RoundFailedError
 from app.federated.admission import WEIGHT_KEY, Admission, Admitted, Rejected, RoundTerms
-from app.federated.round_export import Aggregator, RoundRecord, export_round
+from app.federated.round_export import Aggregator, RoundRecord, export_round, head_files
 from app.federated.settings import FederationSettings
-from app.federated.transport import arrays_to_safetensors
+from app.federated.transport import arrays_to_safetensors, pack_bundle
 
 log = logging.getLogger("cvm-tune.federated")
 
@@ -69,6 +69,8 @@ class AttestedStrategy(Strategy):
         cfg = ConfigRecord(dict(config))
         cfg["nonce"] = self.terms.nonce
         cfg["global-adapter-sha256"] = global_sha or ""
+        if self.rounds:  # the attested round that produced this global adapter, for the clients to check
+            cfg["previous-round"] = pack_bundle(self.rounds[-1][1], head_files(self.rounds[-1][1]))
         return self.inner.configure_train(server_round, arrays, cfg, grid)
 
     def aggregate_train(self, server_round: int,

@@ -68,11 +68,13 @@ def same_arrays(record: Any, path: Path) -> str | None:
     return None
 
 
-def pack_bundle(bundle: Path) -> bytes:
-    """A bundle directory as uncompressed tar bytes (sorted, regular files and directories only)."""
+def pack_bundle(bundle: Path, names: tuple[str, ...] | None = None) -> bytes:
+    """A bundle directory (or just the files ``names`` in it) as uncompressed tar bytes (sorted, regular files and
+    directories only)."""
     buf = io.BytesIO()
+    paths = sorted(Path(bundle).rglob("*")) if names is None else [Path(bundle) / n for n in names]
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for path in sorted(Path(bundle).rglob("*")):
+        for path in paths:
             if path.is_symlink() or not (path.is_file() or path.is_dir()):
                 raise DataError(f"bundle entry {path.relative_to(bundle)} is not a plain file or directory")
             tar.add(path, arcname=path.relative_to(bundle).as_posix(), recursive=False)
