@@ -7,7 +7,9 @@ the tiny model): each client trains and exports its bundle (``run_once`` with th
 admits every reply (bundle tar unpacked, ``verify_bundle``, compose/owner/round checks, weights compared with the
 bundle's adapter), aggregates with Flower's FedAvg, and exports the round bundle (quote, self-verification of the
 round and every client bundle). A warm-up round runs first (imports, tiny-model build). Flower's transport is left
-out: it is the same with or without attestation. Ratios are computed within the run.
+out: it is the same with or without attestation. Each client's check of the aggregator's round (``verify_round_head``,
+before it trains on the next global adapter) is timed once and counted per client. Ratios are computed within the
+run.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import Message, MessageType, Metadata, MetricRecord, RecordDict
 
 from attestation.policy import simulator_policy
+from attestation.round_verify import verify_round_head
 
 from app.config import Config
 from app.dataset import encrypt_stream
@@ -105,9 +108,14 @@ def one_round(root: Path, round_no: int, cfgs: list[Config], listed: dict[str, A
     t["aggregate_s"] = time.perf_counter() - start
     aggregator = Aggregator(agent, ident, True, "embedded-simulator", "auto", "", 30.0, policy)
     start = time.perf_counter()
-    export_round(root / f"rounds-{round_no}", aggregator, RoundRecord("bench", 1, nonce, record, len(cfgs), None, None),
-                 arrays, admitted, [])
+    path, _ = export_round(root / f"rounds-{round_no}", aggregator, RoundRecord("bench", 1, nonce, record, len(cfgs),
+                                                                              None, None), arrays, admitted, [])
     t["round_export_s"] = time.perf_counter() - start
+    start = time.perf_counter()  # what each client of the next round checks before training on this aggregate
+    verdict, _ = verify_round_head(path, policy=policy, now=int(time.time()))
+    t["client_aggregator_check_s"] = time.perf_counter() - start
+    if not verdict.accepted:
+        raise SystemExit(f"bench: the round does not verify: {verdict.failed[0]}")
     return t
 
 
@@ -122,7 +130,7 @@ def main() -> None:
         cfgs, listed = _clients(root, args.clients, args.steps)
         one_round(root, 1, cfgs, listed, stack)  # warm-up
         t = one_round(root, 2, cfgs, listed, stack)
-    verification = t["admission_s"] + t["round_export_s"]
+    verification = t["admission_s"] + t["round_export_s"] + args.clients * t["client_aggregator_check_s"]
     report = {
         "machine": f"{platform.processor() or platform.machine()}, {platform.python_version()}",
         "clients": args.clients, "steps": args.steps,
@@ -132,7 +140,8 @@ def main() -> None:
         "verification_over_trainer": round(verification / t["trainer_s"], 4),
         "note": "train_total_s: every client's whole run (decrypt, train, export, quote, self-verify), summed; clients "
                 "run in parallel in a real federation. Verification: admission (unpack, verify every bundle, compare "
-                "weights) + round export (quote, self-verification of the round and its client bundles).",
+                "weights) + round export (quote, self-verification of the round and its client bundles) + each "
+                "client's check of the aggregator's round.",
     }
     print(json.dumps(report, indent=2))
     if args.out:
