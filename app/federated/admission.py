@@ -18,6 +18,7 @@ The weight a client gets is the trainable-token count from its verified manifest
 from __future__ import annotations
 
 import hashlib
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,10 @@ class Admission:
             return Rejected(name, node, str(exc)[:MAX_REASON])
         except CvmTuneError as exc:
             return Rejected(name, node, exc.message[:MAX_REASON])
+
+    def forget(self, round_: int) -> None:
+        """Remove the bundles unpacked for ``round_`` (the admitted ones are in its round bundle by now)."""
+        shutil.rmtree(self.workdir / f"round-{round_:04d}", ignore_errors=True)
 
     def _check_bundle(self, name: str, node: int, bundle: Path, arrays: Any, terms: RoundTerms) -> Admitted:
         verdict = verify_bundle(bundle, policy=self.policy, now=int(time.time()))

@@ -109,6 +109,7 @@ class AttestedStrategy(Strategy):
         path, self.previous = export_round(self.out, self.aggregator, RoundRecord(
             self.federation_id, server_round, terms.nonce, self.record, self.fed.min_clients,
             terms.global_adapter_sha256, self.previous), arrays, admitted, rejected)
+        self.admission.forget(server_round)
         log.info("round %d: %d admitted, %d rejected; round bundle %s", server_round, len(admitted), len(rejected), path)
         self.rounds.append((server_round, path))
         return arrays, metrics
