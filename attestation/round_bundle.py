@@ -36,6 +36,14 @@ RECOMPUTABLE = ("fedavg", "fedprox")
 _H64 = r"^[0-9a-f]{64}$"
 
 
+def client_privacy(manifest: object) -> tuple[float | None, float | None]:
+    """(epsilon, delta) of a client manifest's ``privacy`` block (DP-SGD), or (None, None) without DP."""
+    privacy = getattr(manifest, "privacy", None)
+    if privacy is None:
+        return None, None
+    return float(privacy.epsilon), float(privacy.delta)
+
+
 def round_report_data(manifest_bytes: bytes) -> bytes:
     """The 64-byte report_data that binds the aggregator's quote to these exact round-manifest bytes."""
     return hashlib.sha512(ROUND_REPORT_DATA_TAG + b":" + manifest_bytes).digest()
@@ -61,6 +69,9 @@ class AdmittedClient(_Closed):
     adapter_sha256: str = Field(pattern=_H64)
     trainable_tokens: int = Field(ge=1)
     weight: float = Field(gt=0, le=1)
+    # differential privacy of this client's round (its manifest's ``privacy``): null without DP
+    privacy_epsilon: float | None = Field(None, ge=0)
+    privacy_delta: float | None = Field(None, gt=0, lt=1)
 
 
 class RejectedClient(_Closed):

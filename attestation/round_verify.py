@@ -10,7 +10,8 @@ Steps (after ``attestation.verify``'s quote steps on the aggregator's quote):
                          quote and adapter hash to what the round lists
  R7 ``round.terms``      every client manifest's ``federation`` block names this round, nonce, the round's input
                          global adapter and the strategy's ``proximal_mu``
- R8 ``round.weights``    trainable tokens = the client manifests'; weights = tokens / total
+ R8 ``round.weights``    trainable tokens = the client manifests'; weights = tokens / total; each client's DP
+                         (epsilon, delta) = its manifest's ``privacy``
  R9 ``round.aggregate``  FedAvg/FedProx: the global adapter is recomputed from the client adapters (weighted mean);
                          FedYogi: skipped (server optimizer state is not in the bundle; the quote attests it)
 """
@@ -185,6 +186,9 @@ def _terms_and_weights(f: QuoteFindings, m: R.RoundManifest, clients: dict[str, 
         if fed is None or (fed.round, fed.nonce, fed.global_adapter_sha256, fed.proximal_mu) != (
                 m.round, m.nonce, m.global_adapter_in_sha256, mu):
             terms.append(f"{a.client} was not trained for this round (round, nonce, global adapter or mu differ)")
+        if R.client_privacy(cm) != (a.privacy_epsilon, a.privacy_delta):
+            weights.append(f"{a.client}: privacy (epsilon, delta) listed {(a.privacy_epsilon, a.privacy_delta)}, its "
+                           f"manifest says {R.client_privacy(cm)}")
         tokens = (cm.dataset.validation or {}).get("trainable_tokens")
         if tokens != a.trainable_tokens:
             weights.append(f"{a.client}: {a.trainable_tokens} trainable tokens listed, its manifest says {tokens}")

@@ -491,3 +491,13 @@ def test_a_client_trains_on_a_global_adapter_only_behind_the_aggregators_atteste
     pinned = cfg.model_copy(update={"federation": cfg.federation.model_copy(
         update={"initial_adapter_sha256": "ab" * 32})})
     check_global_adapter(pinned, {}, 1, "ab" * 32, tmp_path / "pinned")
+
+
+def test_client_privacy_is_read_from_the_manifests_privacy_block() -> None:
+    """Per-client DP composes: a client manifest's ``privacy`` (epsilon, delta) is what the round lists and checks."""
+    from types import SimpleNamespace
+
+    assert R.client_privacy(SimpleNamespace(privacy=None)) == (None, None)
+    assert R.client_privacy(SimpleNamespace()) == (None, None)
+    dp = SimpleNamespace(privacy=SimpleNamespace(epsilon=2.5, delta=1e-5))
+    assert R.client_privacy(dp) == (2.5, 1e-5)

@@ -27,6 +27,7 @@ from typing import Any
 from attestation import bundle as B
 from attestation import verify_bundle
 from attestation.policy import Policy
+from attestation.round_bundle import client_privacy
 
 from app.errors import CvmTuneError
 from app.federated.settings import FederationSettings
@@ -47,6 +48,7 @@ class Admitted:
     adapter_sha256: str
     trainable_tokens: int
     arrays: Any  # flwr.app.ArrayRecord
+    privacy: tuple[float | None, float | None] = (None, None)  # (epsilon, delta) of the client's DP-SGD
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ class Admission:
         if tokens < 1:
             raise _Reject("the manifest records no trainable tokens")
         return Admitted(name, node, bundle, m.run_id, _sha(raw), _sha((bundle / B.QUOTE_BIN).read_bytes()),
-                        _sha(adapter.read_bytes()), tokens, arrays)
+                        _sha(adapter.read_bytes()), tokens, arrays, client_privacy(m))
 
 
 def _check_terms(fed: B.FederationInfo | None, terms: RoundTerms) -> None:
