@@ -5,6 +5,7 @@ The unit tests below check the admission gate and the round verifier against tam
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -501,3 +502,94 @@ def test_client_privacy_is_read_from_the_manifests_privacy_block() -> None:
     assert R.client_privacy(SimpleNamespace()) == (None, None)
     dp = SimpleNamespace(privacy=SimpleNamespace(epsilon=2.5, delta=1e-5))
     assert R.client_privacy(dp) == (2.5, 1e-5)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_deployment_engine_on_loopback_with_flwr_run(tmp_path: Path) -> None:
+    """Flower's own commands, as docs/federated.md shows them: flower-superlink, one flower-supernode per data owner
+    (its cvm-tune config as node config), `flwr run federated` with the aggregator's config; one round."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    bin_dir = Path(sys.executable).parent
+    configs = [_client_config(tmp_path, i, n) for i, n in enumerate(CLIENTS[:2])]
+    server = _server_config(tmp_path, rounds=1)
+    port = _free_port()
+    env = dict(os.environ, FLWR_HOME=str(tmp_path / "flwr-home"), HF_HUB_OFFLINE="1",
+               PATH=os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")]),  # they start flower-superexec
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    (tmp_path / "flwr-home").mkdir()
+    (tmp_path / "flwr-home" / "config.toml").write_text(
+        f'[superlink]\ndefault = "fed"\n\n[superlink.fed]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*args: str) -> None:
+        log = open(tmp_path / f"{len(procs)}.log", "wb")  # noqa: SIM115 - closed with the process
+        procs.append(subprocess.Popen([str(bin_dir / args[0]), *args[1:]], env=env, stdout=log, stderr=log,
+                                      start_new_session=True))
+
+    try:
+        start("flower-superlink", "--insecure", "--port", str(port), "--database", str(tmp_path / "state.db"),
+              "--disable-runtime-dependency-installation")
+        _wait_for_port(port, procs[0])
+        for cfg in configs:
+            start("flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}", "--port", str(_free_port()),
+                  "--node-config", f'cvm-tune-config="{cfg}"')
+        run = subprocess.run([str(bin_dir / "flwr"), "run", str(ROOT / "federated"), "fed", "--stream",
+                              "--run-config", f'cvm-tune-config="{server}"'], env=env, capture_output=True,
+                             timeout=400, cwd=tmp_path)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    finally:  # stop what this test started: the three processes and every process they spawned (by id)
+        started = [p.pid for p in procs]
+        for pid in [*started, *(d for p in started for d in _descendants(p))]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        for p in procs:
+            p.wait(timeout=30)
+    rounds = sorted((tmp_path / "aggregator" / "rounds").glob("*/round-0001"))
+    assert len(rounds) == 1
+    verdict = verify_round(rounds[0], policy=_policy(), now=NOW)
+    assert verdict.accepted, [(c.name, c.detail) for c in verdict.failed]
+    assert sorted(a["client"] for a in json.loads((rounds[0] / R.ROUND_MANIFEST).read_bytes())["admitted"]) == \
+        list(CLIENTS[:2])
+
+
+def _wait_for_port(port: int, proc: Any, limit_s: float = 90.0) -> None:
+    import socket
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "flower-superlink exited"
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                time.sleep(1)  # the HTTP app finishes its startup after the listen
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"flower-superlink did not listen on {port} within {limit_s} s")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
