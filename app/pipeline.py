@@ -196,7 +196,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         with timer.phase("parent"):
             parent = parent_stage(cfg, out, ag, ds, base, hooks, progress)  # 7. warm start? (or nothing new: skip)
         with timer.phase("hashing"):
-            run = identity_stage(cfg, out, ds, base, parent, run_id, hooks.federation)  # 8. resume the newest unfinished run, or start
+            run = identity_stage(cfg, out, ds, base, parent, run_id, hooks.federation)  # 8. resume the newest, or start
         with timer.phase("audit"):
             audit = audit_stage(cfg, out, ag, ds, base, parent, run, progress)  # 9. run.start commits to the inputs
         done: list[bool] = []  # set once the bundle is published

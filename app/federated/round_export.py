@@ -109,7 +109,8 @@ def _manifest_bytes(agg: Aggregator, rec: RoundRecord, admitted: list[Admitted],
                       "trainable_tokens": a.trainable_tokens, "weight": a.trainable_tokens / total,
                       "privacy_epsilon": a.privacy[0], "privacy_delta": a.privacy[1]} for a in admitted],
         "rejected": [{"client": r.client, "node_id": r.node_id, "reason": r.reason} for r in rejected],
-        "files": {B.APP_COMPOSE: _sha_file(stage / B.APP_COMPOSE), R.GLOBAL_ADAPTER: _sha_file(stage / R.GLOBAL_ADAPTER)},
+        "files": {B.APP_COMPOSE: _sha_file(stage / B.APP_COMPOSE),
+                  R.GLOBAL_ADAPTER: _sha_file(stage / R.GLOBAL_ADAPTER)},
     }
     data = R.RoundManifest.model_validate(doc).model_dump(mode="json", by_alias=True)
     return (json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode()
@@ -117,7 +118,8 @@ def _manifest_bytes(agg: Aggregator, rec: RoundRecord, admitted: list[Admitted],
 
 def _self_verify(stage: Path, agg: Aggregator, round_: int) -> None:
     """The simulator: every check under its test-CA policy; a CVM: every integrity check under the client policy."""
-    policy = simulator_policy(agg.agent.simulator_root_der()) if agg.simulated else (agg.client_policy or DEFAULT_POLICY)
+    policy = (simulator_policy(agg.agent.simulator_root_der()) if agg.simulated
+              else agg.client_policy or DEFAULT_POLICY)
     verdict = verify_round(stage, policy=policy, now=int(time.time()))
     failed = [f"{c.name}: {c.detail}" for c in verdict.failed if agg.simulated or c.name in ROUND_INTEGRITY
               or c.name.startswith("client.")]

@@ -87,7 +87,8 @@ class AttestedStrategy(Strategy):
                 verdict = Rejected(verdict.client, verdict.node_id, "its adapter's tensors (names, dtypes or shapes) "
                                    "differ from the round's global adapter (another base model or LoRA shape)")
             if isinstance(verdict, Admitted):
-                self.layout = self.layout or _layout(verdict.arrays)  # a first round: the first admitted adapter's  # aggregate exactly the checked weights, with the verified token count
+                self.layout = self.layout or _layout(verdict.arrays)  # a first round: the first admitted adapter's
+                # aggregate exactly the checked weights, with the verified token count as the weight
                 msg.content = RecordDict({"arrays": verdict.arrays,
                                           "metrics": MetricRecord({WEIGHT_KEY: verdict.trainable_tokens})})
                 admitted.append(verdict)
