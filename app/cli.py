@@ -80,12 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="machine-readable status (schema cvm-tune/status/v1)")
     st.add_argument("-n", type=_bounded_int(1, 10_000), default=10, metavar="N", help="rows to show (default 10)")
 
-    v = sub.add_parser("verify", help="verify an export bundle",
+    v = sub.add_parser("verify", help="verify an export bundle (or a federated round bundle, recursively)",
                        description="Check a bundle's quote (dcap-qvl), report_data binding, file hashes, RTMR0-3 replay "
                        "and audit chain under a policy. Exit 0 accepted, 1 rejected, 2 input error.")
     v.add_argument("bundle", type=Path, nargs="?", metavar="BUNDLE", help="the exports/<run_id> directory")
     v.add_argument("--parent", type=Path, metavar="PARENT_BUNDLE", help="also verify the bundle BUNDLE continued from "
-                   "and the lineage link between them")
+                   "(for a federated round: the previous round) and the link between them")
     v.add_argument("--chain", type=Path, metavar="EXPORTS_DIR", help="instead of BUNDLE: verify every bundle in an "
                    "exports/ directory and every lineage link, roots first; names the first broken link")
     v.add_argument("--policy", type=Path, metavar="FILE", help="YAML policy (default: built-in, Intel root, UpToDate only)")

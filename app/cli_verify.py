@@ -30,6 +30,12 @@ def _verify(args: argparse.Namespace) -> int:
     if args.chain is not None:
         return _verify_chain(args.chain, policy, now, as_json=args.json)
     coll = read_collateral_file(args.collateral) if args.collateral is not None else None
+    from attestation.round_verify import is_round_bundle
+
+    if is_round_bundle(args.bundle) and not (args.base_model or args.dataset):  # a federated round (docs/federated.md)
+        from app.federated.verify_cli import verify_round_cli
+
+        return verify_round_cli(args, policy, now, coll)
     verdict = verify_bundle(args.bundle, policy=policy, now=now, collateral=coll,
                             base_model_dir=args.base_model, dataset_file=args.dataset)
     if args.parent is None:
@@ -37,19 +43,26 @@ def _verify(args: argparse.Namespace) -> int:
     from attestation.lineage import check_link
 
     parent = verify_bundle(args.parent, policy=policy, now=now)
-    problems = check_link(args.bundle, args.parent)
+    return _print_with_parent(verdict, parent, check_link(args.bundle, args.parent), as_json=args.json,
+                              names=("bundle", "parent", f"parent {args.parent}", "lineage"),
+                              linked="the bundle continued from this parent (manifest, adapter and base model hashes match)")
+
+
+def _print_with_parent(verdict: Verdict, parent: Verdict, problems: list[str], *, as_json: bool,
+                       names: tuple[str, str, str, str], linked: str) -> int:
+    """A verdict, its parent's and the link between them; ``names``: the two JSON keys, the parent's and the link's
+    labels. Exit 0 only when both are accepted and the link holds."""
     ok = verdict.accepted and parent.accepted and not problems
     try:
-        if args.json:
-            print(json.dumps({"accepted": ok, "bundle": verdict.to_json(), "parent": parent.to_json(),
+        if as_json:
+            print(json.dumps({"accepted": ok, names[0]: verdict.to_json(), names[1]: parent.to_json(),
                               "link_problems": problems}, indent=2))
         else:
             _write_verdict(verdict, as_json=False)
-            print(f"parent {args.parent}: {parent.summary()}")
+            print(f"{names[2]}: {parent.summary()}")
             for c in parent.failed:
                 print(f"  FAIL {c.name}: {c.detail}")
-            print("lineage: " + ("the bundle continued from this parent (manifest, adapter and base model hashes match)"
-                                 if not problems else "BROKEN: " + "; ".join(problems)))
+            print(f"{names[3]}: " + (linked if not problems else "BROKEN: " + "; ".join(problems)))
         sys.stdout.flush()
     except BrokenPipeError:
         _silence_stdout()

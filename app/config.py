@@ -24,15 +24,15 @@ from app.config_training import (
     TrainingSettings,
 )
 from app.errors import ConfigError
+from app.federated.settings import FederationSettings
+from attestation.safe_yaml import parse_yaml
 
 __all__ = [  # with the training and evaluation sections of app.config_training
     "AlertSettings", "BaseModelSettings", "Config", "DatasetSettings", "DownloadSettings", "EvaluationSettings",
-    "ExportSettings", "GpuTrainingSettings", "KeySettings", "LoraSettings", "LossWatchdogSettings", "OutputSettings",
-    "PrivacySettings", "ScheduleSettings", "StateSettings", "TeeSettings", "TrainingSettings", "load_config",
+    "ExportSettings", "FederationSettings", "GpuTrainingSettings", "KeySettings", "LoraSettings", "LossWatchdogSettings",
+    "OutputSettings", "PrivacySettings", "ScheduleSettings", "StateSettings", "TeeSettings", "TrainingSettings",
+    "load_config",
 ]
-from attestation.safe_yaml import parse_yaml
-
-
 
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few KB; refuse anything that is not one before parsing it
 MAX_CONFIG_DEPTH = 32
@@ -299,6 +299,7 @@ class Config(_Closed):
     schedule: ScheduleSettings = ScheduleSettings()
     alerts: AlertSettings = AlertSettings()
     state: StateSettings = StateSettings()
+    federation: FederationSettings = FederationSettings()
 
     def canonical_json(self) -> bytes:
         """The bytes hashed into the manifest and written to the bundle's ``config.json``."""

@@ -164,6 +164,10 @@ class BaseModelError(TrainingError):
     """Base model files are missing or do not match the pinned hash."""
 
 
+class RoundFailedError(TrainingError):
+    """A federated round admitted fewer verified client bundles than ``federation.min_clients`` (nothing aggregated)."""
+
+
 class StateError(CvmTuneError):
     """Output volume state (checkpoints, runs, exports) is inconsistent or cannot be written."""
 

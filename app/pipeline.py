@@ -80,12 +80,15 @@ class RunHooks:
         on_step: Called with the global step after every optimizer step (heartbeat).
         slot: The scheduled slot instant, recorded in the report.
         service: Run by the nightly service (``training.init: auto`` then continues from the promoted adapter).
+        federation: Train for a federated round: warm start from its global adapter, its ``federation`` block in
+            the manifest (``app.federated``); no lineage or promotion.
     """
 
     should_stop: Callable[[], str | None] = lambda: None
     on_step: Callable[[int], None] = lambda _step: None
     slot: str | None = None
     service: bool = False
+    federation: Any = None  # app.federated.round_input.RoundInput: train for that federated round
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         with timer.phase("parent"):
             parent = parent_stage(cfg, out, ag, ds, base, hooks, progress)  # 7. warm start? (or nothing new: skip)
         with timer.phase("hashing"):
-            run = identity_stage(cfg, out, ds, base, parent, run_id)  # 8. resume the newest unfinished run, or start
+            run = identity_stage(cfg, out, ds, base, parent, run_id, hooks.federation)  # 8. resume the newest, or start
             privacy_run.reserve_stage(cfg, out, ds.info, run.run_id, dp)  # DP-SGD: the dataset version's lifetime cap
         with timer.phase("audit"):
             audit = audit_stage(cfg, out, ag, ds, base, parent, run, progress)  # 9. run.start commits to the inputs
@@ -175,13 +178,15 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             compose_bytes=ag.compose_bytes, build=ag.build, dataset=ds.info, rows_report=ds.rows_report,
             chunks=ds.chunks, base_dir=base.dir, base_name=base.name, base_tree=base.tree, base_files=base.files,
             train=result, gpu=gpu, log=audit.log, recorder=audit.recorder, slot=hooks.slot,
-            lineage=parent.lineage() if parent else None, evaluation=evaluation),
+            lineage=parent.lineage() if parent else None, evaluation=evaluation,
+            federation=hooks.federation.manifest_block() if hooks.federation else None),
             phase=timer.phase, timings=timer.t, progress=progress)
         done.append(True)
         write_state(run.run_dir, {"run_id": run.run_id, "fingerprint": run.fingerprint, "status": "exported",
                                   "started_at": run.started_at, "bundle": str(published.bundle)})
         promoted, refused = continual.record_outcome(  # 12. PROMOTED moves only past the gate
-            out, published.bundle, lineage=continual.init_mode(cfg, service=hooks.service) == "previous")
+            out, published.bundle,
+            lineage=hooks.federation is None and continual.init_mode(cfg, service=hooks.service) == "previous")
         progress(f"exported: {published.bundle}" + ("" if promoted else f" (not promoted: {refused})"))
     timer.t["total"] = time.perf_counter() - t0
     return RunResult(run.run_id, published.bundle, published.verdicts, published.policy_file, result.losses, timer.t,
@@ -202,7 +207,7 @@ def parent_stage(cfg: Config, out: Path, ag: Agent, ds: Dataset, base: BaseModel
                  progress: Progress) -> continual.Parent | None:
     """``training.init`` previous (``auto`` in the service): continue from the promoted bundle, verified again and
     of the same base model and LoRA shape; nothing new since it (or since a refused candidate): skip the run."""
-    if continual.init_mode(cfg, service=hooks.service) == "base":
+    if hooks.federation is not None or continual.init_mode(cfg, service=hooks.service) == "base":
         return None
     bundle = continual.pointer(out, continual.PROMOTED)
     parent = None
@@ -222,11 +227,13 @@ def parent_stage(cfg: Config, out: Path, ag: Agent, ds: Dataset, base: BaseModel
 
 
 def identity_stage(cfg: Config, out: Path, ds: Dataset, base: BaseModel, parent: continual.Parent | None,
-                   requested: str | None) -> RunIdentity:
+                   requested: str | None, federation: Any = None) -> RunIdentity:
     """Resume the newest unfinished run with the same inputs (fingerprint), else start one; record the version."""
     inputs = {"config": sha256_hex(cfg.training_json()), "dataset": ds.info["plaintext_sha256"], "base_model": base.tree}
     if parent is not None:
         inputs["parent"] = parent.manifest_sha256  # a checkpoint resumes only from the same parent
+    if federation is not None:  # ... and only within the same federated round
+        inputs["federation"] = sha256_hex(json.dumps(federation.manifest_block(), sort_keys=True).encode())
     fingerprint = sha256_hex(json.dumps(inputs, sort_keys=True).encode())
     run_id, resuming = pick_run(out, fingerprint, requested)
     run_dir = out / "runs" / run_id
@@ -295,7 +302,9 @@ def train_stage(cfg: Config, ds: Dataset, base: BaseModel, keys: Keys, parent: c
         on_event=lambda t, d: audit.recorder.record(run.run_id, t, d),
         on_log=lambda m: progress(f"  step {m['step']}/{ts.max_steps}  loss {m['loss']:.4f}"
                                   + (f"  ε {m['epsilon']:.4g}" if "epsilon" in m else "")),
-        on_batch_change=batch_changed, init_adapter=parent.adapter_dir if parent else None, privacy=dp))
+        on_batch_change=batch_changed, init_adapter=parent.adapter_dir if parent else (
+            hooks.federation.global_adapter_dir if hooks.federation else None),
+        proximal=hooks.federation.proximal() if hooks.federation else None, privacy=dp))
     if result.resumed_from_step:
         progress(f"training resumed from checkpoint step {result.resumed_from_step}")
     return result

@@ -64,6 +64,7 @@ class ExportInputs:
     slot: str | None
     lineage: dict[str, str] | None = None  # the promoted bundle this run continued from (app.continual)
     evaluation: dict[str, Any] | None = None  # the promotion gate's scores and decision
+    federation: dict[str, Any] | None = None  # the federated round this run trained for (app.federated)
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,7 @@ def _manifest(x: ExportInputs, stage: Path, artifacts: dict[str, str], report_fi
         "evaluation": x.evaluation,
         "signing": model_dirs.signing,
         "privacy": r.privacy,  # DP-SGD as run (app.training.privacy.outcome); None: trained without DP
+        "federation": x.federation,
     }
 
 

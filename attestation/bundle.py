@@ -241,6 +241,18 @@ class EvaluationInfo(_Closed):
 def promotion_rule(candidate_loss: float, parent_loss: float, max_regression: float) -> bool:
     """Promote when the candidate is not worse than its parent beyond the allowed relative regression."""
     return candidate_loss <= parent_loss * (1.0 + max_regression)
+
+
+class FederationInfo(_Closed):
+    """A federated round this run trained for (``app.federated``): the aggregator's round number and fresh nonce,
+    and the global adapter it started from (SHA-256 of its safetensors bytes; None: from the base model)."""
+
+    round: int = Field(ge=1)
+    nonce: Hex64 = _H64
+    global_adapter_sha256: Hex64 | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    proximal_mu: float = Field(0.0, ge=0)  # FedProx: weight of the proximal term the client trained with
+
+
 class SigningInfo(_Closed):
     """OpenSSF model signatures (``model-signing``, key-based): one ``<dir>/model.sig`` per signed directory.
 
@@ -283,3 +295,4 @@ class Manifest(_Closed):
     evaluation: EvaluationInfo | None = None  # None: no promotion gate
     signing: SigningInfo | None = None  # absent only in bundles from before model signatures
     privacy: PrivacyInfo | None = None  # absent: trained without differential privacy
+    federation: FederationInfo | None = None  # None: not trained for a federated round

@@ -198,14 +198,20 @@ def _events(f: QuoteFindings, root: Path) -> tuple[Event, ...] | None:
         return None
 
 
-def _file_hashes(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
+def file_problems(root: Path, files: dict[str, str]) -> list[str]:
+    """``"<file> changed"`` / ``"<file> unreadable"`` for each listed file that does not hash to its value."""
     bad = []
-    for rel, want in sorted(m.files.items()):
+    for rel, want in sorted(files.items()):
         try:
             if sha256_file(root / rel) != want:
                 bad.append(f"{rel} changed")
         except (OSError, ValueError):
             bad.append(f"{rel} unreadable")
+    return bad
+
+
+def _file_hashes(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
+    bad = file_problems(root, m.files)
     f.add("manifest.files", "fail" if bad else "pass", "; ".join(bad) or f"{len(m.files)} file hashes match")
 
 

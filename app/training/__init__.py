@@ -88,6 +88,8 @@ class TrainRequest:
         init_adapter: Warm start: a PEFT adapter directory of the same LoRA shape whose weights replace the fresh
             LoRA initialisation (continual retraining); a resumed checkpoint's weights still win.
         privacy: The DP-SGD plan (``app.training.privacy.plan``); ``None`` trains without DP.
+        proximal: FedProx: add ``proximal / 2 * ||w - w0||^2`` over the LoRA weights to the loss, ``w0`` being the
+            weights training starts from (the federated round's global adapter): ``app.federated.prox``.
     """
 
     base_model_dir: Path
@@ -108,6 +110,7 @@ class TrainRequest:
     on_batch_change: Callable[[dict[str, Any]], None] | None = None
     init_adapter: Path | None = None
     privacy: Any = None  # app.training.privacy.PrivacyPlan: DP-SGD (None: off)
+    proximal: float | None = None
 
 
 @dataclass(frozen=True)

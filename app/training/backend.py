@@ -228,6 +228,10 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
             raise
         except Exception as exc:
             raise TrainingError(f"training setup failed: {first_line(exc)}") from exc
+        if req.proximal:
+            from app.federated.prox import add_proximal_term
+
+            add_proximal_term(trainer, req.proximal)
         for cb in (PrinterCallback, ProgressCallback):  # they print metrics to stdout/stderr
             trainer.remove_callback(cb)
         if len(trainer.train_dataset) == 0:

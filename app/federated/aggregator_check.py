@@ -1,0 +1,61 @@
+"""The client's check of the aggregator: train on a global adapter only if the aggregator's attested round made it.
+
+With ``federation.aggregator_compose_hashes`` set, a global adapter must come with the previous round's attestation
+(round manifest, the aggregator's quote over it, event log, app-compose, collateral): the quote verifies under the
+client's ``aggregator_policy``, the aggregator's compose-hash is allowed, and the manifest names the previous round
+and exactly this adapter. A first round's initial adapter has no round behind it: it must be the one pinned in
+``federation.initial_adapter_sha256``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from attestation.policy import Policy, load_policy, simulator_policy
+from attestation.round_verify import verify_round_head
+
+from app.config import Config
+from app.errors import TeeError
+from app.federated.transport import unpack_bundle
+
+
+def check_global_adapter(cfg: Config, conf: Any, round_: int, global_sha: str | None, workdir: Path) -> None:
+    """Raise unless the global adapter ``global_sha`` may be trained on (nothing to check without one, or when the
+    client pins no aggregator compose-hash).
+
+    Raises:
+        TeeError: no attested round behind the adapter, or that round does not verify or names another adapter.
+    """
+    fed = cfg.federation
+    if not fed.aggregator_compose_hashes or global_sha is None:
+        return
+    evidence = conf.get("previous-round")
+    if not evidence:
+        if round_ == 1 and fed.initial_adapter_sha256 == global_sha:
+            return
+        raise TeeError(f"round {round_}: the aggregator sent a global adapter without the attested round that made it",
+                       fix="pin the initial adapter in federation.initial_adapter_sha256, or check the aggregator")
+    verdict, m = verify_round_head(unpack_bundle(bytes(evidence), workdir), policy=_policy(cfg), now=int(time.time()))
+    problems = [f"{c.name}: {c.detail}" for c in verdict.failed]
+    if m is not None and not problems:
+        if m.tee.compose_hash not in fed.aggregator_compose_hashes:
+            problems.append(f"the aggregator's compose-hash {m.tee.compose_hash[:16]}… is not in "
+                            "federation.aggregator_compose_hashes")
+        if (m.round, m.global_adapter_sha256) != (round_ - 1, global_sha):
+            problems.append(f"its round {m.round} manifest does not name the global adapter of round {round_}")
+    if problems or m is None:
+        raise TeeError(f"round {round_}: the aggregator's previous round does not verify: "
+                       f"{'; '.join(problems[:2]) or 'no round manifest'}",
+                       fix="do not train on this global adapter; check the aggregator's deployment")
+
+
+def _policy(cfg: Config) -> Policy:
+    if cfg.federation.aggregator_policy is not None:
+        return load_policy(cfg.federation.aggregator_policy)
+    if cfg.tee.mode == "embedded-simulator":
+        from app.simulator import GuestAgentSimulator
+
+        return simulator_policy(GuestAgentSimulator().test_root_ca_der)
+    return load_policy(None)

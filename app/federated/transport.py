@@ -1,0 +1,105 @@
+"""What travels in Flower messages: LoRA weights as an ``ArrayRecord`` (and as safetensors bytes on disk), and a
+client's export bundle as tar bytes in a ``ConfigRecord``.
+
+The global adapter's identity is ``sha256(safetensors.numpy.save(arrays))``: both sides serialise the same arrays
+the same way, so the hash a client records is the hash of the file the round bundle holds.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from app.errors import DataError
+
+MAX_BUNDLE_BYTES = 2 << 30  # a client bundle (adapter, tokenizer, evidence), not a merged model
+_ALLOWED_DTYPES = ("float32", "float64", "float16")
+
+
+def arrays_to_safetensors(record: Any) -> bytes:
+    """Serialise an ``ArrayRecord`` (name -> Array) to safetensors bytes.
+
+    Raises:
+        DataError: an array of a dtype a LoRA adapter never has.
+    """
+    from safetensors.numpy import save
+
+    arrays = {name: arr.numpy() for name, arr in record.items()}
+    if odd := sorted(n for n, a in arrays.items() if a.dtype.name not in _ALLOWED_DTYPES):
+        raise DataError(f"adapter tensor {odd[0]!r} has dtype {arrays[odd[0]].dtype.name}, not a float type")
+    return save(arrays)
+
+
+def safetensors_to_arrays(path: Path) -> Any:
+    """The tensors of a safetensors file as an ``ArrayRecord`` (names sorted).
+
+    Raises:
+        DataError: a tensor NumPy has no type for (bfloat16).
+    """
+    from flwr.app import Array, ArrayRecord
+    from safetensors.numpy import load_file
+
+    try:
+        tensors = load_file(str(path))
+    except (TypeError, ValueError) as exc:  # e.g. bfloat16, which NumPy has no type for
+        raise DataError(f"the adapter {path.name} holds tensors NumPy cannot represent ({str(exc)[:100]})",
+                        fix="train the federation's adapters in float32 (PEFT's default for LoRA weights)") from exc
+    return ArrayRecord({name: Array(tensors[name]) for name in sorted(tensors)})
+
+
+def same_arrays(record: Any, path: Path) -> str | None:
+    """``None`` when ``record`` holds exactly the tensors of the safetensors file ``path``; else what differs."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is a mismatch, named
+        return f"the bundle's adapter is unreadable ({type(exc).__name__})"
+    names = set(record.keys())
+    if names != set(tensors):
+        return f"tensor names differ ({len(names ^ set(tensors))} not in both)"
+    for name in sorted(names):
+        a, b = record[name].numpy(), tensors[name]
+        if a.dtype != b.dtype or a.shape != b.shape or not np.array_equal(a, b):
+            return f"tensor {name!r} differs from the bundle's adapter"
+    return None
+
+
+def pack_bundle(bundle: Path, names: tuple[str, ...] | None = None) -> bytes:
+    """A bundle directory (or just the files ``names`` in it) as uncompressed tar bytes (sorted, regular files and
+    directories only)."""
+    buf = io.BytesIO()
+    paths = sorted(Path(bundle).rglob("*")) if names is None else [Path(bundle) / n for n in names]
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in paths:
+            if path.is_symlink() or not (path.is_file() or path.is_dir()):
+                raise DataError(f"bundle entry {path.relative_to(bundle)} is not a plain file or directory")
+            tar.add(path, arcname=path.relative_to(bundle).as_posix(), recursive=False)
+    return buf.getvalue()
+
+
+def unpack_bundle(data: bytes, dest: Path) -> Path:
+    """Extract tar bytes from a client into the new directory ``dest`` (regular files and directories only,
+    no absolute or escaping names: tarfile's ``data`` filter) and return it.
+
+    Raises:
+        DataError: not a tar, too large, or an entry that is not a plain file or directory.
+    """
+    if len(data) > MAX_BUNDLE_BYTES:
+        raise DataError(f"bundle of {len(data)} bytes is larger than {MAX_BUNDLE_BYTES}")
+    dest.mkdir(parents=True)
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            members = tar.getmembers()
+            if odd := [m.name for m in members if not (m.isfile() or m.isdir()) or m.name.startswith("/")
+                       or ".." in PurePosixPath(m.name).parts]:
+                raise DataError(f"bundle entry {odd[0][:100]!r} is not a plain file or directory inside the bundle")
+            if sum(m.size for m in members) > MAX_BUNDLE_BYTES:
+                raise DataError("bundle unpacks to more than the size limit")
+            tar.extractall(dest, members=members, filter="data")
+    except (tarfile.TarError, OSError) as exc:
+        raise DataError(f"the bundle is not a readable tar archive ({type(exc).__name__}: {str(exc)[:100]})") from exc
+    return dest
