@@ -295,7 +295,8 @@ def train_stage(cfg: Config, ds: Dataset, base: BaseModel, keys: Keys, parent: c
         on_event=lambda t, d: audit.recorder.record(run.run_id, t, d),
         on_log=lambda m: progress(f"  step {m['step']}/{ts.max_steps}  loss {m['loss']:.4f}"
                                   + (f"  ε {m['epsilon']:.4g}" if "epsilon" in m else "")),
-        on_batch_change=batch_changed, init_adapter=parent.adapter_dir if parent else None, privacy=dp))
+        on_batch_change=batch_changed, init_adapter=parent.adapter_dir if parent else None, privacy=dp,
+        tokenized=ds.tokens))
     if result.resumed_from_step:
         progress(f"training resumed from checkpoint step {result.resumed_from_step}")
     return result

@@ -88,6 +88,8 @@ class TrainRequest:
         init_adapter: Warm start: a PEFT adapter directory of the same LoRA shape whose weights replace the fresh
             LoRA initialisation (continual retraining); a resumed checkpoint's weights still win.
         privacy: The DP-SGD plan (``app.training.privacy.plan``); ``None`` trains without DP.
+        tokenized: The token ids of ``rows``, aligned (``app.training.tokens.tokenize_rows``): the ``hf`` backend
+            hands them to TRL, which then does not tokenize the rows again. ``None``: TRL tokenizes ``rows``.
     """
 
     base_model_dir: Path
@@ -108,6 +110,7 @@ class TrainRequest:
     on_batch_change: Callable[[dict[str, Any]], None] | None = None
     init_adapter: Path | None = None
     privacy: Any = None  # app.training.privacy.PrivacyPlan: DP-SGD (None: off)
+    tokenized: Sequence[Mapping[str, Sequence[int]]] | None = None
 
 
 @dataclass(frozen=True)

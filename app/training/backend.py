@@ -8,7 +8,8 @@ Top to bottom, :func:`train`:
    CPU machine never touches Unsloth (which refuses to import without a GPU).
 2. Load the base model from a local directory only (``local_files_only``, offline env vars) and
    seed everything first so the LoRA initialisation is reproducible.
-3. Build an in-memory ``datasets.Dataset`` (never a cache file: plaintext stays in RAM).
+3. Build an in-memory ``datasets.Dataset`` (never a cache file: plaintext stays in RAM): the token stage's
+   ids when the request has them (``hf``: TRL does not tokenize again), else the rows (``sft_data.py``).
 4. Decrypt the newest usable sealed checkpoint of this fingerprint into the private scratch
    directory (``checkpoints.py``); unusable ones are reported and dropped.
 5. ``SFTTrainer.train(resume_from_checkpoint=<that path or None>)`` with ``output_dir`` = scratch;
@@ -64,7 +65,7 @@ from .options import (
     unsloth_load_kwargs,
     unsloth_peft_kwargs,
 )
-from .sft_data import build_dataset
+from .sft_data import is_pretokenized, sft_dataset
 
 if TYPE_CHECKING:
     from app.config import TrainingSettings
@@ -219,8 +220,8 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
 
             model, peft_config = warm_start(model, peft_config, Path(req.init_adapter))
         if not splits:
-            splits.extend(split_eval(build_dataset(req.rows, tok, assistant_only_loss=s.assistant_only_loss),
-                                     s.eval_fraction, s.seed))
+            data = sft_dataset(req.rows, req.tokenized, tok, assistant_only_loss=s.assistant_only_loss, backend=backend)
+            splits.extend(split_eval(data, s.eval_fraction, s.seed))
         try:
             trainer = _make_trainer(req, model, tok, peft_config, splits[0], splits[1], scratch, cuda=cuda,
                                     backend=backend, plan=p, world=world, sealing=sealing)
@@ -382,7 +383,7 @@ def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dat
             save_steps=s.save_steps,
             save_total_limit=3,  # >= 2 complete checkpoints survive while a new one is written
             max_length=s.max_length,
-            assistant_only_loss=s.assistant_only_loss,
+            assistant_only_loss=s.assistant_only_loss and not is_pretokenized(dataset),  # masks are in the dataset
             report_to="none",
             seed=s.seed,
             data_seed=s.seed,
