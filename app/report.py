@@ -48,6 +48,7 @@ def build(*, run_id: str, slot: str | None, timings: dict[str, float], train: An
             "tokens_seen_total": train.tokens_seen,
             "train_runtime_s": round(train.train_runtime_s, 3),
         },
+        "cpu": dict(train.cpu_threads),  # torch's CPU thread count and why (training.cpu_threads)
         "memory": {"peak_rss_bytes": int(rss), "peak_gpu_bytes": train.peak_gpu_memory_bytes},
         "data_validation": {"rows_total": rows.rows_total, "rows_kept": rows.rows_kept,
                             "duplicates_dropped": rows.duplicates_dropped, "by_kind": dict(sorted(rows.by_kind.items())),

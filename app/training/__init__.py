@@ -136,6 +136,7 @@ class TrainResult:
             every adjustment (``app.training.batch.summary``).
         eval_losses: ``(step, eval loss)`` when ``training.eval_fraction`` > 0.
         privacy: DP-SGD only: the manifest's ``privacy`` block (``app.training.privacy.outcome``).
+        cpu_threads: torch's CPU thread count and why (``app.training.threads.resolve``).
     """
 
     adapter_dir: Path
@@ -152,6 +153,7 @@ class TrainResult:
     batch: dict[str, Any] = field(default_factory=dict)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     privacy: dict[str, Any] | None = None
+    cpu_threads: dict[str, Any] = field(default_factory=dict)
 
 
 class TrainingInterrupted(TrainingError):

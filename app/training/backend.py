@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.errors import BaseModelError, CvmTuneError, StateError, TrainingError, disk_error
 
-from . import TrainRequest, TrainResult, privacy, ranks, set_offline_env
+from . import TrainRequest, TrainResult, privacy, ranks, set_offline_env, threads
 from .batch import BatchPlan, OutOfMemory, guard_eval, initial_plan, is_oom, retry_budget, run_with_backoff, step_watch
 from .batch import summary as batch_summary
 from .callback import callback_class
@@ -65,7 +65,7 @@ from .options import (
     unsloth_load_kwargs,
     unsloth_peft_kwargs,
 )
-from .sft_data import is_pretokenized, sft_dataset
+from .sft_data import build_dataset, is_pretokenized, sft_dataset  # noqa: F401 - build_dataset: re-exported
 
 if TYPE_CHECKING:
     from app.config import TrainingSettings
@@ -199,6 +199,7 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
     check_options(backend, s, cuda=cuda)
     check_triton_toolchain(cuda=cuda)
     world, rank = ranks.world_size(), ranks.rank()
+    cpu = threads.apply(s.cpu_threads, world=world)  # before the first torch op of the run
     key = checkpoint_key(req)  # set by train() or the launcher: one key restores and seals
     resume = choice if choice is not None else restore(req, key, scratch)
     sealing = {"key": key, "inputs": _inputs(req), "root": Path(req.run_dir) / "checkpoints"}
@@ -282,7 +283,7 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
         batch=batch_summary(current[0], s, world, records + eval_records), eval_losses=eval_losses,
         rejected_checkpoints=resume.rejected,
         peak_gpu_memory_bytes=int(torch.cuda.max_memory_allocated()) if cuda else None,
-        privacy=privacy.outcome(trainer, resume.path) if req.privacy is not None else None,
+        privacy=privacy.outcome(trainer, resume.path) if req.privacy is not None else None, cpu_threads=cpu,
     )
 
 
