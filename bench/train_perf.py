@@ -11,6 +11,8 @@ Rows (median of ``--repeat`` interleaved passes):
 * **dataset preparation, 2,400 rows**: the token policy + handing its ids to TRL / TRL tokenizing the same rows
   itself (the least a run that counts tokens before training can do: one tokenization); the previous revision's
   path (policy, then TRL tokenizing the rows again) is measured alongside.
+* **report/loss.png**: rendering it (warm, 30 losses) / the same figure laid out with ``tight_layout`` (the
+  previous revision), interleaved; the one-off ``import matplotlib`` of a fresh process is printed alongside.
 * **ms per optimizer step vs torch threads**: ``training.cpu_threads: auto`` (what it resolves to here) / 1 thread,
   same run, interleaved; > 1 means auto is slower on this machine at this load.
 
@@ -116,6 +118,54 @@ def _prep(base: Path, rows: list[dict[str, Any]], settings: Any, *, mode: str) -
     return elapsed
 
 
+def png_row(n: int = 30) -> dict[str, Any]:
+    """The loss.png row (module docstring)."""
+    import subprocess
+
+    from app.report import loss_png
+
+    losses = [[i, 3.0 / i] for i in range(1, 31)]
+
+    def tight() -> bytes:  # the previous revision's layout: one extra draw to measure the labels
+        import io
+
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(6, 3.5), dpi=100)
+        ax = fig.add_subplot()
+        ax.plot([s for s, _ in losses], [v for _, v in losses], marker=".")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("training loss")
+        ax.set_title("r: training loss")
+        ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", metadata={"Software": None})
+        return buf.getvalue()
+
+    loss_png(losses, title="r")
+    tight()
+    now, before = [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        loss_png(losses, title="r")
+        now.append(1000 * (time.perf_counter() - t))
+        t = time.perf_counter()
+        tight()
+        before.append(1000 * (time.perf_counter() - t))
+    code = ("import time, numpy; t = time.perf_counter(); import matplotlib; matplotlib.use('Agg'); "
+            "from matplotlib.figure import Figure; print(1000 * (time.perf_counter() - t))")
+    imports = [float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
+               for _ in range(5)]
+    return {"row": "report/loss.png render (fixed margins vs tight_layout)", "unit": "ms", "project": _stats(now),
+            "bound": _stats(before), "ratio": round(statistics.median(now) / statistics.median(before), 3),
+            "import_matplotlib_ms": _stats(imports)}
+
+
+def _stats(v: list[float], nd: int = 1) -> dict[str, float]:
+    return {"min": round(min(v), nd), "median": round(statistics.median(v), nd), "n": len(v)}
+
+
 def train_rows(steps: int = 30, repeat: int = 3, threads: int = 1) -> list[dict[str, Any]]:
     """The rows described in the module docstring; ``threads``: torch threads of the tokens/s row (both sides)."""
     import torch
@@ -159,20 +209,18 @@ def train_rows(steps: int = 30, repeat: int = 3, threads: int = 1) -> list[dict[
                     step_ms[setting].append(1000 * train_s / steps)
         torch.set_num_threads(threads_before)
 
-    def stats(v: list[float], nd: int = 1) -> dict[str, float]:
-        return {"min": round(min(v), nd), "median": round(statistics.median(v), nd), "n": len(v)}
-
     def row(name: str, p: dict[str, float], b: dict[str, float], unit: str, **extra: Any) -> dict[str, Any]:
         return {"row": name, "unit": unit, "project": p, "bound": b, "ratio": round(p["median"] / b["median"], 3),
                 **extra}
 
     return [
-        row(f"training tokens/s, tiny model, {steps} steps (run vs bare SFTTrainer)", stats(mine, 0), stats(bare, 0),
+        row(f"training tokens/s, tiny model, {steps} steps (run vs bare SFTTrainer)", _stats(mine, 0), _stats(bare, 0),
             "tokens/s", tokens=tokens.pop(), torch_threads=threads),
-        row("dataset preparation, 2400 rows (policy + TRL vs TRL alone)", stats(prep["handed"][1:]),
-            stats(prep["trl"][1:]), "ms", previous_revision=stats(prep["twice"][1:])),
-        row(f"ms per optimizer step, cpu_threads auto ({auto['threads']}) vs 1", stats(step_ms["auto"]),
-            stats(step_ms[1]), "ms", auto=auto),
+        row("dataset preparation, 2400 rows (policy + TRL vs TRL alone)", _stats(prep["handed"][1:]),
+            _stats(prep["trl"][1:]), "ms", previous_revision=_stats(prep["twice"][1:])),
+        row(f"ms per optimizer step, cpu_threads auto ({auto['threads']}) vs 1", _stats(step_ms["auto"]),
+            _stats(step_ms[1]), "ms", auto=auto),
+        png_row(),
     ]
 
 
