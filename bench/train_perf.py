@@ -83,7 +83,8 @@ def _bare(base: Path, out: Path, rows: list[dict[str, Any]], settings: Any) -> t
                      per_device_train_batch_size=settings.per_device_batch_size,
                      gradient_accumulation_steps=settings.gradient_accumulation_steps, report_to="none",
                      seed=settings.seed, data_seed=settings.seed, dataloader_num_workers=0, disable_tqdm=True,
-                     use_cpu=True, include_num_input_tokens_seen="non_padding", **OPTIMIZER_ARGS)
+                     use_cpu=True, include_num_input_tokens_seen="non_padding", gradient_checkpointing=False,
+                     dataloader_pin_memory=False, **OPTIMIZER_ARGS)  # as the project's run on a CPU
     trainer = SFTTrainer(model=model, args=args, processing_class=tok, peft_config=peft,
                          train_dataset=build_dataset(rows, tok, assistant_only_loss=settings.assistant_only_loss))
     trainer.train()
