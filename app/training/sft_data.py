@@ -90,8 +90,8 @@ def _pretokenized(rows: Sequence[Mapping[str, Any]], tokenized: Sequence[Mapping
     TRL's SFT preparation skips its tokenization when the dataset has ``input_ids``; it still builds
     the labels (from ``assistant_masks``), truncates to ``max_length`` and drops rows without a
     trainable token, so the ids, labels and losses are those of its own tokenization, computed once.
-    Unsloth replaces TRL's preparation with its own (no labels from ``assistant_masks``): it always
-    gets the rows (``None`` here).
+    Unsloth replaces TRL's preparation with its own, whose handling of token ids and assistant masks
+    is not TRL's: it always gets the rows (``None`` here).
 
     Raises:
         TrainingError: ``tokenized`` does not line up with ``rows``.
