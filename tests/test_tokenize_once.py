@@ -164,3 +164,15 @@ def test_apply_token_policy_keeps_its_answer(tiny_model: Path) -> None:
                                         assistant_only_loss=True, too_long="drop")
     assert (kept, report) == (kept2, report2) and len(ids) == len(kept)
     assert all(len(t["input_ids"]) == len(t["assistant_masks"]) <= settings.max_length for t in ids)
+
+
+def test_a_run_tokenizes_each_row_once(tmp_path: Path, tokenizer_calls: dict[str, int]) -> None:
+    """``cvm-tune run``: the token stage tokenizes every row, the training step none again."""
+    from app.cli import main
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(json.dumps({"output": {"dir": str(tmp_path / "out")}, "training": {"max_steps": 2, "save_steps": 2}}))
+    assert main(["run", "--config", str(cfg), "--run-id", "r1"]) == 0
+    manifest = json.loads((tmp_path / "out" / "exports" / "r1" / "manifest.json").read_text())
+    rows = manifest["dataset"]["validation"]["rows_in"]
+    assert rows > 100 and tokenizer_calls["n"] == rows
