@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from app.config_base import _Closed
 
@@ -106,6 +106,11 @@ class TrainingSettings(_Closed):
     save_steps: int = Field(10, ge=1, le=10_000_000, description="Checkpoint interval (optimizer steps) on the output volume.")
     logging_steps: int = Field(1, ge=1, le=10_000_000)
     assistant_only_loss: bool = False
+    cpu_threads: Literal["auto"] | int = Field(
+        "auto", description="Threads torch computes with on the CPU (torch.set_num_threads, before training; in the run "
+        "report). auto: the CPUs this process may use (affinity mask, capped by the cgroup CPU quota), divided among "
+        "the training processes. On a machine other processes keep busy, fewer can be faster (docs/performance.md).",
+    )
     eval_fraction: float = Field(
         0.0, ge=0.0, le=0.5,
         description="Share of rows held out (seeded) for an eval loss every save_steps and at the end; 0: no eval.",
@@ -121,6 +126,13 @@ class TrainingSettings(_Closed):
     loss_watchdog: LossWatchdogSettings = LossWatchdogSettings()
     gpu: GpuTrainingSettings = GpuTrainingSettings()
     privacy: PrivacySettings = PrivacySettings()
+
+    @field_validator("cpu_threads", mode="before")
+    @classmethod
+    def _threads(cls, value: object) -> object:
+        if value != "auto" and not (type(value) is int and 1 <= value <= 4096):
+            raise ValueError(f"must be auto or a whole number of threads from 1 to 4096, not {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _gpu_combinations(self) -> TrainingSettings:

@@ -58,6 +58,7 @@ class Dataset:
     info: dict[str, Any]  # the manifest's "dataset" section
     eval_rows: list[Any] = field(default_factory=list)  # the owner's "split": "eval" rows (promotion gate)
     note: str | None = None  # e.g. a pending key release made this an older version
+    tokens: list[Any] | None = None  # the token stage's ids of ``rows`` (handed to the trainer: tokenized once)
 
 
 @dataclass(frozen=True)
@@ -203,11 +204,11 @@ def base_model_stage(cfg: Config, out: Path, progress: Progress) -> BaseModel:
 
 def token_stage(cfg: Config, ds: Dataset, base: BaseModel, progress: Progress) -> None:
     """Token budget: the too-long policy and rows without a trainable token, counted before training."""
-    from app.training.tokens import apply_token_policy
+    from app.training.tokens import tokenize_rows
 
-    ds.rows, tokens = apply_token_policy(ds.rows, base_model_dir=base.dir, max_length=cfg.training.max_length,
-                                         assistant_only_loss=cfg.training.assistant_only_loss,
-                                         too_long=cfg.dataset.too_long, lines=ds.rows_report.lines)
+    ds.rows, ds.tokens, tokens = tokenize_rows(ds.rows, base_model_dir=base.dir, max_length=cfg.training.max_length,
+                                               assistant_only_loss=cfg.training.assistant_only_loss,
+                                               too_long=cfg.dataset.too_long, lines=ds.rows_report.lines)
     ds.info["rows"] = tokens.rows_out
     ds.info["validation"].update(tokens.counts())
     progress(f"tokens: {tokens.rows_out} rows, {tokens.trainable_tokens} trainable tokens; {tokens.too_long} longer "

@@ -304,7 +304,8 @@ def train_stage(cfg: Config, ds: Dataset, base: BaseModel, keys: Keys, parent: c
                                   + (f"  ε {m['epsilon']:.4g}" if "epsilon" in m else "")),
         on_batch_change=batch_changed, init_adapter=parent.adapter_dir if parent else (
             hooks.federation.global_adapter_dir if hooks.federation else None),
-        proximal=hooks.federation.proximal() if hooks.federation else None, privacy=dp))
+        proximal=hooks.federation.proximal() if hooks.federation else None, privacy=dp,
+        tokenized=ds.tokens))
     if result.resumed_from_step:
         progress(f"training resumed from checkpoint step {result.resumed_from_step}")
     return result

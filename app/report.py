@@ -48,6 +48,7 @@ def build(*, run_id: str, slot: str | None, timings: dict[str, float], train: An
             "tokens_seen_total": train.tokens_seen,
             "train_runtime_s": round(train.train_runtime_s, 3),
         },
+        "cpu": dict(train.cpu_threads),  # torch's CPU thread count and why (training.cpu_threads)
         "memory": {"peak_rss_bytes": int(rss), "peak_gpu_bytes": train.peak_gpu_memory_bytes},
         "data_validation": {"rows_total": rows.rows_total, "rows_kept": rows.rows_kept,
                             "duplicates_dropped": rows.duplicates_dropped, "by_kind": dict(sorted(rows.by_kind.items())),
@@ -83,7 +84,7 @@ def loss_png(losses: list[list[float]], *, title: str) -> bytes:
     ax.set_ylabel("training loss")
     ax.set_title(f"{title}: training loss")
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.14, top=0.91)  # fixed margins: tight_layout costs a draw
     buf = io.BytesIO()
     fig.savefig(buf, format="png", metadata={"Software": None})
     return buf.getvalue()

@@ -12,11 +12,15 @@ Rows (project / bound / ratio; times as min and median of the samples, throughpu
 * ``cvm-tune --help`` / ``python -c pass``;
 * ``open_encrypted`` streaming an owner-signed dataset of ``--dataset-mib`` (key check, header MAC, owner signature,
   every GCM tag, SHA-256 of ciphertext and plaintext) / min(AES-256-GCM decrypt, SHA-256), both measured on 1 MiB
-  chunks in memory in this run.
+  chunks in memory in this run;
+* the training rows of ``bench/train_perf.py`` (``--train-steps 0`` skips them): tokens/s of a run's training step
+  / a bare ``SFTTrainer`` with the same saves; dataset preparation (token policy + TRL on its ids / TRL alone);
+  ms per optimizer step at ``training.cpu_threads: auto`` / 1 thread.
 
 ``--tree`` measures another checkout of cvm-tune (say, the previous release) with this same script, for a before/after
-comparison on one machine. Training throughput is measured by ``bench/overhead.py`` (CPU) and ``bench/gpu_train.py``
-(GPU). Shared machines are noisy: the load average before and after is recorded, and only same-run ratios compare.
+comparison on one machine (the training rows need the tree to have ``bench/train_perf.py``). A run's phases are
+measured by ``bench/overhead.py`` (CPU), GPU training by ``bench/gpu_train.py``. Shared machines are noisy: the
+load average before and after is recorded, and only same-run ratios compare.
 """
 
 from __future__ import annotations
@@ -206,6 +210,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=30, help="samples per in-process figure (default 30)")
     ap.add_argument("--dataset-mib", type=int, default=1024, help="signed dataset size for the decrypt row (default 1024)")
     ap.add_argument("--repeat", type=int, default=5, help="decrypt passes (default 5)")
+    ap.add_argument("--train-steps", type=int, default=30, help="optimizer steps of the training rows (0: skip them)")
     ap.add_argument("--out", type=Path, help="also write the result as JSON here")
     args = ap.parse_args()
     TREE = args.tree.resolve()
@@ -215,18 +220,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="cvm-tune-bench-cpu-") as tmp:
         rows = verify_rows(Path(tmp) / "v", args.n)
         rows.append(decrypt_row(Path(tmp), args.dataset_mib, args.repeat))
+    if args.train_steps:
+        sys.path.insert(0, str(TREE / "bench"))
+        from train_perf import train_rows
+
+        rows += train_rows(args.train_steps)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.machine())
     report = {"measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tree": str(TREE),
               "machine": f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}",
               "load_average_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)], "rows": rows}
-    print(f"{'row':48} {'project':>22} {'bound':>22} {'ratio':>7}")
+    print(f"{'row':66} {'project':>22} {'bound':>22} {'ratio':>7}")
     for r in rows:
         p, b = r["project"], r["bound"]
         fmt = (lambda d: f"{d['median']:.0f} {r['unit']}") if r["unit"] == "MB/s" else (
             lambda d: f"{d['min']:.2f} / {d['median']:.2f} {r['unit']}")
         extra = f"  (raw share {r['raw_share']:.2f})" if "raw_share" in r else ""
-        print(f"{r['row']:48} {fmt(p):>22} {fmt(b):>22} {r['ratio']:>7.3f}{extra}")
+        if "previous_revision" in r:
+            extra = f"  (previous revision {fmt(r['previous_revision'])})"
+        print(f"{r['row']:66} {fmt(p):>22} {fmt(b):>22} {r['ratio']:>7.3f}{extra}")
     print(f"machine: {report['machine']}; load average before/after {report['load_average_before_after']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

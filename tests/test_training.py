@@ -431,11 +431,12 @@ def test_dataset_formats(tiny_model: Path) -> None:
 def test_trl_trains_text_rows_with_one_eos_and_the_explicit_optimizer(tiny_model: Path, tmp_path: Path) -> None:
     """What the trainer tokenized: EOS once (TRL adds none on top of build_dataset's); AdamW without weight decay."""
     from app.training import backend as B
+    from app.training.sft_data import build_dataset
     from app.training.batch import BatchPlan
 
     req = _request(tiny_model, tmp_path)
     model, tok, peft_config = B._load_hf(req, False)
-    ds = B.build_dataset([{"text": "plain note"}, {"text": "done" + tok.eos_token}], tok, assistant_only_loss=False)
+    ds = build_dataset([{"text": "plain note"}, {"text": "done" + tok.eos_token}], tok, assistant_only_loss=False)
     sealing = {"key": CKPT_KEY, "inputs": INPUTS, "root": tmp_path / "checkpoints"}
     trainer = B._make_trainer(req, model, tok, peft_config, ds, None, tmp_path / "scratch", cuda=False, backend="hf",
                               plan=BatchPlan(1, 1, 3), world=1, sealing=sealing)

@@ -90,6 +90,8 @@ class TrainRequest:
         privacy: The DP-SGD plan (``app.training.privacy.plan``); ``None`` trains without DP.
         proximal: FedProx: add ``proximal / 2 * ||w - w0||^2`` over the LoRA weights to the loss, ``w0`` being the
             weights training starts from (the federated round's global adapter): ``app.federated.prox``.
+        tokenized: The token ids of ``rows``, aligned (``app.training.tokens.tokenize_rows``): the ``hf`` backend
+            hands them to TRL, which then does not tokenize the rows again. ``None``: TRL tokenizes ``rows``.
     """
 
     base_model_dir: Path
@@ -111,6 +113,7 @@ class TrainRequest:
     init_adapter: Path | None = None
     privacy: Any = None  # app.training.privacy.PrivacyPlan: DP-SGD (None: off)
     proximal: float | None = None
+    tokenized: Sequence[Mapping[str, Sequence[int]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,7 @@ class TrainResult:
             every adjustment (``app.training.batch.summary``).
         eval_losses: ``(step, eval loss)`` when ``training.eval_fraction`` > 0.
         privacy: DP-SGD only: the manifest's ``privacy`` block (``app.training.privacy.outcome``).
+        cpu_threads: torch's CPU thread count and why (``app.training.threads.resolve``).
     """
 
     adapter_dir: Path
@@ -152,6 +156,7 @@ class TrainResult:
     batch: dict[str, Any] = field(default_factory=dict)
     eval_losses: list[tuple[int, float]] = field(default_factory=list)
     privacy: dict[str, Any] | None = None
+    cpu_threads: dict[str, Any] = field(default_factory=dict)
 
 
 class TrainingInterrupted(TrainingError):

@@ -8,7 +8,8 @@ Top to bottom, :func:`train`:
    CPU machine never touches Unsloth (which refuses to import without a GPU).
 2. Load the base model from a local directory only (``local_files_only``, offline env vars) and
    seed everything first so the LoRA initialisation is reproducible.
-3. Build an in-memory ``datasets.Dataset`` (never a cache file: plaintext stays in RAM).
+3. Build an in-memory ``datasets.Dataset`` (never a cache file: plaintext stays in RAM): the token stage's
+   ids when the request has them (``hf``: TRL does not tokenize again), else the rows (``sft_data.py``).
 4. Decrypt the newest usable sealed checkpoint of this fingerprint into the private scratch
    directory (``checkpoints.py``); unusable ones are reported and dropped.
 5. ``SFTTrainer.train(resume_from_checkpoint=<that path or None>)`` with ``output_dir`` = scratch;
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.errors import BaseModelError, CvmTuneError, StateError, TrainingError, disk_error
 
-from . import TrainRequest, TrainResult, privacy, ranks, set_offline_env
+from . import TrainRequest, TrainResult, privacy, ranks, set_offline_env, threads
 from .batch import BatchPlan, OutOfMemory, guard_eval, initial_plan, is_oom, retry_budget, run_with_backoff, step_watch
 from .batch import summary as batch_summary
 from .callback import callback_class
@@ -64,7 +65,7 @@ from .options import (
     unsloth_load_kwargs,
     unsloth_peft_kwargs,
 )
-from .sft_data import build_dataset
+from .sft_data import is_pretokenized, sft_dataset
 
 if TYPE_CHECKING:
     from app.config import TrainingSettings
@@ -198,6 +199,7 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
     check_options(backend, s, cuda=cuda)
     check_triton_toolchain(cuda=cuda)
     world, rank = ranks.world_size(), ranks.rank()
+    cpu = threads.apply(s.cpu_threads, world=world)  # before the first torch op of the run
     key = checkpoint_key(req)  # set by train() or the launcher: one key restores and seals
     resume = choice if choice is not None else restore(req, key, scratch)
     sealing = {"key": key, "inputs": _inputs(req), "root": Path(req.run_dir) / "checkpoints"}
@@ -219,8 +221,8 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
 
             model, peft_config = warm_start(model, peft_config, Path(req.init_adapter))
         if not splits:
-            splits.extend(split_eval(build_dataset(req.rows, tok, assistant_only_loss=s.assistant_only_loss),
-                                     s.eval_fraction, s.seed))
+            data = sft_dataset(req.rows, req.tokenized, tok, assistant_only_loss=s.assistant_only_loss, backend=backend)
+            splits.extend(split_eval(data, s.eval_fraction, s.seed))
         try:
             trainer = _make_trainer(req, model, tok, peft_config, splits[0], splits[1], scratch, cuda=cuda,
                                     backend=backend, plan=p, world=world, sealing=sealing)
@@ -285,7 +287,7 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
         batch=batch_summary(current[0], s, world, records + eval_records), eval_losses=eval_losses,
         rejected_checkpoints=resume.rejected,
         peak_gpu_memory_bytes=int(torch.cuda.max_memory_allocated()) if cuda else None,
-        privacy=privacy.outcome(trainer, resume.path) if req.privacy is not None else None,
+        privacy=privacy.outcome(trainer, resume.path) if req.privacy is not None else None, cpu_threads=cpu,
     )
 
 
@@ -386,7 +388,7 @@ def _make_trainer(req: TrainRequest, model: Any, tok: Any, peft_config: Any, dat
             save_steps=s.save_steps,
             save_total_limit=3,  # >= 2 complete checkpoints survive while a new one is written
             max_length=s.max_length,
-            assistant_only_loss=s.assistant_only_loss,
+            assistant_only_loss=s.assistant_only_loss and not is_pretokenized(dataset),  # masks are in the dataset
             report_to="none",
             seed=s.seed,
             data_seed=s.seed,

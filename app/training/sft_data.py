@@ -74,3 +74,41 @@ def build_dataset(rows: Sequence[Mapping[str, Any]], tok: Any, *, assistant_only
         rendered = tok.apply_chat_template(chat, tokenize=False)
         records.append({"text": with_eos(rendered[:-1] if rendered.endswith(eos_nl) else rendered)})
     return Dataset.from_list(records)
+
+
+def sft_dataset(rows: Sequence[Mapping[str, Any]], tokenized: Sequence[Mapping[str, Sequence[int]]] | None, tok: Any,
+                *, assistant_only_loss: bool, backend: str) -> Any:
+    """The dataset handed to TRL: the token stage's ids when given (``hf``), else :func:`build_dataset`."""
+    pre = _pretokenized(rows, tokenized, backend=backend)
+    return pre if pre is not None else build_dataset(rows, tok, assistant_only_loss=assistant_only_loss)
+
+
+def _pretokenized(rows: Sequence[Mapping[str, Any]], tokenized: Sequence[Mapping[str, Sequence[int]]] | None, *,
+                  backend: str) -> Any:
+    """The token stage's ids as a ``datasets.Dataset`` TRL trains on as is, or ``None`` to let TRL tokenize ``rows``.
+
+    TRL's SFT preparation skips its tokenization when the dataset has ``input_ids``; it still builds
+    the labels (from ``assistant_masks``), truncates to ``max_length`` and drops rows without a
+    trainable token, so the ids, labels and losses are those of its own tokenization, computed once.
+    Unsloth replaces TRL's preparation with its own, whose handling of token ids and assistant masks
+    is not TRL's: it always gets the rows (``None`` here).
+
+    Raises:
+        TrainingError: ``tokenized`` does not line up with ``rows``.
+    """
+    if tokenized is None or backend != "hf":
+        return None
+    if len(tokenized) != len(rows):
+        raise TrainingError(f"{len(tokenized)} tokenized rows for {len(rows)} rows",
+                            fix="pass the token stage's ids for exactly the rows it kept")
+    from datasets import Dataset
+
+    columns = ("input_ids", "assistant_masks") if tokenized and "assistant_masks" in tokenized[0] else ("input_ids",)
+    return Dataset.from_dict({c: [list(t[c]) for t in tokenized] for c in columns})
+
+
+def is_pretokenized(dataset: Any) -> bool:
+    """Whether TRL will take ``dataset`` as already tokenized (then ``assistant_only_loss`` must not be passed
+    to ``SFTConfig``: TRL refuses it for a non-conversational dataset; the ``assistant_masks`` column
+    masks the labels either way)."""
+    return "input_ids" in dataset.column_names

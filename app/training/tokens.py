@@ -13,6 +13,10 @@ template, with assistant masks when ``assistant_only_loss``; text rows with EOS 
   but no trainable token at all: :class:`~app.errors.ZeroTrainableTokensError`.
 
 Counts only, never content. The counts go to the run's manifest (``dataset.validation``).
+
+:func:`tokenize_rows` also returns the token ids of the kept rows (untruncated, with the assistant
+masks when ``assistant_only_loss``): the ``hf`` backend hands them to TRL, which then builds the
+labels, truncates and trains without tokenizing the rows a second time (``app.training.sft_data``).
 """
 
 from __future__ import annotations
@@ -53,7 +57,20 @@ def apply_token_policy(rows: Sequence[Mapping[str, Any]], *, base_model_dir: Pat
                        lines: Sequence[int] | None = None) -> tuple[list[Mapping[str, Any]], TokenReport]:
     """Apply the policy (module docstring) and return the rows to train on, in their order.
 
-    ``lines`` (the source line of each row) only labels the report.
+    ``lines`` (the source line of each row) only labels the report. Raises as :func:`tokenize_rows`.
+    """
+    keep, _, report = tokenize_rows(rows, base_model_dir=base_model_dir, max_length=max_length,
+                                    assistant_only_loss=assistant_only_loss, too_long=too_long, lines=lines)
+    return keep, report
+
+
+def tokenize_rows(rows: Sequence[Mapping[str, Any]], *, base_model_dir: Path, max_length: int,
+                  assistant_only_loss: bool, too_long: TooLong, lines: Sequence[int] | None = None,
+                  ) -> tuple[list[Mapping[str, Any]], list[dict[str, list[int]]], TokenReport]:
+    """:func:`apply_token_policy`, plus the token ids of each kept row (aligned with the kept rows).
+
+    Each entry is ``{"input_ids": [...]}`` (+ ``"assistant_masks"`` when ``assistant_only_loss``),
+    before truncation, exactly as TRL's SFT preprocessing tokenizes the row.
 
     Raises:
         BaseModelError: the tokenizer cannot be loaded from ``base_model_dir``.
@@ -73,6 +90,7 @@ def apply_token_policy(rows: Sequence[Mapping[str, Any]], *, base_model_dir: Pat
     except Exception as exc:  # noqa: BLE001 - any loader failure: the message names the type only
         raise BaseModelError(f"cannot load the tokenizer from {base_model_dir}: {type(exc).__name__}") from None
     keep: list[Mapping[str, Any]] = []
+    encoded: list[dict[str, list[int]]] = []
     long_at: list[int] = []
     zero_at: list[int] = []
     truncated = tokens = trainable = 0
@@ -93,6 +111,7 @@ def apply_token_policy(rows: Sequence[Mapping[str, Any]], *, base_model_dir: Pat
         tokens += kept
         trainable += row_trainable
         keep.append(row)
+        encoded.append({"input_ids": ids} if mask is None else {"input_ids": ids, "assistant_masks": mask})
     dropped_long, dropped_zero = (len(long_at) if too_long == "drop" else 0), len(zero_at)
     report = TokenReport(max_length=max_length, rows_in=len(rows), too_long=len(long_at), truncated=truncated,
                          dropped_too_long=dropped_long, dropped_no_trainable=dropped_zero, rows_out=len(keep),
@@ -102,7 +121,7 @@ def apply_token_policy(rows: Sequence[Mapping[str, Any]], *, base_model_dir: Pat
         cls = ZeroTrainableTokensError if dropped_zero == len(rows) else AllRowsFilteredError
         raise cls(f"no row left to train on: of {len(rows)} rows, {dropped_long} longer than max_length "
                   f"({max_length} tokens) were dropped and {dropped_zero} had zero trainable tokens")
-    return keep, report
+    return keep, encoded, report
 
 
 def _tokenize(tok: Any, rec: Mapping[str, Any], assistant_only_loss: bool) -> tuple[list[int], list[int] | None]:

@@ -1,0 +1,28 @@
+"""report/loss.png: deterministic bytes, fixed size, matplotlib loaded only when a report is rendered."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+from app.report import loss_png
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_png_is_deterministic_and_fixed_size() -> None:
+    from PIL import Image
+
+    losses = [[i, 3.0 / i] for i in range(1, 200)]
+    png = loss_png(losses, title="r1")
+    assert png == loss_png(losses, title="r1") and png.startswith(b"\x89PNG\r\n\x1a\n")
+    assert Image.open(io.BytesIO(png)).size == (600, 350)
+    assert loss_png([], title="r1") != png  # no losses: an empty chart, still a PNG
+    assert b"Software" not in png  # no version or timestamp metadata
+
+
+def test_importing_the_report_module_loads_no_matplotlib() -> None:
+    code = "import sys, app.report; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={"PYTHONPATH": str(REPO)})
