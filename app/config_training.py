@@ -108,8 +108,9 @@ class TrainingSettings(_Closed):
     assistant_only_loss: bool = False
     cpu_threads: Literal["auto"] | int = Field(
         "auto", description="Threads torch computes with on the CPU (torch.set_num_threads, before training; in the run "
-        "report). auto: the CPUs this process may use (affinity mask, capped by the cgroup CPU quota), divided among "
-        "the training processes. On a machine other processes keep busy, fewer can be faster (docs/performance.md).",
+        "report). auto: the CPUs this process may use (affinity mask, capped by the cgroup CPU quota), less those other "
+        "processes keep busy (1-minute load average, rounded down), divided among the training processes; at least 1 "
+        "(docs/performance.md).",
     )
     eval_fraction: float = Field(
         0.0, ge=0.0, le=0.5,

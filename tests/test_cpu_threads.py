@@ -44,20 +44,39 @@ def test_auto_is_the_affinity_mask_capped_by_the_cgroup_quota(tmp_path: Path, ei
                                                               source: str) -> None:
     root = _cgroup(tmp_path / "cg", v2, v1)
     assert threads_of("auto", root) == (threads, source)
-    assert T.resolve("auto", cgroup_root=root)["available"] == threads
+    assert T.resolve("auto", cgroup_root=root, busy=0)["available"] == threads
 
 
-def threads_of(setting: int | str, root: Path, world: int = 1) -> tuple[int, str]:
-    chosen = T.resolve(setting, world=world, cgroup_root=root)
+def threads_of(setting: int | str, root: Path, world: int = 1, busy: int = 0) -> tuple[int, str]:
+    chosen = T.resolve(setting, world=world, cgroup_root=root, busy=busy)
     return chosen["threads"], chosen["source"]
+
+
+def test_auto_leaves_the_cpus_other_processes_keep_busy(tmp_path: Path, eight_cpus: None) -> None:
+    root = _cgroup(tmp_path / "cg", "200000 100000")  # 2 CPUs
+    assert threads_of("auto", root, busy=0) == (2, "cgroup cpu quota")
+    assert threads_of("auto", root, busy=1) == (1, "cgroup cpu quota")
+    assert threads_of("auto", root, busy=5) == (1, "cgroup cpu quota")  # never 0
+    assert threads_of(2, root, busy=5) == (2, "training.cpu_threads")  # a number is taken as it is
+
+
+def test_busy_cpus_is_the_load_average_rounded_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(T.os, "getloadavg", lambda: (1.93, 0.5, 0.2))
+    assert T.busy_cpus() == 1
+
+    def unknown() -> tuple[float, float, float]:
+        raise OSError("no load average")
+
+    monkeypatch.setattr(T.os, "getloadavg", unknown)
+    assert T.busy_cpus() == 0
 
 
 def test_processes_share_the_cpus_and_a_number_wins(tmp_path: Path, eight_cpus: None) -> None:
     root = _cgroup(tmp_path / "cg", "400000 100000")
     assert threads_of("auto", root, world=2) == (2, "cgroup cpu quota")
     assert threads_of("auto", root, world=8) == (1, "cgroup cpu quota")  # never 0
-    assert T.resolve(3, cgroup_root=root) == {"setting": 3, "threads": 3, "available": 4,
-                                                    "source": "training.cpu_threads"}
+    assert T.resolve(3, cgroup_root=root, busy=1) == {"setting": 3, "threads": 3, "available": 4, "busy": 1,
+                                                      "source": "training.cpu_threads"}
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "5000", "true", "'2'", "1.5", "many", "null"])

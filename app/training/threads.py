@@ -3,9 +3,11 @@
 ``auto`` takes the CPUs this process may run on: the affinity mask (``os.sched_getaffinity``: taskset, cpuset,
 a container's ``--cpuset-cpus``), capped by the cgroup CPU quota rounded up (cgroup v2 ``cpu.max`` from this
 process's cgroup up to the root, or v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``: a container's ``--cpus``),
-divided among the training processes of a multi-process run. Nothing is subtracted for other load: on a machine
-whose cores other processes keep busy, fewer threads can be faster (docs/performance.md has the measurement);
-set a number then. The choice goes into the run report (``report/report.json``, ``cpu``).
+divided among the training processes of a multi-process run, less the CPUs other processes keep busy: the
+1-minute load average when training starts, rounded down (``os.getloadavg``), never below one thread. On a
+dedicated CVM that subtracts nothing; on a shared machine whose cores are busy, torch's threads would wait on
+each other (measured: 2 threads on a busy 2-core machine 10x slower per step than 1, docs/performance.md). A
+number overrides it. The choice goes into the run report (``report/report.json``, ``cpu``).
 """
 
 from __future__ import annotations
@@ -77,14 +79,25 @@ def _cpus(quota: str, period: str) -> int | None:
     return max(1, math.ceil(q / p)) if q > 0 and p > 0 else None
 
 
-def resolve(setting: int | str, *, world: int = 1, cgroup_root: Path = CGROUP_ROOT) -> dict[str, Any]:
-    """What ``setting`` (``"auto"`` or a number) means here: ``{"setting", "threads", "available", "source"}``."""
+def busy_cpus() -> int:
+    """CPUs other processes keep busy now: the 1-minute load average rounded down (0 where it is unknown)."""
+    try:
+        return max(0, math.floor(os.getloadavg()[0]))
+    except (AttributeError, OSError):
+        return 0
+
+
+def resolve(setting: int | str, *, world: int = 1, cgroup_root: Path = CGROUP_ROOT,
+            busy: int | None = None) -> dict[str, Any]:
+    """What ``setting`` (``"auto"`` or a number) means here: ``{"setting", "threads", "available", "busy",
+    "source"}``; ``busy`` defaults to :func:`busy_cpus`."""
     available, source = cpu_budget(cgroup_root)
+    busy = busy_cpus() if busy is None else busy
     if setting == "auto":
-        threads = max(1, available // max(1, world))
+        threads = max(1, (available - min(busy, available)) // max(1, world))
     else:
         threads, source = int(setting), "training.cpu_threads"
-    return {"setting": setting, "threads": threads, "available": available, "source": source}
+    return {"setting": setting, "threads": threads, "available": available, "busy": busy, "source": source}
 
 
 def apply(setting: int | str, *, world: int = 1) -> dict[str, Any]:
