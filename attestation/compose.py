@@ -216,16 +216,26 @@ def services(docker_compose_text: str) -> dict[str, dict[str, Any]]:
     Raises:
         ComposeError: not YAML or no services mapping.
     """
-    from attestation.compose_yaml import parse
+    return compose_document(docker_compose_text)[1]
+
+
+def compose_document(docker_compose_text: str, loader: type | None = None) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """The parsed docker-compose text (mappings and sequences remember their source lines: ``compose_yaml``) and its
+    ``services`` mapping; ``loader``: a ``compose_yaml.make_loader`` class (default: libyaml when available).
+
+    Raises:
+        ComposeError: not YAML or no services mapping.
+    """
+    from attestation import compose_yaml
 
     try:
-        doc = parse(docker_compose_text)
+        doc = compose_yaml.parse(docker_compose_text, loader or compose_yaml.LOADER)
     except (yaml.YAMLError, RecursionError) as exc:
         raise ComposeError(f"docker_compose_file is not valid YAML: {str(exc).splitlines()[0]}") from exc
     svcs = doc.get("services") if isinstance(doc, dict) else None
     if not isinstance(svcs, dict) or not all(isinstance(v, dict) for v in svcs.values()):
         raise ComposeError("docker_compose_file has no `services` mapping")
-    return svcs
+    return doc, svcs
 
 
 def images(app_compose: dict[str, Any]) -> dict[str, str | None]:

@@ -23,11 +23,9 @@ import posixpath
 import re
 from typing import Any
 
-import yaml
-
 from attestation import compose_yaml as Y
-from attestation.compose import (DSTACK_SOCKET, PLACEHOLDER_DIGEST, SECRET_NAME, SERVICE, ComposeError, env_entries,
-                                 image_digest)
+from attestation.compose import (DSTACK_SOCKET, PLACEHOLDER_DIGEST, SECRET_NAME, SERVICE, ComposeError, compose_document,
+                                 env_entries, image_digest)
 
 # Paths inside the CVM a container must not see (``/var/run`` is a symlink to ``/run``), with what each exposes.
 PROTECTED = {
@@ -211,13 +209,7 @@ def compose_problems(text: str, loader: type = Y.LOADER) -> list[str]:
     Raises:
         ComposeError: not YAML, or no ``services`` mapping.
     """
-    try:
-        doc = Y.parse(text, loader)
-    except (yaml.YAMLError, RecursionError) as exc:
-        raise ComposeError(f"docker_compose_file is not valid YAML: {str(exc).splitlines()[0]}") from exc
-    svcs = doc.get("services") if isinstance(doc, dict) else None
-    if not isinstance(svcs, dict) or not all(isinstance(v, dict) for v in svcs.values()):
-        raise ComposeError("docker_compose_file has no `services` mapping")
+    doc, svcs = compose_document(text, loader)
     problems: list[str] = []
     if doc.get("include"):
         problems.append(f"include (line {doc.line('include')}): other compose files are not measured; inline them")

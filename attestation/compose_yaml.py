@@ -14,6 +14,8 @@ from typing import Any
 import yaml
 from yaml.resolver import BaseResolver
 
+from attestation.safe_yaml import MAX_DEPTH, deeper_than
+
 BASE_LOADER: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
@@ -69,5 +71,9 @@ LOADER = make_loader()
 
 
 def parse(text: str, loader: type = LOADER) -> Any:
-    """Parse one YAML document with line information. Raises ``yaml.YAMLError``."""
+    """Parse one YAML document with line information. Raises ``yaml.YAMLError``, also for collections nested more
+    than ``MAX_DEPTH`` deep: checked on the event stream first, because libyaml's composer recurses on the C stack and
+    crashes the process on deeply nested input (an app-compose.json in a bundle is untrusted)."""
+    if deeper_than(text, MAX_DEPTH):
+        raise yaml.YAMLError(f"collections nested more than {MAX_DEPTH} levels deep")
     return yaml.load(text, Loader=loader)  # noqa: S506 - a SafeLoader subclass

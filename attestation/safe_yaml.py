@@ -37,13 +37,14 @@ if _CSafeLoader is not None:
     _UniqueKeyCLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
 
-def _deeper_than(text: str | bytes, limit: int) -> bool:
+def deeper_than(text: str | bytes, limit: int) -> bool:
     """Whether the collections of ``text`` nest more than ``limit`` deep, from libyaml's event stream.
 
     libyaml's parser keeps its own stack (no recursion) and this stops at the first level past the limit, so
-    the composer, which recurses on the C stack, never sees input deeper than a real file."""
+    the composer, which recurses on the C stack, never sees input deeper than a real file. Every libyaml load of
+    untrusted text goes through this first (``parse_yaml`` here, ``attestation.compose_yaml.parse``)."""
     level = 0
-    for event in yaml.parse(text, Loader=_CSafeLoader):
+    for event in yaml.parse(text, Loader=_CSafeLoader or yaml.SafeLoader):
         if isinstance(event, yaml.CollectionStartEvent):
             level += 1
             if level > limit:
@@ -75,7 +76,7 @@ def parse_yaml(text: str | bytes, what: str, error: type, *, max_depth: int = MA
     deep = f"{what} is nested more than {max_depth} levels deep: not a cvm-tune file"
     try:
         if _UniqueKeyCLoader is not None:
-            if _deeper_than(text, max_depth):
+            if deeper_than(text, max_depth):
                 raise error(deep)
             data = yaml.load(text, Loader=_UniqueKeyCLoader)  # noqa: S506  (a CSafeLoader subclass)
         else:

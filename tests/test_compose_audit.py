@@ -177,3 +177,20 @@ def test_public_composes_findings() -> None:
     near = "\n".join(compose_problems(C.load(tcb["app_compose"].encode())["docker_compose_file"]))
     assert "service launcher (line 15): bind `/var/run/docker.sock:/var/run/docker.sock` reaches /run/docker.sock" in near
     assert "service signer-key-export (line 41): bind `/var/lib/docker/volumes:/volumes` reaches /var/lib/docker" in near
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_deeply_nested_compose_is_refused_not_a_crash(loader: type) -> None:
+    """An app-compose.json in a bundle is untrusted: libyaml's composer recurses on the C stack and would crash
+    the verifier on deep nesting, so depth is checked on the event stream first (both loaders, every entry point)."""
+    import subprocess
+    import sys
+
+    hostile = "services: " + "[" * 200_000
+    with pytest.raises(C.ComposeError, match="nested more than 32 levels"):
+        compose_problems(hostile, loader)
+    doc = {**_good(), "docker_compose_file": hostile}
+    code = ("import json, sys\nfrom attestation import compose as C\n"
+            "try:\n    C.images(json.loads(sys.stdin.read()))\nexcept C.ComposeError as e:\n    print(e.message)\n")
+    run = subprocess.run([sys.executable, "-c", code], input=json.dumps(doc), capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "nested more than 32 levels" in run.stdout, (run.returncode, run.stderr[-500:])
