@@ -41,6 +41,11 @@ _RUN_ID = re.compile(RUN_ID_PATTERN)
 _CHUNK = 1 << 20
 
 
+def token_sha256(token: str) -> str:
+    """What the compose pins (``CVM_TUNE_BUNDLES_TOKEN_SHA256``) and the server compares a bearer token to."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
 def new_token(path: Path) -> str:
     """Write a fresh random token to ``path`` (mode 0600, never overwritten); return its SHA-256 (hex).
 
@@ -54,7 +59,7 @@ def new_token(path: Path) -> str:
         raise ConfigError(f"cannot create {path}: {exc.strerror}", fix="choose a new file name (tokens are never overwritten)") from exc
     with os.fdopen(fd, "w") as fh:
         fh.write(token + "\n")
-    return hashlib.sha256(token.encode()).hexdigest()
+    return token_sha256(token)
 
 
 def read_token(path: Path) -> str:
@@ -109,7 +114,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 (http.server naming)
         auth = self.headers.get("Authorization", "")
-        given = hashlib.sha256(auth.removeprefix("Bearer ").encode()).hexdigest()
+        given = token_sha256(auth.removeprefix("Bearer "))
         if not auth.startswith("Bearer ") or not hmac.compare_digest(given, self.server.token_sha256):
             return self._json(401, {"error": "missing or wrong bearer token"})
         parts = [urllib.parse.unquote(p) for p in urllib.parse.urlsplit(self.path).path.strip("/").split("/")]

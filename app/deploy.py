@@ -16,14 +16,13 @@ data owner's signature (or match a hash pinned in the measured config), which th
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from attestation import compose as C
 
-from app.bundles import TOKEN_ENV, read_token
+from app.bundles import TOKEN_ENV, read_token, token_sha256
 from app.errors import ConfigError
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # dstack-util/src/parse_env_file.rs
@@ -98,7 +97,7 @@ def bundles_token_sha256(token_file: Path | None, given_sha256: str | None) -> s
         raise ConfigError("--bundles-token-sha256 must be 64 lowercase hex (the SHA-256 `cvm-tune bundles token` printed)")
     if token_file is None:
         return given_sha256
-    digest = hashlib.sha256(read_token(token_file).encode()).hexdigest()
+    digest = token_sha256(read_token(token_file))
     if given_sha256 is not None and given_sha256 != digest:
         raise ConfigError(f"--bundles-token-sha256 {given_sha256[:12]}… is not the SHA-256 of the token in {token_file}",
                           fix="pass only --bundles-token FILE (the hash is computed from it)")

@@ -17,7 +17,6 @@ The weight a client gets is the trainable-token count from its verified manifest
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any
 
 from attestation import bundle as B
 from attestation import verify_bundle
+from attestation.hashing import sha256_file, sha256_hex
 from attestation.policy import Policy
 from attestation.round_bundle import client_privacy
 
@@ -125,8 +125,8 @@ class Admission:
         tokens = int((m.dataset.validation or {}).get("trainable_tokens", 0))
         if tokens < 1:
             raise _Reject("the manifest records no trainable tokens")
-        return Admitted(name, node, bundle, m.run_id, _sha(raw), _sha((bundle / B.QUOTE_BIN).read_bytes()),
-                        _sha(adapter.read_bytes()), tokens, arrays, client_privacy(m))
+        return Admitted(name, node, bundle, m.run_id, sha256_hex(raw), sha256_file(bundle / B.QUOTE_BIN),
+                        sha256_file(adapter), tokens, arrays, client_privacy(m))
 
 
 def _check_terms(fed: B.FederationInfo | None, terms: RoundTerms) -> None:
@@ -139,7 +139,3 @@ def _check_terms(fed: B.FederationInfo | None, terms: RoundTerms) -> None:
         raise _Reject("the bundle started from another global adapter than this round's")
     if fed.proximal_mu != terms.proximal_mu:
         raise _Reject(f"the bundle trained with proximal_mu {fed.proximal_mu}, not {terms.proximal_mu}")
-
-
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()

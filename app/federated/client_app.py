@@ -11,7 +11,6 @@ Its cvm-tune config: see :func:`node_config_path`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -23,6 +22,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from attestation import bundle as B
+from attestation.hashing import sha256_hex
 
 from app.config import load_config
 from app.errors import ConfigError, DataError
@@ -81,7 +81,7 @@ def train_round(msg: Message, config_path: Path) -> Message:
         global_dir, global_sha = None, None
         if len(arrays):
             weights = arrays_to_safetensors(arrays)
-            global_sha = hashlib.sha256(weights).hexdigest()
+            global_sha = sha256_hex(weights)
             global_dir = Path(tmp)
             (global_dir / "adapter_model.safetensors").write_bytes(weights)
         if str(conf.get("global-adapter-sha256", "")) != (global_sha or ""):

@@ -4,7 +4,6 @@ bound into the aggregator's own quote, verified the way a relying party will, an
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -16,6 +15,7 @@ from attestation import DEFAULT_POLICY
 from attestation import bundle as B
 from attestation import round_bundle as R
 from attestation.bundle_verify import INTEGRITY_CHECKS
+from attestation.hashing import sha256_file, sha256_hex
 from attestation.policy import Policy, simulator_policy
 from attestation.round_verify import verify_round
 
@@ -87,7 +87,7 @@ def export_round(out: Path, agg: Aggregator, rec: RoundRecord, aggregate: Any, a
     except OSError as exc:
         raise ExportError(f"writing the round bundle {final} failed: {exc.strerror or type(exc).__name__}",
                           fix="free space on the output volume; no partial round bundle was kept") from exc
-    return final, hashlib.sha256(manifest).hexdigest()
+    return final, sha256_hex(manifest)
 
 
 def _manifest_bytes(agg: Aggregator, rec: RoundRecord, admitted: list[Admitted], rejected: list[Rejected],
@@ -102,15 +102,15 @@ def _manifest_bytes(agg: Aggregator, rec: RoundRecord, admitted: list[Admitted],
                 "compose_hash": ident.compose_hash, "agent_version": ident.version, "agent_rev": ident.rev},
         "strategy": rec.strategy, "min_clients": rec.min_clients,
         "global_adapter_in_sha256": rec.global_in_sha256,
-        "global_adapter_sha256": _sha_file(stage / R.GLOBAL_ADAPTER),
+        "global_adapter_sha256": sha256_file(stage / R.GLOBAL_ADAPTER),
         "previous_round_sha256": rec.previous_round_sha256,
         "admitted": [{"client": a.client, "run_id": a.run_id, "manifest_sha256": a.manifest_sha256,
                       "quote_sha256": a.quote_sha256, "adapter_sha256": a.adapter_sha256,
                       "trainable_tokens": a.trainable_tokens, "weight": a.trainable_tokens / total,
                       "privacy_epsilon": a.privacy[0], "privacy_delta": a.privacy[1]} for a in admitted],
         "rejected": [{"client": r.client, "node_id": r.node_id, "reason": r.reason} for r in rejected],
-        "files": {B.APP_COMPOSE: _sha_file(stage / B.APP_COMPOSE),
-                  R.GLOBAL_ADAPTER: _sha_file(stage / R.GLOBAL_ADAPTER)},
+        "files": {B.APP_COMPOSE: sha256_file(stage / B.APP_COMPOSE),
+                  R.GLOBAL_ADAPTER: sha256_file(stage / R.GLOBAL_ADAPTER)},
     }
     data = R.RoundManifest.model_validate(doc).model_dump(mode="json", by_alias=True)
     return (json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode()
@@ -132,7 +132,3 @@ def head_files(round_dir: Path) -> tuple[str, ...]:
     """The files of a round bundle that attest it without its client bundles (``verify_round_head``)."""
     names = (R.ROUND_MANIFEST, B.QUOTE_BIN, B.QUOTE_HEX, B.EVENT_LOG, B.APP_COMPOSE, B.COLLATERAL)
     return tuple(n for n in names if (round_dir / n).is_file())
-
-
-def _sha_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -8,7 +8,6 @@ with the verified token count as the weight; the attested round bundle (``app.fe
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import secrets
 from collections.abc import Iterable
@@ -18,6 +17,8 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, FedProx, FedYogi, Strategy
+
+from attestation.hashing import sha256_hex
 
 from app.errors import ConfigError, RoundFailedError
 from app.federated.admission import WEIGHT_KEY, Admission, Admitted, Rejected, RoundTerms
@@ -62,7 +63,7 @@ class AttestedStrategy(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        global_sha = hashlib.sha256(arrays_to_safetensors(arrays)).hexdigest() if len(arrays) else None
+        global_sha = sha256_hex(arrays_to_safetensors(arrays)) if len(arrays) else None
         mu = float(self.record["params"].get("proximal_mu", 0.0))
         self.terms = RoundTerms(server_round, secrets.token_hex(32), global_sha, mu)
         self.layout = _layout(arrays) if len(arrays) else None
