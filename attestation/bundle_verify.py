@@ -98,11 +98,12 @@ def verify_bundle(
         _compose_and_app_id(f, root, manifest)
         _build(f, root, manifest)
         entries = _audit_entries(root)  # parsed once: the audit and GPU steps both read them
-        _audit(f, entries, root, manifest, policy)
+        config_bytes = _config_bytes(root)  # read once: the audit, evaluation and privacy steps compare with it
+        _audit(f, entries, config_bytes, manifest, policy)
         _gpu(f, root, manifest, events, entries)
-        input_checks.evaluation(f, manifest, _config_bytes(root))
+        input_checks.evaluation(f, manifest, config_bytes)
         model_sig.check(f, root, manifest)
-        privacy.check(f, manifest, policy, _config_bytes(root))
+        privacy.check(f, manifest, policy, config_bytes)
         input_checks.inputs(f, manifest, base_model_dir, dataset_file)
     return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
 
@@ -269,7 +270,8 @@ def _audit_entries(root: Path) -> list[AuditEntry] | Exception:
         return exc
 
 
-def _audit(f: QuoteFindings, entries: list[AuditEntry] | Exception, root: Path, m: B.Manifest, policy: Policy) -> None:
+def _audit(f: QuoteFindings, entries: list[AuditEntry] | Exception, config_bytes: bytes | None, m: B.Manifest,
+           policy: Policy) -> None:
     if isinstance(entries, Exception):
         f.add("audit.chain", "fail", f"audit.jsonl unreadable: {entries}")
         return
@@ -286,7 +288,7 @@ def _audit(f: QuoteFindings, entries: list[AuditEntry] | Exception, root: Path, 
             problems.append("chain head differs from the manifest")
         if any(e.run_id != m.run_id for e in entries):
             problems.append("an entry belongs to another run")
-        problems += _entry_contents(entries, m, _config_bytes(root))
+        problems += _entry_contents(entries, m, config_bytes)
     f.add("audit.chain", "fail" if problems else "pass", "; ".join(problems) or f"{len(entries)} entries, head {m.audit.head[:16]}…")
     _audit_rtmr3(f, entries, m, policy)
 
