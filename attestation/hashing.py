@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 _ONE_READ = 1 << 20  # files up to this size are read whole (``read`` reads to end-of-file even if it grew)
 _WINDOW = 64 << 20  # mapped at a time: bounded address space (a multiple of mmap.ALLOCATIONGRANULARITY)
 
+
 def canonical_json(obj: Any) -> bytes:
     """Sorted-key, compact, UTF-8 JSON (raises ValueError on NaN/Infinity)."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()

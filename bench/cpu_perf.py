@@ -35,8 +35,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
+
+from timing import clear_dcap_caches, times_ms  # bench/timing.py: the script directory is on sys.path
 
 HERE = Path(__file__).resolve().parents[1]
 KEY = bytes(range(32))
@@ -47,29 +48,10 @@ def _stats(samples: list[float]) -> dict[str, float]:
     return {"min": round(min(samples), 3), "median": round(statistics.median(samples), 3), "n": len(samples)}
 
 
-def _times_ms(fn: Callable[[], object], n: int, before: Callable[[], None] = lambda: None) -> list[float]:
-    fn()  # warm imports and lazy module state once
-    out = []
-    for _ in range(n):
-        before()
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1000)
-    return out
-
-
 def _row(name: str, project: dict, bound: dict, *, unit: str) -> dict:
     """Ratio = project median / bound median (times: x slower than the bound)."""
     return {"row": name, "unit": unit, "project": project, "bound": bound,
             "ratio": round(project["median"] / bound["median"], 3)}
-
-
-def _cold_caches() -> None:
-    import attestation.dcap as dcap
-
-    for value in vars(dcap).values():
-        if hasattr(value, "cache_clear"):
-            value.cache_clear()
 
 
 def _make_bundle(tmp: Path) -> tuple[Path, Path]:
@@ -100,12 +82,12 @@ def verify_rows(tmp: Path, n: int) -> list[dict]:
     root = policy.trusted_root.der  # the demo bundle's policy trusts the simulator's TEST root
     mine, bare = [], []
     for _ in range(3):  # interleaved, so a load change hits both
-        mine += _times_ms(project, n // 3 or 1, _cold_caches)
-        bare += _times_ms(lambda: dcap_qvl.verify_with_root_ca(raw, coll, root, now), n // 3 or 1)
+        mine += times_ms(project, n // 3 or 1, clear_dcap_caches)
+        bare += times_ms(lambda: dcap_qvl.verify_with_root_ca(raw, coll, root, now), n // 3 or 1)
     files = sorted(p for p in bundle.rglob("*") if p.is_file())
     blobs = [p.read_bytes() for p in files]
-    hashed = _times_ms(lambda: [sha256_file(p) for p in files], n)
-    in_memory = _times_ms(lambda: [hashlib.sha256(b).hexdigest() for b in blobs], n)
+    hashed = times_ms(lambda: [sha256_file(p) for p in files], n)
+    in_memory = times_ms(lambda: [hashlib.sha256(b).hexdigest() for b in blobs], n)
     rows = [_row("verify_bundle, cold caches", _stats(mine), _stats(bare), unit="ms"),
             _row(f"hashing the bundle's {len(files)} files", _stats(hashed), _stats(in_memory), unit="ms")]
     # raw SHA-256 in memory over file-based: >= 0.9 means the file path reaches 90% of raw hashlib
@@ -117,8 +99,8 @@ def verify_rows(tmp: Path, n: int) -> list[dict]:
     data = big.read_bytes()
     file_ms, raw_ms = [], []
     for _ in range(5):
-        file_ms += _times_ms(lambda: sha256_file(big), 1)
-        raw_ms += _times_ms(lambda: hashlib.sha256(data).hexdigest(), 1)
+        file_ms += times_ms(lambda: sha256_file(big), 1)
+        raw_ms += times_ms(lambda: hashlib.sha256(data).hexdigest(), 1)
     del data
     rows.append(_row("sha256_file, 256 MiB file", _stats(file_ms), _stats(raw_ms), unit="ms"))
     rows[-1]["raw_share"] = round(statistics.median(raw_ms) / statistics.median(file_ms), 3)
@@ -192,9 +174,9 @@ def decrypt_row(tmp: Path, size_mib: int, repeat: int) -> dict:
 
     mbs: dict[str, list[float]] = {"stream": [], "aes": [], "sha": []}
     for _ in range(repeat):  # interleaved
-        mbs["stream"].append(size / _times_ms(stream, 1)[0] / 1e3)
-        mbs["aes"].append(64 * MiB / min(_times_ms(aes, 3)) / 1e3)
-        mbs["sha"].append(64 * (MiB + 16) / min(_times_ms(sha, 3)) / 1e3)
+        mbs["stream"].append(size / times_ms(stream, 1)[0] / 1e3)
+        mbs["aes"].append(64 * MiB / min(times_ms(aes, 3)) / 1e3)
+        mbs["sha"].append(64 * (MiB + 16) / min(times_ms(sha, 3)) / 1e3)
     med = {k: statistics.median(v) for k, v in mbs.items()}
     bound = min(med["aes"], med["sha"])
     return {"row": f"decrypt + verify a {size_mib} MiB signed dataset", "unit": "MB/s",

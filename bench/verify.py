@@ -34,29 +34,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from attestation import load_policy, read_collateral_file, read_event_log_file, read_quote_input, verify_bundle  # noqa: E402
-from attestation import dcap  # noqa: E402
 from attestation.policy import Policy  # noqa: E402
 from attestation.verify import quote_verdict  # noqa: E402
+from timing import clear_dcap_caches, times_ms  # noqa: E402  (bench/timing.py: the script directory is on sys.path)
 
 SAMPLES = REPO / "tests" / "data" / "attestation"
 NOW = 1787894484
 TARGET_BUNDLE_MS = 50.0
 
 
-def _cold() -> None:
-    for cached in vars(dcap).values():  # every memo of the chain checks (parsed chains, issuer signatures, CRLs)
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
-
-
 def _time(fn: Callable[[], object], n: int) -> dict[str, float]:
-    fn()  # warm imports and lazy module state once
-    times = []
-    for _ in range(n):
-        _cold()
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1000)
+    times = times_ms(fn, n, clear_dcap_caches)
     times.sort()
     return {"median_ms": round(statistics.median(times), 2), "p90_ms": round(times[int(0.9 * (n - 1))], 2),
             "min_ms": round(times[0], 2), "n": n}

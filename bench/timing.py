@@ -1,0 +1,31 @@
+"""Timing helpers shared by the CPU benchmarks (``bench/verify.py``, ``bench/cpu_perf.py``).
+
+Importing this module has no side effects (no ``sys.path`` changes, no project imports), so ``cpu_perf.py --tree``
+still measures the tree it was pointed at.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+def times_ms(fn: Callable[[], object], n: int, before: Callable[[], None] = lambda: None) -> list[float]:
+    """``n`` wall times of ``fn()`` in ms, after one untimed warm-up call; ``before()`` runs untimed before each."""
+    fn()  # warm imports and lazy module state once
+    out = []
+    for _ in range(n):
+        before()
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+def clear_dcap_caches() -> None:
+    """Forget every memo of the chain checks (parsed chains, issuer signatures, CRLs): a cold verification."""
+    import attestation.dcap as dcap
+
+    for cached in vars(dcap).values():
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
