@@ -1,10 +1,13 @@
-"""YAML for configs and policies, and nesting limits for parsed JSON/YAML (no third-party imports but PyYAML).
+"""YAML for configs and policies, bounded JSON, and nesting limits for both (no third-party imports but PyYAML).
 
 Hostile input is refused with one clear error, never a crash: a key given twice (YAML would keep the last),
-nesting deeper than a real file has (``MAX_DEPTH``), or nesting so deep the parser would recurse out.
+nesting deeper than a real file has (``MAX_DEPTH``), nesting so deep the parser would recurse out, a document over
+its size limit, or an integer too long to convert.
 """
 
 from __future__ import annotations
+
+import json
 
 import yaml
 
@@ -87,4 +90,32 @@ def parse_yaml(text: str | bytes, what: str, error: type, *, max_depth: int = MA
         raise error(f"{what} is nested too deeply to be a cvm-tune file") from None
     if depth(data) > max_depth:
         raise error(deep)
+    return data
+
+
+MAX_JSON_BYTES = 16 << 20  # a manifest, app-compose, listing or reply: a few KB; refuse past this before parsing
+
+
+def parse_json(raw: str | bytes, what: str, error: type, *, max_bytes: int = MAX_JSON_BYTES,
+               max_depth: int = MAX_DEPTH) -> object:
+    """Parse untrusted JSON with a size and nesting bound; ``error(message)`` on anything else.
+
+    Refused: more than ``max_bytes``, invalid UTF-8 or JSON, ``NaN``/``Infinity``, an integer longer than Python
+    converts (``ValueError``), nesting the C parser recurses out of (``RecursionError``) or deeper than
+    ``max_depth``. Every untrusted JSON document (bundle files, app-compose, server replies) goes through here."""
+    if len(raw) > max_bytes:
+        raise error(f"{what} is larger than {max_bytes} bytes")
+
+    def _constant(name: str) -> None:
+        raise ValueError(f"{name} is not a JSON number")
+
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+        data = json.loads(text, parse_constant=_constant)
+    except RecursionError:
+        raise error(f"{what} is nested too deeply to be a cvm-tune file") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise error(f"{what} is not valid JSON: {str(exc).splitlines()[0][:200]}") from None
+    if depth(data) > max_depth:
+        raise error(f"{what} is nested more than {max_depth} levels deep: not a cvm-tune file")
     return data
