@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from attestation import bundle as B
+from attestation import model_sig
 from attestation.hashing import files_digest, sha256_file
 
 import app
@@ -69,8 +70,8 @@ class ModelDirs:
         return self.signing["public_key_pem"]
 
 
-def finish_model_dirs(stage: Path, *, base_dir: Path, get_key: Callable[[str, str], bytes], merged: bool,
-                      max_shard_size: str) -> ModelDirs:
+def finish_model_dirs(stage: Path, *, run_id: str, base_dir: Path, get_key: Callable[[str, str], bytes],
+                      merged: bool, max_shard_size: str) -> ModelDirs:
     """Complete ``stage/adapter`` (the base tokenizer), write ``stage/merged`` when asked, and sign each directory.
 
     The adapter files themselves are already there (the trainer's, committed by the ``train.done`` audit entry).
@@ -89,12 +90,13 @@ def finish_model_dirs(stage: Path, *, base_dir: Path, get_key: Callable[[str, st
     if merged:
         _write_merged(stage / "merged", base_dir, adapter, tokenizer, max_shard_size)
         signed.append("merged")
-    key = signing.derive_key(get_key)
+    key_path = model_sig.run_key_path(run_id)
+    key = signing.derive_key(get_key, key_path)
     for d in signed:
         signing.sign_dir(key, stage / d)
     files = {f"{d}/{p.name}": sha256_file(p) for d in signed for p in sorted((stage / d).iterdir())}
     files = {k: v for k, v in files.items() if k not in B.ADAPTER_FILES}
-    return ModelDirs({"scheme": "model-signing/ec-key", "key_path": B.SIGNING_GETKEY_PATH,
+    return ModelDirs({"scheme": "model-signing/ec-key", "key_path": key_path,
                       "public_key_pem": signing.public_key_pem(key), "signed": signed}, files)
 
 

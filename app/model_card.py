@@ -80,29 +80,33 @@ What the quote proves, once `cvm-tune verify` accepts the bundle: an Intel TDX C
 `manifest.json`) ran cvm-tune with source tree `{{ source_sha[:16] }}…`; it read the encrypted dataset and base model
 with the hashes above and wrote exactly the files that `manifest.json` lists (report_data = SHA-512 of
 `cvm-tune-manifest-v1:` + manifest.json); its audit chain records the run from start to export. The adapter's
-signature key (ECDSA P-256, public key below and in `manifest.json`) is derived from the CVM's GetKey, so only this
-deployment can sign with it.
+signature key (ECDSA P-256, public key below and in `manifest.json`) is derived from the CVM's GetKey for this run
+alone, so only this deployment can sign with it, and no other run's adapter verifies under it.
 
 What it does not prove: that the dataset is good or lawful, that the base model is the one its name suggests (only its
 hash is bound), anything about the host beyond TDX's guarantees, or the quality of the adapter.
 
 ## Verify
 
-From the directory holding the bundle (offline, with the bundle's collateral):
+From the directory holding the bundle ({% if simulated %}the run's `exports/`; {% endif %}offline, with the bundle's collateral):
 
 ```sh
-cvm-tune verify {{ run_id }}{% if simulated %} --policy simulator-test-policy.yaml{% endif %}
+cvm-tune verify {{ run_id }}{% if simulated %} --policy ../simulator-test-policy.yaml{% endif %}
 ```
 {% if simulated %}
-(`simulator-test-policy.yaml` is the policy the run wrote next to `exports/`, trusting the simulator's test CA.)
+(`../simulator-test-policy.yaml` is the policy the run wrote next to `exports/`, trusting the simulator's test CA; for a
+copy of the bundle elsewhere, pass that file's path.)
 {% endif %}
 The adapter signature alone, with the library's own CLI (`pip install model-signing`), using the public key bound by
 the manifest:
 
 ```sh
 python -c "import json; print(json.load(open('{{ run_id }}/manifest.json'))['signing']['public_key_pem'], end='')" > signing-key.pem
-model_signing verify key {{ run_id }}/adapter --signature {{ run_id }}/adapter/model.sig --public_key signing-key.pem
+model_signing verify key {{ run_id }}/adapter --signature {{ run_id }}/adapter/model.sig --public_key signing-key.pem --no-ignore-git-paths
 ```
+
+(`--no-ignore-git-paths`: the library skips `.git/`, `.gitattributes`, `.github/` and `.gitignore` by default; with
+it, any file added to `adapter/` fails the check.)
 
 The quote alone: paste `quote.hex` into https://proof.t16z.com (it checks the quote's signature and TCB, not the
 binding to `manifest.json`, the audit events or the file hashes).

@@ -129,8 +129,9 @@ def export_bundle(x: ExportInputs, *, phase: Phase, timings: dict[str, float],
 
 def finish_model_dirs(x: ExportInputs, stage: Path) -> export.ModelDirs:
     """Make ``stage/adapter`` a loadable PEFT repository (the base's tokenizer), write ``stage/merged`` when
-    ``export.merged`` is set, and sign each with the deployment's GetKey-derived key (``model.sig``)."""
-    return export.finish_model_dirs(stage, base_dir=x.base_dir, get_key=x.agent.get_key, merged=x.cfg.export.merged,
+    ``export.merged`` is set, and sign each with the run's GetKey-derived key (``model.sig``)."""
+    return export.finish_model_dirs(stage, run_id=x.run_id, base_dir=x.base_dir, get_key=x.agent.get_key,
+                                    merged=x.cfg.export.merged,
                                     max_shard_size=x.cfg.export.merged_max_shard_size)
 
 

@@ -1,7 +1,8 @@
 """OpenSSF model signatures of the exported model directories, made with a key that only the CVM can derive.
 
-The key is ECDSA P-256, derived from dstack ``GetKey`` at ``cvm-tune/model-signing/v1`` (bound to the app id, so
-the same deployment always signs with the same key and nothing else can), then::
+The key is ECDSA P-256, one per run: derived from dstack ``GetKey`` at ``cvm-tune/model-signing/v1/runs/<run_id>``
+(:func:`attestation.model_sig.run_key_path`; GetKey binds it to the app id, so nothing outside the deployment can
+derive it, and two runs never share a key: a directory copied from another run fails the library's own check), then::
 
     scalar = HKDF-SHA256(ikm=GetKey bytes, salt=None, info=b"cvm-tune/model-signing/v1 P-256", length=48)
              mod (n - 1) + 1                       (n: the P-256 group order)
@@ -31,8 +32,8 @@ GETKEY_PURPOSE = "cvm-tune-model-signing"
 _P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
 
 
-def derive_key(get_key: Callable[[str, str], bytes], path: str = B.SIGNING_GETKEY_PATH) -> ec.EllipticCurvePrivateKey:
-    """The deployment's model-signing key from GetKey(``path``).
+def derive_key(get_key: Callable[[str, str], bytes], path: str) -> ec.EllipticCurvePrivateKey:
+    """A model-signing key from GetKey(``path``) (a run's: :func:`attestation.model_sig.run_key_path`).
 
     Raises:
         KeySourceError: GetKey returned fewer than 32 bytes.
@@ -72,7 +73,7 @@ def sign_dir(key: ec.EllipticCurvePrivateKey, directory: Path) -> Path:
     signature = Path(directory) / B.SIGNATURE_NAME
     try:
         config.set_hashing_config(
-            model_signing.hashing.Config().set_ignored_paths(paths=[B.SIGNATURE_NAME])
+            model_signing.hashing.Config().set_ignored_paths(paths=[B.SIGNATURE_NAME], ignore_git_paths=False)
         ).sign(Path(directory), signature)
     except (OSError, ValueError) as exc:
         raise ExportError(f"signing {directory} failed: {exc}", fix="report this: the model-signing library refused") from exc

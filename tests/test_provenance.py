@@ -8,6 +8,7 @@ covered in test_slice.py (PEFT loading, card, the model_signing CLI, one-byte ta
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from app.config import TeeSettings
 from app.errors import KeySourceError
 from app.signing import derive_key, public_key_pem, sign_dir
 from app.tee import open_guest_agent
+from attestation.model_sig import run_key_path
 
 HUB_ID = "test-org/tiny-llama"
 
@@ -56,10 +58,12 @@ def _flip(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def _model_signing_verify(directory: Path, key_pem: str, tmp_path: Path, *ignore: str) -> subprocess.CompletedProcess:
+def _model_signing_verify(directory: Path, key_pem: str, tmp_path: Path, *ignore: str,
+                          git: bool = False) -> subprocess.CompletedProcess:
     key = tmp_path / "signing-key.pem"
     key.write_text(key_pem)
     extra = [a for p in ignore for a in ("--ignore-paths", str(directory / p))]
+    extra += ["--no-ignore-git-paths"] if git else []
     cmd = [str(Path(sys.executable).parent / "model_signing"), "verify", "key", str(directory),
            "--signature", str(directory / "model.sig"), "--public_key", str(key), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -131,11 +135,12 @@ def test_adapter_resigned_with_another_key_fails_both_verifiers(run: dict, tmp_p
 
 
 def test_signing_key_is_derived_from_getkey_and_never_written(run: dict) -> None:
+    run_id = run["manifest"]["run_id"]
     with open_guest_agent(TeeSettings()) as agent:  # the embedded simulator: same app id, same GetKey
-        key = derive_key(agent.get_key)
+        key = derive_key(agent.get_key, run_key_path(run_id))
         other = derive_key(agent.get_key, "cvm-tune/some-other-path")
     assert public_key_pem(key) == run["manifest"]["signing"]["public_key_pem"]
-    assert run["manifest"]["signing"]["key_path"] == "cvm-tune/model-signing/v1"
+    assert run["manifest"]["signing"]["key_path"] == f"cvm-tune/model-signing/v1/runs/{run_id}"
     assert public_key_pem(other) != public_key_pem(key)
     secret = key.private_numbers().private_value.to_bytes(32, "big")
     for path in run["out"].rglob("*"):
@@ -143,7 +148,37 @@ def test_signing_key_is_derived_from_getkey_and_never_written(run: dict) -> None
             data = path.read_bytes()
             assert secret not in data and secret.hex().encode() not in data and b"PRIVATE KEY" not in data, path
     with pytest.raises(KeySourceError):
-        derive_key(lambda _path, _purpose: b"short")
+        derive_key(lambda _path, _purpose: b"short", run_key_path(run_id))
+
+
+def test_an_adapter_from_another_run_of_the_deployment_fails_the_librarys_own_check(
+        run: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each run signs with its own key: another run's adapter (other weights, signed in the same CVM) carries a valid
+    signature, but not under this run's key, so ``model_signing verify`` alone tells the runs apart."""
+    bundle = _copy(run, tmp_path)
+    adapter = bundle / "adapter"
+    _flip(adapter / "adapter_model.safetensors")  # the other night's weights
+    with open_guest_agent(TeeSettings()) as agent:  # the same deployment (app id) as the run
+        other_run = derive_key(agent.get_key, run_key_path("run-20260101T000000Z-0000"))
+    sign_dir(other_run, adapter)
+    assert _model_signing_verify(adapter, public_key_pem(other_run), tmp_path).returncode == 0
+    assert _model_signing_verify(adapter, run["manifest"]["signing"]["public_key_pem"], tmp_path).returncode == 1
+    assert _verify(bundle, run["policy"], capsys)["model.signature"] == "fail"
+
+
+@pytest.mark.parametrize("name", [".gitattributes", ".git/config"])
+def test_an_added_git_file_fails_the_library_check_with_no_ignore_git_paths(
+        run: dict, tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The library skips git files by default; the documented command passes --no-ignore-git-paths, and so does
+    ``cvm-tune verify``."""
+    bundle = _copy(run, tmp_path)
+    added = bundle / "adapter" / name
+    added.parent.mkdir(exist_ok=True)
+    added.write_text("*.safetensors filter=lfs\n")
+    key = run["manifest"]["signing"]["public_key_pem"]
+    assert _model_signing_verify(bundle / "adapter", key, tmp_path).returncode == 0  # the library's default
+    assert _model_signing_verify(bundle / "adapter", key, tmp_path, git=True).returncode == 1
+    assert _verify(bundle, run["policy"], capsys)["model.signature"] == "fail"
 
 
 def test_publish_stages_the_verified_bundle_as_a_hub_repo(run: dict, tmp_path: Path) -> None:
@@ -310,3 +345,20 @@ def test_cvm_self_verification_covers_the_model_signature(run: dict, tmp_path: P
         publish_gate([("default", verdict)], simulated=False, run_id="r")
     good = verify_bundle(run["bundle"], policy=DEFAULT_POLICY, now=int(time.time()))
     publish_gate([("default", good)], simulated=False, run_id="r")  # the honest bundle passes every integrity check
+
+
+def test_the_cards_verify_commands_work_as_written_from_the_exports_directory(run: dict, tmp_path: Path) -> None:
+    """The card's commands, copied as they are, from the directory holding the bundle: verify with the policy the
+    run wrote, and the library's own signature check."""
+    exports = tmp_path / "exports"
+    shutil.copytree(run["bundle"], exports / run["bundle"].name)
+    shutil.copy(run["policy"], tmp_path / run["policy"].name)  # as the run laid it out: next to exports/
+    card = (run["bundle"] / "README.md").read_text()
+    blocks = [b.split("\n", 1)[1] for b in card.split("```sh")[1:]]
+    script = "set -e\n" + "".join(b.split("```", 1)[0] for b in blocks[:2])
+    assert "cvm-tune verify" in script and "model_signing verify key" in script
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "-c", script], cwd=exports, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ACCEPTED" in proc.stdout and "Verification succeeded" in proc.stdout + proc.stderr
