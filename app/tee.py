@@ -193,33 +193,73 @@ def resolve_endpoint(settings: TeeSettings) -> str:
 
 
 SIM_DIR_PREFIX = "cvm-tune-sim-"
+SIM_OWNER_LOCK = "owner.lock"  # flock'd by the process serving the simulator, for as long as it lives
+
+
+@contextlib.contextmanager
+def hold_owner_lock(directory: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``directory/owner.lock`` for the block: the simulator's directory is live
+    for exactly as long as its owner process is (the kernel drops the lock when the process dies, even on kill -9)."""
+    import fcntl
+
+    fd = os.open(directory / SIM_OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _owner_alive(directory: Path) -> bool | None:
+    """True while another process holds the directory's owner lock, False once nobody does, None without a lock."""
+    import fcntl
+
+    try:
+        fd = os.open(directory / SIM_OWNER_LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _answers(sock: Path) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as probe:
+        probe.settimeout(0.5)
+        try:
+            probe.connect(str(sock))
+            return True
+        except OSError:
+            return False
 
 
 def remove_stale_simulator_dirs(parent: Path) -> list[str]:
     """Delete embedded-simulator socket directories left by killed processes (kill -9 skips the cleanup).
 
-    A directory is stale when it is ours (same uid) and nothing answers on its socket; a live simulator of
-    another process is left alone. Returns the names removed.
+    A directory is stale when it is ours (same uid) and no process holds its owner lock (``owner.lock``): liveness
+    is what the kernel says, not whether the socket answers in time, so a simulator slowed by load is never removed.
+    A directory without a lock (being set up, or left by an older release) is kept while its socket answers or it is
+    less than a minute old. Returns the names removed.
     """
     import shutil
-    import socket
 
     removed = []
     for d in parent.glob(f"{SIM_DIR_PREFIX}*"):
         try:
             if not d.is_dir() or d.is_symlink() or d.stat().st_uid != os.getuid():
                 continue
-            sock = d / "dstack.sock"
-            if sock.exists():
-                with socket.socket(socket.AF_UNIX) as probe:
-                    probe.settimeout(0.5)
-                    try:
-                        probe.connect(str(sock))
-                        continue  # alive
-                    except OSError:
-                        pass
-            elif time.time() - d.stat().st_mtime < 60:
-                continue  # being set up right now
+            alive = _owner_alive(d)
+            if alive is None:
+                sock = d / "dstack.sock"
+                alive = _answers(sock) if sock.exists() else time.time() - d.stat().st_mtime < 60
+            if alive:
+                continue
             shutil.rmtree(d, ignore_errors=True)
             removed.append(d.name)
         except OSError:
@@ -238,7 +278,7 @@ def open_guest_agent(settings: TeeSettings) -> Iterator[GuestAgent]:
         from app.simulator import GuestAgentSimulator, SimulatorServer
 
         remove_stale_simulator_dirs(Path(tempfile.gettempdir()))
-        with tempfile.TemporaryDirectory(prefix=SIM_DIR_PREFIX) as tmp:  # 0700: only this user reaches the keys
+        with tempfile.TemporaryDirectory(prefix=SIM_DIR_PREFIX) as tmp, hold_owner_lock(Path(tmp)):  # 0700
             sim = GuestAgentSimulator()
             with SimulatorServer(sim, socket_path=Path(tmp) / "dstack.sock") as server:
                 agent = GuestAgent(DstackClient(server.endpoint, timeout=settings.timeout_s),

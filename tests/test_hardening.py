@@ -389,6 +389,27 @@ def test_stale_simulator_socket_dirs_are_removed_live_ones_kept(tmp_path: Path) 
         alive.close()
 
 
+def test_a_simulator_too_busy_to_answer_is_not_judged_stale(tmp_path: Path) -> None:
+    """Liveness is the owner's lock: a socket that does not answer (a loaded machine) is kept while the lock is held,
+    and removed once the owner is gone."""
+    import socket
+
+    from app.tee import SIM_DIR_PREFIX, hold_owner_lock, remove_stale_simulator_dirs
+
+    busy = tmp_path / f"{SIM_DIR_PREFIX}busy"
+    busy.mkdir()
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(busy / "dstack.sock"))  # bound, not listening: a connect is refused, as under load it times out
+    try:
+        with hold_owner_lock(busy):
+            assert remove_stale_simulator_dirs(tmp_path) == []
+            assert (busy / "dstack.sock").exists()
+        assert remove_stale_simulator_dirs(tmp_path) == [busy.name]  # the owner let go: now it is stale
+        assert not busy.exists()
+    finally:
+        sock.close()
+
+
 def test_status_lists_ad_hoc_runs(tmp_path: Path, demo: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
     bundle, _ = demo
     cfg = _write(tmp_path, yaml.safe_dump({"output": {"dir": str(bundle.parent.parent)}}))
