@@ -3,9 +3,10 @@
 * Every fenced ```sh block: each ``cvm-tune SUBCOMMAND ... --flag`` in it must be a real subcommand and flag of the
   CLI's argparse parser.
 * A ```sh block on the line right after ``<!-- runnable -->`` is executed with bash (``set -eo pipefail``) and must
-  exit 0. The blocks of one page run in order in one scratch workspace: a temporary directory holding symlinks to
-  the repository's top-level entries (so repository paths work as on a fresh clone) and ``.venv`` pointing at the
-  running interpreter's environment, with its ``bin`` on PATH and HF_HUB_OFFLINE=1. Keep the runnable set small.
+  exit 0. The blocks of one page run in order in one scratch workspace: a temporary directory holding a copy of
+  the repository's tracked files (so repository paths work as on a fresh clone, and nothing a user created in the
+  checkout by following the docs is read or overwritten) and ``.venv`` pointing at the running interpreter's
+  environment, with its ``bin`` on PATH and HF_HUB_OFFLINE=1. Keep the runnable set small.
 * Every intra-repository link resolves (and its ``#anchor`` names a heading of the target page); targets that are
   still being written elsewhere may be listed in PENDING, which must be emptied once they exist.
 * The generated reference tables (docs/gen_reference.py) match the pydantic models.
@@ -164,6 +165,18 @@ def test_command_check_can_fail() -> None:
 
 # ---- runnable blocks ----------------------------------------------------------------------------------------------
 
+def tracked_files(root: Path = ROOT) -> list[str]:
+    """The repository's tracked files (``git ls-files``): what a fresh clone holds, never a user's own files."""
+    out = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, check=True).stdout
+    return [name for name in out.decode().split("\0") if name and (root / name).is_file()]
+
+
+def copy_tracked(dest: Path, root: Path = ROOT) -> None:
+    for name in tracked_files(root):
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / name, dest / name)
+
+
 @pytest.fixture(scope="module")
 def workspaces(tmp_path_factory):
     made: dict[Path, Path] = {}
@@ -171,10 +184,7 @@ def workspaces(tmp_path_factory):
     def get(page: Path) -> Path:
         if page not in made:
             ws = tmp_path_factory.mktemp("doc-" + page.stem)
-            for entry in ROOT.iterdir():
-                if entry.name in (".git", ".venv", "cvm-tune-output") or entry.name.startswith(".pytest"):
-                    continue
-                (ws / entry.name).symlink_to(entry)
+            copy_tracked(ws)
             (ws / ".venv").symlink_to(Path(sys.prefix))
             made[page] = ws
         return made[page]
@@ -189,6 +199,23 @@ RUNNABLE = [b for b in sh_blocks() if b.runnable]
 
 def test_runnable_blocks_exist() -> None:
     assert any(b.page.name == "README.md" for b in RUNNABLE)
+
+
+def test_workspace_holds_no_untracked_file_of_the_checkout(tmp_path: Path) -> None:
+    """Files a user created by following the docs (verdict.json, deploy/, keys) stay out of the workspace."""
+    repo = tmp_path / "repo"
+    (repo / "docs").mkdir(parents=True)
+    (repo / "docs" / "a.md").write_text("a\n")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "add", "docs/a.md"], check=True)
+    (repo / "verdict.json").write_text("the user's\n")
+    (repo / "deploy").mkdir()
+    (repo / "deploy" / "secrets.env").write_text("X=1\n")
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    copy_tracked(ws, repo)
+    assert sorted(str(p.relative_to(ws)) for p in ws.rglob("*")) == ["docs", "docs/a.md"]
+    assert not (ws / "docs" / "a.md").is_symlink()
 
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=lambda b: b.id)

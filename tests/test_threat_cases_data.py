@@ -59,7 +59,6 @@ from tests.owner_fixtures import (
     tiny_model_dir,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 OWNER = owner_key()
 ROWS = [chat_row(i) for i in range(200)]
 CS = 4096  # small chunks: the 200 rows (~45 KB) span 11 chunks
@@ -328,7 +327,7 @@ def test_case_13_streaming_decrypt_of_a_file_larger_than_the_process_memory(tmp_
         encrypt_stream(src, out, KEY, dataset_id="big", owner_key=OWNER)  # type: ignore[arg-type]
     assert path.stat().st_size > limit_mib << 20
     proc = subprocess.run([sys.executable, "-c", _STREAM_CHILD, str(path), KEY.hex(), str(limit_mib << 20),
-                           public_key_bytes(OWNER).hex()], capture_output=True, text=True, cwd=ROOT, timeout=600)
+                           public_key_bytes(OWNER).hex()], capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout)
     assert got["error"] == "DatasetTooLargeError"
@@ -360,7 +359,7 @@ def test_case_14_disk_full_decrypt_and_validate_write_nothing(case: Case) -> Non
     case.write()
     cfg = case.config().model_dump(mode="json")
     proc = subprocess.run([sys.executable, "-c", _NO_WRITE_CHILD, json.dumps(cfg)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=600, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+                          cwd=case.tmp, timeout=600, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout)
     assert got["error"] == StateError.__name__ and "cannot record the dataset version" in got["message"]
@@ -386,7 +385,7 @@ def test_case_14_disk_full_while_the_owner_encrypts(tmp_path: Path) -> None:
             print(type(exc).__name__, exc.message)
     """)
     proc = subprocess.run([sys.executable, "-c", child, str(plain), str(tmp_path / "rows.cvmds")], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120)
+                          text=True, cwd=tmp_path, timeout=120)
     assert proc.stdout.startswith("DataError encrypting rows.jsonl"), proc.stdout + proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]  # no temp, no half file
 
