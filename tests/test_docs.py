@@ -287,3 +287,35 @@ def test_generated_references_are_current() -> None:
         if gen_reference.render(text, name, body) != text:
             stale.append(page)
     assert stale == [], "run: python docs/gen_reference.py"
+
+
+def test_readme_and_deploy_page_can_both_be_followed_in_one_checkout(tmp_path: Path) -> None:
+    """A reader who runs README's deploy block and then the deploy page's step 3 in the same directory: both succeed,
+    the token is kept, and the env file holding the webhook is private (0600)."""
+    steps = [b for b in RUNNABLE if "bundles token" in b.text]
+    assert {b.page.name for b in steps} == {"README.md", "deploy.md"}
+    copy_tracked(tmp_path)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    tokens = []
+    for block in steps:
+        proc = subprocess.run(["bash", "-c", "set -eo pipefail\n" + block.text], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{block.id}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        tokens.append((tmp_path / "deploy-bundles.token").read_bytes())
+        assert (tmp_path / "deploy" / "secrets.env").stat().st_mode & 0o777 == 0o600
+        assert (tmp_path / "deploy-bundles.token").stat().st_mode & 0o777 == 0o600
+    assert tokens[0] == tokens[1]
+
+
+def test_files_the_docs_create_are_ignored_by_git_and_docker() -> None:
+    """Keys, tokens, env files and outputs that following the docs creates never get committed or sent to a docker
+    build context; neither does the virtual environment."""
+    gitignore = (ROOT / ".gitignore").read_text().split("\n")
+    dockerignore = (ROOT / ".dockerignore").read_text().split("\n")
+    created = ["/deploy/", "/deploy-bundles.token", "/verdict.json", "/signing-key.pem", "/staged-repo/", "/bundles/",
+               "*.key", "*.cvmds", "/cvm-tune-output/", "/loop-demo/"]
+    assert [p for p in created if p not in gitignore] == []
+    assert [p for p in [".venv", ".git", *created] if p.strip("/") not in {d.strip("/") for d in dockerignore}] == []
+    copied = re.findall(r"^COPY (?!--from)(.+) \S+$", (ROOT / "Dockerfile").read_text(), flags=re.M)
+    sources = {src.split("/")[0].replace("${FLAVOR}", "cpu") for line in copied for src in line.split()}
+    assert sources and not sources & {d.strip("/") for d in dockerignore}  # what the image needs stays in
