@@ -330,6 +330,9 @@ def _entry_contents(entries: list[AuditEntry], m: B.Manifest, config_bytes: byte
             want["training_config_sha256"] = training_sha
         elif e is not opens[-1]:  # an entry of an older cvm-tune: no config change can be allowed across it
             want["config_sha256"] = inputs["config_sha256"]
+        for key, value in (("dataset_id", m.dataset.dataset_id), ("dataset_version", m.dataset.dataset_version)):
+            if key in e.data:  # entries of older releases do not name the dataset version
+                want[key] = value
         if "parent_manifest_sha256" in e.data or parent is not None:  # a lineage must be committed at the start
             want["parent_manifest_sha256"] = parent
         if any(e.data.get(k) != v for k, v in want.items()):

@@ -38,6 +38,43 @@ def canonical(obj) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
+def keccak256(data: bytes) -> bytes:
+    """Original Keccak-256 (pycryptodome's, not hashlib's SHA3-256)."""
+    from Crypto.Hash import keccak
+
+    return keccak.new(digest_bits=256, data=data).digest()
+
+
+def collateral_window(c: dict) -> str:
+    """Section 11's window, with the cryptography package's X.509 parsers only."""
+    from datetime import datetime, timezone
+
+    from cryptography import x509
+
+    def ts(text: str) -> int:
+        return int(datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp())
+
+    starts, ends = [], []
+    for key in ("tcb_info", "qe_identity"):
+        inner = json.loads(c[key])
+        starts.append(ts(inner["issueDate"]))
+        ends.append(ts(inner["nextUpdate"]))
+    for key in ("root_ca_crl", "pck_crl"):
+        crl = x509.load_der_x509_crl(bytes.fromhex(c[key]))
+        starts.append(int(crl.last_update_utc.timestamp()))
+        if crl.next_update_utc is not None:
+            ends.append(int(crl.next_update_utc.timestamp()))
+    for key in ("pck_crl_issuer_chain", "tcb_info_issuer_chain", "qe_identity_issuer_chain", "pck_certificate_chain"):
+        for cert in x509.load_pem_x509_certificates(c[key].encode()) if c.get(key) else []:
+            starts.append(int(cert.not_valid_before_utc.timestamp()))
+            ends.append(int(cert.not_valid_after_utc.timestamp()))
+
+    def iso(t: int) -> str:
+        return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+    return f"{iso(max(starts))}..{iso(min(ends))}"
+
+
 def read(rel: str) -> bytes:
     return (BUNDLE / rel).read_bytes()
 
@@ -66,8 +103,20 @@ def recompute() -> dict[str, str]:
         if e["event"] == "cvm-tune.export":
             export_digest = d
         rtmr3 = hashlib.sha384(rtmr3 + d).digest()
+    boot = {e["event"]: bytes.fromhex(e["event_payload"]) for e in json.loads(read("event_log.json"))
+            if e["imr"] == 3 and e["event"] in ("app-id", "key-provider")}
+    provider = json.loads(boot["key-provider"])
+    kind = {"none": 0, "local": 1, "local-sgx": 1, "kms": 2, "tpm": 3}[provider["name"]]
+    v2 = keccak256(compose + boot["app-id"] + bytes([kind]) + bytes.fromhex(provider.get("id") or ""))
+    gpu_entry = [json.loads(x) for x in lines if json.loads(x)["type"] == "gpu.evidence"][-1]
     return {
+        "collateral_window": collateral_window(json.loads(read("collateral.json"))),
+        "gpu_evidence_sha256": hashlib.sha256(read("gpu-evidence.json")).hexdigest(),
+        "gpu_nonce": gpu_entry["prev"] if json.loads(read("gpu-evidence.json"))["nonce"] == gpu_entry["prev"] else "",
         "manifest_sha256": hashlib.sha256(manifest).hexdigest(),
+        "mr_config_id_v2_kms": (b"\x02" + v2 + bytes(15)).hex(),
+        "base_model_tree": hashlib.sha256(canonical(m["base_model"]["files"])).hexdigest(),
+        "owner_key_id_of_bytes_0_to_31": hashlib.sha256(bytes(range(32))).hexdigest(),
         "report_data": hashlib.sha512(b"cvm-tune-manifest-v1:" + manifest).hexdigest(),
         "config_json_sha256": hashlib.sha256(read("config.json")).hexdigest(),
         "compose_hash": compose.hex(),
@@ -137,3 +186,55 @@ def test_a_wrong_vector_is_caught() -> None:
     for name in vectors:
         bad = dict(vectors, **{name: vectors[name][:-1] + ("0" if vectors[name][-1] != "0" else "1")})
         assert bad != recompute()
+
+
+def test_keccak_is_not_sha3() -> None:
+    """The MRCONFIGID v2 vector would also fail with NIST SHA3-256 (a common slip)."""
+    assert keccak256(b"").hex() == "c5d2460186f7233c927e7db2dcc703c0e500b653ca82273b7bfad8045d85a470"
+    assert keccak256(b"") != hashlib.sha3_256(b"").digest()
+
+
+def test_product_agrees_on_mr_config_id_v2_and_the_tree() -> None:
+    from attestation.compose import check_mr_config_id
+    from attestation.eventlog import boot_info, parse_event_log
+    from attestation.hashing import files_digest
+
+    v = spec_vectors()
+    boot = boot_info(parse_event_log(read("event_log.json"))).values
+    ok, _ = check_mr_config_id(bytes.fromhex(v["mr_config_id_v2_kms"]), v["compose_hash"], boot["app-id"].hex(),
+                               boot["key-provider"])
+    assert ok
+    assert files_digest(json.loads(read("manifest.json"))["base_model"]["files"]) == v["base_model_tree"]
+    from attestation.dcap import parse_collateral
+    from attestation.gpu import summarize
+    from attestation.verdict import iso_utc
+
+    c = parse_collateral(read("collateral.json"))
+    assert f"{iso_utc(c.not_before)}..{iso_utc(c.not_after)}" == v["collateral_window"]
+    gpu = summarize(read("gpu-evidence.json")).model_dump(mode="json")
+    assert gpu == json.loads(read("manifest.json"))["gpu"] and gpu["evidence_sha256"] == v["gpu_evidence_sha256"]
+
+
+@pytest.mark.parametrize("member, value, accepted", [("dataset_id", "cvm-tune-sample", True),
+                                                     ("dataset_version", 1, True),
+                                                     ("dataset_id", "another-dataset", False),
+                                                     ("dataset_version", 2, False)])
+def test_an_opening_entry_naming_another_dataset_version_is_refused(member: str, value: object, accepted: bool) -> None:
+    from attestation.audit import parse_entry
+    from attestation.bundle import Manifest
+    from attestation.bundle_verify import _entry_contents
+
+    m = Manifest.model_validate_json(read("manifest.json"))
+    entries = [parse_entry(line) for line in read("audit.jsonl").split(b"\n")[:-1]]
+    assert _entry_contents(entries, m, read("config.json")) == []
+    entries[0].data[member] = value
+    assert (_entry_contents(entries, m, read("config.json")) == []) == accepted
+
+
+def test_td_attributes_rule_matches_the_sample_quotes_and_the_product() -> None:
+    from attestation.quote import Quote
+
+    q = Quote.from_bytes(read("quote.bin"))
+    assert q.td.td_attributes_u64 & 0x7FFFFFFF3FFFFFFF == 0x10000000 and q.td.attribute_problems() == []
+    for bit in (0, 1, 7):  # what cvm-tune checks itself
+        assert (q.td.td_attributes_u64 | 1 << bit) & 0x7FFFFFFF3FFFFFFF != 0x10000000
