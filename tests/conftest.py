@@ -14,6 +14,18 @@ from app.simulator import GuestAgentSimulator, SimulatorServer  # noqa: E402
 from app.simulator.server import MAX_SOCKET_PATH  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _outside_the_checkout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every test runs with a scratch directory as its working directory, so a relative path (the default
+    ``output.dir: cvm-tune-output``, a ``verdict.json``) never reads or writes a user's files in the checkout."""
+    before = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("cwd"))
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
 @pytest.fixture
 def simulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatorServer]:
     """A dstack guest-agent simulator on a unix socket; ``DSTACK_SIMULATOR_ENDPOINT`` points at it.
