@@ -13,12 +13,18 @@ Every request carries ``Authorization: Bearer <token>``. The server holds no sec
 with ``CVM_TUNE_BUNDLES_TOKEN_SHA256``, a value in the measured compose file. Unlike an encrypted env var, the
 host cannot swap it without changing the compose-hash (dstack.md §5.4). A bundle needs no secrecy to be
 *checked* (``cvm-tune verify`` trusts nothing the transport says); the token keeps the adapter to its operator.
+
+The client (``cvm-tune bundles list``/``fetch``) sends the token only to the host its URL names (https, or http on
+loopback; no user name in the URL, no redirect followed, no proxy), reads bounded answers, checks every name and
+size the server lists, and writes a fetched bundle complete or not at all. A bad answer is a ``StateError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+import http.client
 import json
 import os
 import re
@@ -28,17 +34,26 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from attestation.bundle import RUN_ID_PATTERN
+from attestation.safe_yaml import parse_json
 
+from app.config import check_url
 from app.errors import ConfigError, StateError
+from app.fsutil import open_regular, staged_dir
 
 TOKEN_ENV = "CVM_TUNE_BUNDLES_TOKEN_SHA256"
 _RUN_ID = re.compile(RUN_ID_PATTERN)
 _CHUNK = 1 << 20
+MAX_ANSWER_BYTES = 16 << 20  # a run list or a bundle listing: a few KB
+MAX_RUNS = 100_000
+MAX_FILES = 10_000
+MAX_FILE_BYTES = 1 << 40  # a merged model's shard is a few GB
+MAX_TOKEN_CHARS = 1000
 
 
 def token_sha256(token: str) -> str:
@@ -63,11 +78,20 @@ def new_token(path: Path) -> str:
 
 
 def read_token(path: Path) -> str:
-    """The token in ``path`` (first line, stripped)."""
+    """The token in ``path`` (first line, stripped): printable ASCII without spaces, as ``new_token`` writes it.
+
+    Raises:
+        ConfigError: unreadable, not a regular file, empty or not such a token.
+    """
     try:
-        return path.read_text().strip().splitlines()[0]
-    except (OSError, IndexError) as exc:
-        raise ConfigError(f"cannot read a token from {path}") from exc
+        with open_regular(path) as fh:
+            token = fh.read(MAX_TOKEN_CHARS + 2).decode("ascii").strip().splitlines()[0]
+    except (OSError, ValueError, IndexError):
+        raise ConfigError(f"cannot read a token from {path}", fix="pass the file `cvm-tune bundles token` wrote") from None
+    if not 0 < len(token) <= MAX_TOKEN_CHARS or not token.isprintable() or " " in token:
+        raise ConfigError(f"{path} does not hold a bundle token (one line of printable ASCII, no spaces)",
+                          fix="pass the file `cvm-tune bundles token` wrote")
+    return token
 
 
 def bundle_files(root: Path) -> dict[str, int]:
@@ -182,40 +206,132 @@ class BundleServer(ThreadingHTTPServer):
         self.server_close()
 
 
-def _get(url: str, token: str, timeout: float) -> bytes:
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Never follow a redirect: it would carry the bearer token to whatever address the server names."""
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> None:
+        return None  # urllib then raises HTTPError with the 3xx code
+
+
+# no redirect, and no proxy from the environment: the token goes to the host the URL names, and nowhere else
+_OPENER = urllib.request.build_opener(_NoRedirect, urllib.request.ProxyHandler({}))
+
+
+def _bad_answer(what: str) -> StateError:
+    return StateError(f"the bundle server's {what}", fix="check the URL: it must be a cvm-tune bundle server "
+                      "(cvm-tune bundles serve), nothing else")
+
+
+@contextlib.contextmanager
+def _open(url: str, token: str, timeout: float) -> Iterator[Any]:
+    """A GET with the bearer token, to exactly the host ``url`` names: never redirected, never a proxy's choice."""
+    try:
+        check_url(url, "the bundle server URL")
+    except ValueError as exc:
+        raise ConfigError(str(exc), fix="pass the gateway URL, https://<app-id>-8000.<gateway domain>") from None
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return bytes(resp.read())
+        resp = _OPENER.open(req, timeout=timeout)
     except urllib.error.HTTPError as exc:
-        raise StateError(f"{url}: HTTP {exc.code}", fix="check the URL, the run id and the token file") from exc
-    except (urllib.error.URLError, OSError) as exc:
-        raise StateError(f"cannot reach {url}: {getattr(exc, 'reason', exc)}", fix="check the gateway URL") from exc
+        if 300 <= exc.code < 400:
+            where = str(exc.headers.get("Location", "?"))[:200]
+            raise StateError(f"{url}: the server redirected (HTTP {exc.code}) to {where!r}; the bundle token is never "
+                             "sent to another address", fix="pass the final URL yourself if you trust it") from None
+        raise StateError(f"{url}: HTTP {exc.code}", fix="check the URL, the run id and the token file") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+        raise StateError(f"cannot reach {url}: {getattr(exc, 'reason', type(exc).__name__)}",
+                         fix="check the gateway URL") from None
+    with resp:
+        yield resp
+
+
+def _get_json(url: str, token: str, timeout: float, what: str) -> object:
+    with _open(url, token, timeout) as resp:
+        try:
+            raw = resp.read(MAX_ANSWER_BYTES + 1)
+        except (OSError, http.client.HTTPException) as exc:
+            raise StateError(f"cannot read {url}: {type(exc).__name__}", fix="check the gateway URL") from None
+    return parse_json(raw, what, _bad_answer, max_bytes=MAX_ANSWER_BYTES)
+
+
+def _download(url: str, token: str, timeout: float, target: Path, size: int) -> None:
+    """Stream one file to ``target``: exactly the ``size`` bytes the listing announced, never more."""
+    got = 0
+    with _open(url, token, timeout) as resp, open(target, "xb") as fh:
+        while True:
+            try:
+                chunk = resp.read(min(_CHUNK, size - got + 1))
+            except (OSError, http.client.HTTPException) as exc:
+                raise StateError(f"cannot read {url}: {type(exc).__name__}", fix="fetch the bundle again") from None
+            if not chunk:
+                break
+            got += len(chunk)
+            if got > size:
+                raise _bad_answer(f"file {target.name} is longer than the {size} bytes it listed")
+            fh.write(chunk)
+    if got != size:
+        raise _bad_answer(f"file {target.name} ended after {got} of the {size} bytes it listed")
+
+
+def _safe_rel(rel: object) -> str:
+    """A listed file name: a relative path of plain components, printable, no NUL, no backslash."""
+    if not isinstance(rel, str) or not 0 < len(rel) <= 1000 or not rel.isprintable() or "\\" in rel \
+            or any(part in ("", ".", "..") for part in rel.split("/")):
+        raise _bad_answer(f"listing names an unsafe path {str(rel)[:100]!r}")
+    return rel
 
 
 def list_runs(base_url: str, token: str, *, timeout: float = 60.0) -> list[dict[str, Any]]:
-    """The server's run list."""
-    return list(json.loads(_get(f"{base_url.rstrip('/')}/v1/runs", token, timeout)))
+    """The server's run list: ``run_id`` (a safe run id), ``status``, ``started_at`` (short printable text or
+    None), ``exported``, ``promoted`` (booleans).
+
+    Raises:
+        ConfigError: a URL that is not https (or http on loopback), or that carries a user name.
+        StateError: the server cannot be reached, answers an HTTP error or a redirect, or not a run list.
+    """
+    doc = _get_json(f"{base_url.rstrip('/')}/v1/runs", token, timeout, "run list")
+    if not isinstance(doc, list) or len(doc) > MAX_RUNS:
+        raise _bad_answer(f"run list is not a list of at most {MAX_RUNS} runs")
+    out = []
+    for r in doc:
+        if not isinstance(r, dict) or not isinstance(r.get("run_id"), str) or not _RUN_ID.fullmatch(r["run_id"]):
+            raise _bad_answer("run list holds an entry without a valid run_id")
+        text = {k: r.get(k) if isinstance(r.get(k), str) and r[k].isprintable() else None
+                for k in ("status", "started_at")}
+        out.append({"run_id": r["run_id"], **{k: v[:40] if v else v for k, v in text.items()},
+                    "exported": r.get("exported") is True, "promoted": r.get("promoted") is True})
+    return out
 
 
 def fetch(base_url: str, run_id: str, dest: Path, token: str, *, timeout: float = 60.0) -> Path:
-    """Download bundle ``run_id`` into ``dest/run_id`` (which must not exist) and return that directory.
+    """Download bundle ``run_id`` into ``dest/run_id`` (which must not exist) and return that directory. The
+    directory appears complete or not at all.
 
     Raises:
-        StateError: transport error, or the destination exists.
-        ConfigError: a run id or file name the server should never have sent.
+        ConfigError: a run id that is not one, or a URL that is not https (or http on loopback).
+        StateError: transport error, a redirect, an answer that is not a bundle listing or not the files it listed
+            (unsafe names, sizes), or the destination exists or cannot be written.
     """
     if not _RUN_ID.fullmatch(run_id):
         raise ConfigError(f"run id {run_id!r} is not allowed")
     base = f"{base_url.rstrip('/')}/v1/bundles/{run_id}"
-    listing = json.loads(_get(base, token, timeout))
+    listing = _get_json(base, token, timeout, "bundle listing")
+    files = listing.get("files") if isinstance(listing, dict) else None
+    if not isinstance(files, dict) or len(files) > MAX_FILES:
+        raise _bad_answer(f"bundle listing has no files map of at most {MAX_FILES} entries")
+    sizes = {_safe_rel(rel): size for rel, size in files.items()}
+    if any(type(n) is not int or not 0 <= n <= MAX_FILE_BYTES for n in sizes.values()):
+        raise _bad_answer(f"bundle listing gives a size that is not an integer from 0 to {MAX_FILE_BYTES}")
     out = dest / run_id
     if out.exists():
         raise StateError(f"{out} already exists", fix="fetch into an empty directory")
-    for rel in listing["files"]:
-        if rel.startswith("/") or ".." in rel.split("/"):
-            raise ConfigError(f"the server listed an unsafe path {rel!r}")
-        target = out / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(_get(f"{base}/{urllib.parse.quote(rel)}", token, timeout))
+    try:
+        with staged_dir(out) as stage:
+            for rel, size in sizes.items():
+                target = stage / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _download(f"{base}/{urllib.parse.quote(rel)}", token, timeout, target, size)
+    except OSError as exc:
+        raise StateError(f"cannot write the bundle into {dest}: {exc.strerror or type(exc).__name__}",
+                         fix="check free space and permissions there; nothing was kept") from None
     return out

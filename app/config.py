@@ -9,6 +9,7 @@ dataset on a mounted volume and a pinned base model. ``cvm-tune schema`` prints 
 from __future__ import annotations
 
 import json
+import urllib.parse
 from pathlib import Path
 from typing import Literal
 
@@ -100,6 +101,38 @@ class KeySettings(_Closed):
         return self
 
 
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+MAX_URL_CHARS = 2048
+
+
+def check_url(url: str, what: str) -> urllib.parse.SplitResult:
+    """Parse a URL cvm-tune will fetch (with ``urllib.parse``, the parser the fetching code uses too) and check the
+    host it will contact: ``https://``, or ``http://`` only on loopback; printable ASCII without spaces or
+    backslashes; no user name or password (``http://127.0.0.1:80@example.com/`` contacts example.com).
+
+    Raises:
+        ValueError: anything else (the message names ``what``).
+    """
+    if not isinstance(url, str) or not url.isascii() or not url.isprintable() or " " in url or "\\" in url \
+            or len(url) > MAX_URL_CHARS:
+        raise ValueError(f"{what} must be one URL of printable ASCII (at most {MAX_URL_CHARS} characters, no spaces "
+                         "or backslashes)")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("https", "http"):
+        raise ValueError(f"{what} must start with https:// (or http:// on loopback)")
+    if "@" in parts.netloc:
+        raise ValueError(f"{what} must not carry a user name or password (user@host)")
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError:
+        raise ValueError(f"{what} has an invalid port") from None
+    if not parts.hostname:
+        raise ValueError(f"{what} names no host")
+    if parts.scheme == "http" and parts.hostname not in LOOPBACK_HOSTS:
+        raise ValueError(f"{what}: plain http is allowed only on loopback (127.0.0.1, localhost, [::1]); use https")
+    return parts
+
+
 class DownloadSettings(_Closed):
     """How dataset.source url fetches a version (resumable, bounded)."""
 
@@ -109,6 +142,9 @@ class DownloadSettings(_Closed):
     retry_backoff_s: float = Field(2.0, ge=0, le=600, description="Wait before the first retry; doubles per retry.")
     max_bytes: int = Field(64 << 30, gt=0, description="Refuse a larger download (checked against Content-Length and "
                            "while reading).")
+    deadline_s: float = Field(7200.0, gt=0, le=86400, description="Give up a download (every attempt and wait "
+                              "together) after this long, however slowly the server keeps sending; the partial "
+                              "download is kept and resumed next run.")
 
 
 class DatasetSettings(_Closed):
@@ -128,9 +164,9 @@ class DatasetSettings(_Closed):
         description="The dataset id (signed header) to take from a directory or URL; required for those, checked "
         "against the file otherwise.")
     url: str | None = Field(
-        None, pattern=r"^(https://|http://(127\.0\.0\.1|localhost|\[::1\])[:/])[^\s]+$",
-        description="source url: where the owner publishes the current signed version (HTTPS; plain http only on "
-        "loopback). The transport is untrusted: the owner signature and every hash are checked before the key is used.")
+        None, description="source url: where the owner publishes the current signed version (HTTPS; plain http only on "
+        "loopback; no user name or password in it). The transport is untrusted: the owner signature and every hash are "
+        "checked before the key is used.")
     download: DownloadSettings = DownloadSettings()
     key: KeySettings = KeySettings()
     owner_public_key: str | None = Field(
@@ -152,6 +188,13 @@ class DatasetSettings(_Closed):
         "truncate", description="Rows longer than training.max_length tokens: truncate (keep the first max_length "
         "tokens) or drop; counted either way. Rows left with no trainable token are always dropped and counted."
     )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_url(value, "dataset.url")
+        return value
 
     @model_validator(mode="after")
     def _file_needs_path(self) -> DatasetSettings:

@@ -6,7 +6,8 @@ The aggregator of a federated round writes ``rounds/<federation>/round-<NNNN>/``
     adapter/adapter_model.safetensors   the aggregated global adapter (safetensors bytes; their SHA-256 is the
                                    ``global_adapter_sha256`` the next round's clients record)
     app-compose.json               the aggregator CVM's measured app-compose (raw bytes)
-    clients/<name>/                each admitted client's complete export bundle (``attestation.bundle``)
+    clients/<name>/                each admitted client's complete export bundle (``attestation.bundle``); its
+                                   quote is identified by the SHA-256 of its signed region (``quote_identity``)
     quote.bin, quote.hex           the aggregator's TDX quote, report_data = round_report_data(round-manifest.json)
     event_log.json                 the event log returned with that quote
     collateral.json                collateral for offline verification, when available
@@ -44,6 +45,19 @@ def client_privacy(manifest: object) -> tuple[float | None, float | None]:
     return float(privacy.epsilon), float(privacy.delta)
 
 
+def quote_identity(raw: bytes) -> str:
+    """A client quote's identity in the round manifest (``quote_sha256``): SHA-256 of its signed region (header,
+    body and declared signature data), without the padding that may follow it. A quote with more or fewer trailing
+    zero bytes verifies the same (``quote.padding``), so it is the same quote with the same identity.
+
+    Raises:
+        QuoteParseError: ``raw`` is not a quote.
+    """
+    from attestation.quote import Quote
+
+    return hashlib.sha256(raw[:Quote.from_bytes(raw).signed_end]).hexdigest()
+
+
 def round_report_data(manifest_bytes: bytes) -> bytes:
     """The 64-byte report_data that binds the aggregator's quote to these exact round-manifest bytes."""
     return hashlib.sha512(ROUND_REPORT_DATA_TAG + b":" + manifest_bytes).digest()
@@ -65,7 +79,7 @@ class AdmittedClient(_Closed):
     client: str = Field(pattern=rf"^{RUN_ID_PATTERN}$")
     run_id: str = Field(pattern=rf"^{RUN_ID_PATTERN}$")
     manifest_sha256: str = Field(pattern=_H64)
-    quote_sha256: str = Field(pattern=_H64)
+    quote_sha256: str = Field(pattern=_H64)  # quote_identity(): SHA-256 of the quote's signed region
     adapter_sha256: str = Field(pattern=_H64)
     trainable_tokens: int = Field(ge=1)
     weight: float = Field(gt=0, le=1)

@@ -1,13 +1,14 @@
 """Verify a federated round bundle (``attestation.round_bundle``) and, recursively, every client bundle in it.
 
 Steps (after ``attestation.verify``'s quote steps on the aggregator's quote):
- R1 ``round.files``      exactly the expected files and one ``clients/<name>/`` per admitted client; no symlinks
+ R1 ``round.files``      exactly the expected files and directories, one ``clients/<name>/`` per admitted client;
+                         no symlinks, no extra or empty directory
  R2 ``round.schema``     round-manifest.json parses against ``cvm-tune/round-manifest/v1``
  R3 ``quote.hex``, ``report_data`` (= SHA-512("cvm-tune-round-v1:" || round-manifest.json bytes))
  R4 ``round.file_hashes`` app-compose.json and the global adapter hash to the manifest; global_adapter_sha256 agrees
  R5 ``compose.hash``, ``tee.app_id``  the aggregator's compose and app id, as for a bundle
  R6 ``client.<name>``    the client bundle verifies under the same policy (every bundle check), and its manifest,
-                         quote and adapter hash to what the round lists
+                         quote (by its signed region, ``quote_identity``) and adapter hash to what the round lists
  R7 ``round.terms``      every client manifest's ``federation`` block names this round, nonce, the round's input
                          global adapter and the strategy's ``proximal_mu``
  R8 ``round.weights``    trainable tokens = the client manifests'; weights = tokens / total; each client's DP
@@ -18,7 +19,6 @@ Steps (after ``attestation.verify``'s quote steps on the aggregator's quote):
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from pathlib import Path
@@ -37,12 +37,14 @@ from attestation.bundle_verify import (
     verify_bundle,
 )
 from attestation.dcap import Collateral
-from attestation.errors import BundleError
+from attestation.errors import AttestationError, BundleError
 from attestation.hashing import sha256_file, sha256_hex
 from attestation.policy import Policy
+from attestation.safe_yaml import parse_json
 from attestation.verify import QuoteFindings, Verdict, verify_quote
 
 _TOP = {R.ROUND_MANIFEST, B.QUOTE_BIN, B.QUOTE_HEX, B.EVENT_LOG, B.APP_COMPOSE, R.GLOBAL_ADAPTER}
+_TOP_DIRS = {str(Path(R.GLOBAL_ADAPTER).parent), R.CLIENTS_DIR}
 WEIGHT_TOLERANCE = 1e-9
 # float32 weighted means summed in another order differ in the last bits; anything larger is another aggregate
 AGGREGATE_RTOL, AGGREGATE_ATOL = 1e-5, 1e-7
@@ -100,7 +102,7 @@ def _attested_manifest(f: QuoteFindings, root: Path, policy: Policy, now: int,
 
 def _schema(f: QuoteFindings, raw: bytes) -> R.RoundManifest | None:
     try:
-        m = R.RoundManifest.model_validate(json.loads(raw))
+        m = R.RoundManifest.model_validate(parse_json(raw, R.ROUND_MANIFEST, ValueError))
         names = [a.client for a in m.admitted]
         if len(set(names)) != len(names):
             raise ValueError("a client is admitted twice")
@@ -114,18 +116,24 @@ def _schema(f: QuoteFindings, raw: bytes) -> R.RoundManifest | None:
 
 
 def _files(f: QuoteFindings, root: Path, m: R.RoundManifest | None) -> None:
-    problems, present = [], set()
+    """Exactly the expected files and directories (as for an export bundle: no empty or extra directory either);
+    what is inside ``clients/<name>/`` is the client bundle's own check."""
+    problems, present, dirs = [], set(), set()
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             full = Path(dirpath) / name
             mode = os.lstat(full).st_mode
             rel = full.relative_to(root).as_posix()
+            inside_client = rel.count("/") > 1 and rel.startswith(R.CLIENTS_DIR + "/")
             if stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
                 problems.append(f"{rel} is not a plain file or directory")
             elif stat.S_ISREG(mode) and not rel.startswith(R.CLIENTS_DIR + "/"):
                 present.add(rel)
+            elif stat.S_ISDIR(mode) and not inside_client and not rel.startswith(R.CLIENTS_DIR + "/"):
+                dirs.add(rel)
     problems += [f"missing {p}" for p in sorted(_TOP - present)]
     problems += [f"unexpected file {p}" for p in sorted(present - _TOP - {B.COLLATERAL})]
+    problems += [f"unexpected directory {d}/" for d in sorted(dirs - _TOP_DIRS)]
     if m is not None:
         want = {a.client for a in m.admitted}
         clients = root / R.CLIENTS_DIR
@@ -159,13 +167,13 @@ def _clients(f: QuoteFindings, root: Path, m: R.RoundManifest, policy: Policy, n
             continue
         problems = [f"{c.name}: {c.detail}" for c in verdict.failed]
         raw = _read(d / B.MANIFEST)
-        for what, path, want in (("manifest.json", d / B.MANIFEST, a.manifest_sha256),
-                                 ("quote.bin", d / B.QUOTE_BIN, a.quote_sha256),
-                                 ("adapter", d / B.ADAPTER_FILES[1], a.adapter_sha256)):
+        for what, digest, want in (("manifest.json", lambda: sha256_file(d / B.MANIFEST), a.manifest_sha256),
+                                   ("quote.bin", lambda: R.quote_identity(_read(d / B.QUOTE_BIN)), a.quote_sha256),
+                                   ("adapter", lambda: sha256_file(d / B.ADAPTER_FILES[1]), a.adapter_sha256)):
             try:
-                if sha256_file(path) != want:
+                if digest() != want:  # a quote by its signed region (verifier.md, "Quote padding")
                     problems.append(f"{what} does not hash to the round manifest's value")
-            except OSError:
+            except (OSError, AttestationError):
                 problems.append(f"{what} unreadable")
         if not problems:
             out[a.client] = B.Manifest.model_validate_json(raw)
@@ -215,7 +223,7 @@ def _aggregate(f: QuoteFindings, root: Path, m: R.RoundManifest) -> None:
             scaled = {k: v * a.weight for k, v in tensors.items()}
             total = scaled if total is None else {k: total[k] + scaled[k] for k in total}
         result = load_file(str(root / R.GLOBAL_ADAPTER))
-    except (OSError, KeyError, ValueError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, KeyError, a shape or dtype mismatch: not recomputable
         f.add("round.aggregate", "fail", f"cannot recompute the aggregate: {type(exc).__name__}: {str(exc)[:100]}")
         return
     assert total is not None  # admitted has at least one client (schema)
@@ -237,8 +245,8 @@ def check_round_link(round_dir: Path, previous_dir: Path) -> list[str]:
     the round numbers, the federation, and the global adapter the round started from."""
     try:
         raw_prev = _read(Path(previous_dir) / R.ROUND_MANIFEST)
-        cur = R.RoundManifest.model_validate(json.loads(_read(Path(round_dir) / R.ROUND_MANIFEST)))
-        prev = R.RoundManifest.model_validate(json.loads(raw_prev))
+        cur = R.RoundManifest.model_validate(parse_json(_read(Path(round_dir) / R.ROUND_MANIFEST), "round", ValueError))
+        prev = R.RoundManifest.model_validate(parse_json(raw_prev, "previous round", ValueError))
     except (OSError, ValueError, ValidationError) as exc:
         return [f"a round manifest is unreadable or invalid: {type(exc).__name__}"]
     problems = []

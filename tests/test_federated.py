@@ -243,6 +243,7 @@ def test_admission_rejects_other_compose_owner_and_mismatched_adapter(federation
     ok = gate.check(reply(good), terms, set())
     listed = {a["client"]: a["trainable_tokens"] for a in m2["admitted"]}
     assert isinstance(ok, Admitted) and ok.trainable_tokens == listed["clinic-a"] != 10**9  # the manifest's count
+    assert ok.quote_sha256 == R.quote_identity((bundle / B.QUOTE_BIN).read_bytes())
     cases = {
         "compose-hash": (fed.model_copy(update={"client_compose_hashes": ("0" * 64,)}), reply(good), terms),
         "not signed by an owner key": (fed.model_copy(update={"clients": {"clinic-a": fed.clients["clinic-b"]}}),
@@ -251,6 +252,9 @@ def test_admission_rejects_other_compose_owner_and_mismatched_adapter(federation
                                     terms),
         "replayed or stale": (fed, reply(good), RoundTerms(3, "ab" * 32, terms.global_adapter_sha256, 0.0)),
         "not in federation.clients": (fed, reply(good, client="mallory"), terms),
+        # clinic-b listing clinic-a's owner key does not let a reply pass clinic-a's bundle off as clinic-b's
+        "attested config names 'clinic-a'": (fed.model_copy(update={"clients": {
+            **fed.clients, "clinic-b": fed.clients["clinic-a"]}}), reply(good, client="clinic-b"), terms),
     }
     for i, (want, (settings, msg, t)) in enumerate(cases.items()):
         got = Admission(settings, _policy(), tmp_path / f"w{i + 2}").check(msg, t, set())
@@ -261,6 +265,131 @@ def test_admission_rejects_other_compose_owner_and_mismatched_adapter(federation
                     created_at=0.0, ttl=60.0, message_type=MessageType.TRAIN)
     dropped = gate.check(Message(error=Error(code=0, reason="reply timed out"), metadata=meta), terms, set())
     assert isinstance(dropped, Rejected) and (dropped.node_id, dropped.reason) == (9, "the client failed: reply timed out")
+
+
+def _message(content: Any = None, *, node: int = 7) -> Any:
+    from flwr.app import Message, MessageType, Metadata
+
+    meta = Metadata(run_id=1, message_id="", src_node_id=node, dst_node_id=0, reply_to_message_id="r", group_id="",
+                    created_at=0.0, ttl=60.0, message_type=MessageType.TRAIN)
+    return Message(content=content, metadata=meta)
+
+
+def test_a_malformed_reply_is_rejected_with_its_reason_and_leaves_nothing(tmp_path: Path) -> None:
+    """Whatever one client sends, admission records a rejection for it (and the round goes on with the others):
+    a bundle that is not tar bytes or is a huge integer, no or an invalid client name, a tar without manifest.json,
+    an Array whose npy bytes or dtype are bad, two ArrayRecords."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+    from app.config import load_config
+    from app.federated.admission import Admission, Rejected, RoundTerms
+    from app.federated.transport import pack_bundle
+
+    fed = load_config(_server_config(tmp_path)).federation
+    not_a_bundle = tmp_path / "not-a-bundle"
+    not_a_bundle.mkdir()
+    (not_a_bundle / "README.md").write_text("no manifest here")
+    tar = pack_bundle(not_a_bundle)
+    floats = ArrayRecord({"lora_A.weight": Array(np.ones((2, 2), np.float32))})
+    bad_npy = ArrayRecord({"lora_A.weight": Array(dtype="float32", shape=(2, 2), stype="numpy.ndarray",
+                                                  data=b"\x93NUMPY garbage")})
+    ints = ArrayRecord({"lora_A.weight": Array(np.ones((2, 2), np.int64))})
+
+    def content(bundle: dict[str, Any] | None, *arrays: Any) -> Any:
+        records: dict[str, Any] = {f"arrays{i}": a for i, a in enumerate(arrays)}
+        if bundle is not None:
+            records["bundle"] = ConfigRecord(bundle)
+        return RecordDict(records)
+
+    cases = {
+        "is a str, not tar bytes": content({"client": "clinic-a", "tar": "tar as text"}, floats),
+        "is a int, not tar bytes": content({"client": "clinic-a", "tar": 1 << 62}, floats),  # never bytes(2**62)
+        "no valid client name": content({"client": 7, "tar": tar}, floats),
+        "no valid client name ": content({"client": "clinic-a\x00", "tar": tar}, floats),
+        "no bundle or adapter weights": content(None, floats),
+        "no bundle or adapter weights ": content({"client": "clinic-a", "tar": tar}, floats, floats),
+        "cannot be decoded (ValueError)": content({"client": "clinic-a", "tar": tar}, bad_npy),
+        "has dtype int64, not a float type": content({"client": "clinic-a", "tar": tar}, ints),
+        "the bundle has no manifest.json": content({"client": "clinic-a", "tar": tar}, floats),
+        "not a readable tar archive": content({"client": "clinic-a", "tar": b"not a tar" * 100}, floats),
+    }
+    gate = Admission(fed, _policy(), tmp_path / "work")
+    terms = RoundTerms(1, "00" * 32, None, 0.0)
+    for i, (want, c) in enumerate(cases.items()):
+        got = gate.check(_message(c, node=i), terms, set())
+        assert isinstance(got, Rejected) and got.node_id == i and want.strip() in got.reason, (want, got)
+        assert got.client in ("", "clinic-a")
+    assert [p for p in (tmp_path / "work").rglob("*") if p.is_file()] == []
+
+
+def test_an_unexpected_failure_while_admitting_rejects_only_that_reply(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error nobody foresaw (here the verifier running out of memory) is a recorded rejection, not a failed
+    round, and the unpacked bundle is removed."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+
+    from app.config import load_config
+    from app.federated import admission
+    from app.federated.transport import pack_bundle
+
+    def exhausted(*_a: Any, **_k: Any) -> Any:
+        raise MemoryError("verifier out of memory")
+
+    monkeypatch.setattr(admission, "verify_bundle", exhausted)
+    src = tmp_path / "bundle"
+    src.mkdir()
+    (src / B.MANIFEST).write_text("{}")
+    reply = RecordDict({"arrays": ArrayRecord({"w": Array(np.ones(2, np.float32))}),
+                        "bundle": ConfigRecord({"client": "clinic-b", "tar": pack_bundle(src)})})
+    gate = admission.Admission(load_config(_server_config(tmp_path)).federation, _policy(), tmp_path / "work")
+    got = gate.check(_message(reply, node=3), admission.RoundTerms(1, "00" * 32, None, 0.0), set())
+    assert got == admission.Rejected("clinic-b", 3, "its reply could not be checked (MemoryError: verifier out of "
+                                     "memory)")
+    assert [p for p in (tmp_path / "work").rglob("*") if p.is_file()] == []
+
+
+def test_a_client_quote_is_identified_by_its_signed_region(federation: Path, tmp_path: Path) -> None:
+    """The same quote with 70 more zero bytes verifies the same in a client bundle, so the round that lists it
+    verifies too (a round names a quote by its signed region, never by the whole blob)."""
+    p = _copy(federation, tmp_path)
+    client = p / "clients" / "clinic-a"
+    quote = (client / B.QUOTE_BIN).read_bytes() + b"\0" * 70
+    (client / B.QUOTE_BIN).write_bytes(quote)
+    (client / B.QUOTE_HEX).write_text(quote.hex() + "\n")
+    verdict = verify_round(p, policy=_policy(), now=NOW)
+    assert verdict.accepted, [(c.name, c.detail) for c in verdict.failed]
+    (client / B.QUOTE_BIN).write_bytes(quote[:-71] + b"\1" + quote[-70:])  # a non-zero byte: another quote
+    (client / B.QUOTE_HEX).write_text((quote[:-71] + b"\1" + quote[-70:]).hex() + "\n")
+    assert "client.clinic-a" in _failed(p)
+
+
+def test_an_empty_directory_in_a_round_bundle_is_rejected(federation: Path, tmp_path: Path) -> None:
+    """As in an export bundle (where a client bundle's own check already refuses one)."""
+    for where, check in (("empty", "round.files"), ("adapter/empty", "round.files"),
+                         ("clients/clinic-a/empty", "client.clinic-a")):
+        p = _copy(federation, tmp_path / where.replace("/", "-"))
+        (p / where).mkdir()
+        failed = {c.name: c.detail for c in verify_round(p, policy=_policy(), now=NOW).failed}
+        assert f"unexpected directory {where.removeprefix('clients/clinic-a/')}/" in failed.get(check, ""), failed
+
+
+@pytest.mark.parametrize("adapter", [R.GLOBAL_ADAPTER, f"clients/clinic-a/{B.ADAPTER_FILES[1]}"])
+def test_a_damaged_safetensors_header_is_a_failed_check(federation: Path, tmp_path: Path, adapter: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """One flipped byte in a safetensors header: the round is rejected (exit 1), never a crash (exit 70)."""
+    from app.cli import main
+
+    p = _copy(federation, tmp_path)
+    raw = bytearray((p / adapter).read_bytes())
+    raw[8] ^= 0xFF  # the first byte of the JSON header
+    (p / adapter).write_bytes(bytes(raw))
+    assert "round.aggregate" in _failed(p)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(_policy().to_yaml())
+    assert main(["verify", str(p), "--policy", str(policy), "--now", str(NOW)]) == 1
+    assert "round.aggregate" in capsys.readouterr().out
 
 
 def test_round_fails_below_min_clients_with_a_clear_reason(tmp_path: Path) -> None:

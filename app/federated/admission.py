@@ -2,22 +2,29 @@
 
 In order (the first failure is the recorded reason):
 
-1. the reply is not a Flower error and carries a bundle, adapter weights and a client name the federation lists,
-   not already admitted this round;
+1. the reply is not a Flower error and carries a client name the federation lists (not already admitted this
+   round), the bundle as tar bytes and one ``ArrayRecord`` of float tensors that decode;
 2. the bundle verifies with :func:`attestation.verify_bundle` under the client policy (trusted root, TCB,
    measurements; every check, the simulator's test CA only in simulator mode);
 3. its compose-hash is in ``federation.client_compose_hashes``;
-4. its dataset was signed by one of that client's owner keys;
-5. its manifest's ``federation`` block names this round, this round's nonce, the global adapter the round sent and
+4. the name the reply claims is the ``federation.client_name`` of the bundle's attested ``config.json``: a name is
+   believed only when the client's own quote vouches for it;
+5. its dataset was signed by one of that client's owner keys;
+6. its manifest's ``federation`` block names this round, this round's nonce, the global adapter the round sent and
    the FedProx ``mu`` (a bundle replayed from another round, or trained from another adapter, fails here);
-6. the adapter weights in the reply are exactly the bundle's ``adapter/adapter_model.safetensors``.
+7. the adapter weights in the reply are exactly the bundle's ``adapter/adapter_model.safetensors``.
 
-The weight a client gets is the trainable-token count from its verified manifest, never the number it sent.
+Any failure while checking one reply, expected or not, rejects that reply with a recorded reason: one client can
+never fail the round for the others. The weight a client gets is the trainable-token count from its verified
+manifest, never the number it sent, and what is aggregated is the verified bundle's own adapter file.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,14 +32,17 @@ from typing import Any
 
 from attestation import bundle as B
 from attestation import verify_bundle
+from attestation.errors import AttestationError
 from attestation.hashing import sha256_file, sha256_hex
 from attestation.policy import Policy
-from attestation.round_bundle import client_privacy
+from attestation.round_bundle import client_privacy, quote_identity
+from attestation.safe_yaml import parse_json
 
 from app.errors import CvmTuneError
-from app.federated.settings import FederationSettings
-from app.federated.transport import same_arrays, unpack_bundle
+from app.federated.settings import CLIENT_NAME, FederationSettings
+from app.federated.transport import decode_arrays, diff_arrays, load_adapter, to_record, unpack_bundle
 
+log = logging.getLogger("cvm-tune.federated")
 WEIGHT_KEY = "trainable-tokens"
 MAX_REASON = 300
 
@@ -47,7 +57,7 @@ class Admitted:
     quote_sha256: str
     adapter_sha256: str
     trainable_tokens: int
-    arrays: Any  # flwr.app.ArrayRecord
+    arrays: Any  # flwr.app.ArrayRecord: the verified bundle's adapter tensors (equal to those the client sent)
     privacy: tuple[float | None, float | None] = (None, None)  # (epsilon, delta) of the client's DP-SGD
 
 
@@ -79,34 +89,40 @@ class Admission:
         self.settings, self.policy, self.workdir = settings, policy, workdir
 
     def check(self, msg: Any, terms: RoundTerms, admitted: set[str]) -> Admitted | Rejected:
-        """Admit or reject one reply (``admitted``: client names already admitted this round)."""
-        node = int(msg.metadata.src_node_id)
-        name = ""
+        """Admit or reject one reply (``admitted``: client names already admitted this round). Never raises for
+        anything the reply holds."""
+        node, name, scratch = _node_id(msg), "", None
         try:
             if msg.has_error():
-                raise _Reject(f"the client failed: {msg.error.reason}")
-            content = msg.content
-            meta = content.config_records.get("bundle")
-            if meta is None or "client" not in meta or "tar" not in meta or len(content.array_records) != 1:
-                raise _Reject("the reply carries no bundle, client name or adapter weights")
-            name = str(meta["client"])[:100]
+                raise _Reject(f"the client failed: {str(msg.error.reason)[:200]}")
+            name, tar, sent = _reply_parts(msg.content)
             if name not in self.settings.clients:
                 raise _Reject(f"client {name!r} is not in federation.clients")
             if name in admitted:
                 raise _Reject(f"client {name!r} already has a bundle admitted in round {terms.round}")
-            dest = self.workdir / f"round-{terms.round:04d}" / f"node-{node}"
-            bundle = unpack_bundle(bytes(meta["tar"]), dest)  # type: ignore[arg-type]
-            return self._check_bundle(name, node, bundle, next(iter(content.array_records.values())), terms)
+            round_dir = self.workdir / f"round-{terms.round:04d}"
+            round_dir.mkdir(parents=True, exist_ok=True)
+            scratch = Path(tempfile.mkdtemp(prefix=f"node-{node}-", dir=round_dir))
+            bundle = unpack_bundle(tar, scratch / "bundle")
+            return self._check_bundle(name, node, bundle, sent, terms)
         except _Reject as exc:
-            return Rejected(name, node, str(exc)[:MAX_REASON])
-        except CvmTuneError as exc:
-            return Rejected(name, node, exc.message[:MAX_REASON])
+            reason = str(exc)
+        except (CvmTuneError, AttestationError) as exc:
+            reason = exc.message
+        except Exception as exc:  # noqa: BLE001 - one client's reply must never fail the round for the others
+            log.debug("admission of node %d failed", node, exc_info=True)
+            reason = f"its reply could not be checked ({type(exc).__name__}: {str(exc)[:150]})"
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return Rejected(name, node, reason[:MAX_REASON])
 
     def forget(self, round_: int) -> None:
         """Remove the bundles unpacked for ``round_`` (the admitted ones are in its round bundle by now)."""
         shutil.rmtree(self.workdir / f"round-{round_:04d}", ignore_errors=True)
 
-    def _check_bundle(self, name: str, node: int, bundle: Path, arrays: Any, terms: RoundTerms) -> Admitted:
+    def _check_bundle(self, name: str, node: int, bundle: Path, sent: dict[str, Any], terms: RoundTerms) -> Admitted:
+        if not (bundle / B.MANIFEST).is_file():
+            raise _Reject(f"the bundle has no {B.MANIFEST}: not a cvm-tune export bundle")
         verdict = verify_bundle(bundle, policy=self.policy, now=int(time.time()))
         if not verdict.accepted:
             c = verdict.failed[0]
@@ -115,18 +131,50 @@ class Admission:
         m = B.Manifest.model_validate_json(raw)
         if m.tee.compose_hash not in self.settings.client_compose_hashes:
             raise _Reject(f"compose-hash {m.tee.compose_hash[:16]}… is not in federation.client_compose_hashes")
+        if (attested := _attested_name(bundle)) != name:
+            raise _Reject(f"the reply names client {name!r}, but its bundle's attested config names "
+                          f"{str(attested)[:100]!r}")
         owners = self.settings.clients[name].owner_public_keys
         if m.dataset.owner_public_key not in owners:
             raise _Reject(f"its dataset is not signed by an owner key of client {name!r}")
         _check_terms(m.federation, terms)
         adapter = bundle / B.ADAPTER_FILES[1]
-        if (diff := same_arrays(arrays, adapter)) is not None:
+        tensors = load_adapter(adapter)
+        if (diff := diff_arrays(sent, tensors)) is not None:
             raise _Reject(f"the adapter weights sent do not match the bundle: {diff}")
         tokens = int((m.dataset.validation or {}).get("trainable_tokens", 0))
         if tokens < 1:
             raise _Reject("the manifest records no trainable tokens")
-        return Admitted(name, node, bundle, m.run_id, sha256_hex(raw), sha256_file(bundle / B.QUOTE_BIN),
-                        sha256_file(adapter), tokens, arrays, client_privacy(m))
+        quote_id = quote_identity((bundle / B.QUOTE_BIN).read_bytes())
+        return Admitted(name, node, bundle, m.run_id, sha256_hex(raw), quote_id, sha256_file(adapter), tokens,
+                        to_record(tensors), client_privacy(m))
+
+
+def _node_id(msg: Any) -> int:
+    try:
+        return int(msg.metadata.src_node_id)
+    except Exception:  # noqa: BLE001 - Flower sets it; a reply without one is recorded as node 0
+        return 0
+
+
+def _reply_parts(content: Any) -> tuple[str, bytes, dict[str, Any]]:
+    """The claimed client name, the bundle's tar bytes and the decoded adapter tensors of a reply."""
+    meta = content.config_records.get("bundle")
+    if meta is None or len(content.array_records) != 1:
+        raise _Reject("the reply carries no bundle or adapter weights")
+    name, tar = meta.get("client"), meta.get("tar")
+    if not isinstance(name, str) or not re.fullmatch(CLIENT_NAME, name):
+        raise _Reject("the reply carries no valid client name")
+    if not isinstance(tar, bytes):
+        raise _Reject(f"the reply's bundle is a {type(tar).__name__}, not tar bytes")
+    return name, tar, decode_arrays(next(iter(content.array_records.values())))
+
+
+def _attested_name(bundle: Path) -> object:
+    """``federation.client_name`` in the bundle's ``config.json`` (hashed in the quote-bound manifest)."""
+    doc = parse_json((bundle / B.CONFIG).read_bytes(), "the bundle's config.json", _Reject, max_bytes=1 << 20)
+    fed = doc.get("federation") if isinstance(doc, dict) else None
+    return fed.get("client_name") if isinstance(fed, dict) else None
 
 
 def _check_terms(fed: B.FederationInfo | None, terms: RoundTerms) -> None:

@@ -37,7 +37,10 @@ def check_global_adapter(cfg: Config, conf: Any, round_: int, global_sha: str | 
             return
         raise TeeError(f"round {round_}: the aggregator sent a global adapter without the attested round that made it",
                        fix="pin the initial adapter in federation.initial_adapter_sha256, or check the aggregator")
-    verdict, m = verify_round_head(unpack_bundle(bytes(evidence), workdir), policy=_policy(cfg), now=int(time.time()))
+    if not isinstance(evidence, bytes):  # never bytes(n): an integer would allocate n bytes
+        raise TeeError(f"round {round_}: the aggregator's previous-round evidence is not tar bytes",
+                       fix="do not train on this global adapter; check the aggregator's deployment")
+    verdict, m = verify_round_head(unpack_bundle(evidence, workdir), policy=_policy(cfg), now=int(time.time()))
     problems = [f"{c.name}: {c.detail}" for c in verdict.failed]
     if m is not None and not problems:
         if m.tee.compose_hash not in fed.aggregator_compose_hashes:

@@ -14,7 +14,7 @@ from pydantic import Field, field_validator
 
 from app.config_base import HEX64, _Closed
 
-_NAME = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,99}$"
+CLIENT_NAME = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,99}$"
 
 
 def _all_hex64(value: tuple[str, ...]) -> tuple[str, ...]:
@@ -39,7 +39,7 @@ class FederationClient(_Closed):
 class FederationSettings(_Closed):
     """Federated rounds on Flower (``docs/federated.md``)."""
 
-    client_name: str | None = Field(None, pattern=_NAME, description="Client role: this CVM's name in the "
+    client_name: str | None = Field(None, pattern=CLIENT_NAME, description="Client role: this CVM's name in the "
                                     "aggregator's `federation.clients` (sent with every reply).")
     aggregator_compose_hashes: tuple[str, ...] = Field(
         (), description="Client role: allowed compose-hashes of the aggregator. Set: a global adapter is trained on "
@@ -82,6 +82,6 @@ class FederationSettings(_Closed):
     @field_validator("clients")
     @classmethod
     def _names(cls, value: dict[str, FederationClient]) -> dict[str, FederationClient]:
-        if bad := [k for k in value if not re.fullmatch(_NAME, k)]:
+        if bad := [k for k in value if not re.fullmatch(CLIENT_NAME, k)]:
             raise ValueError(f"client name {bad[0]!r} is not allowed (letters, digits, '.', '_', '-')")
         return value
