@@ -13,19 +13,15 @@ from app.errors import ConfigError
 
 def _compose_hash(args: argparse.Namespace) -> int:
     from attestation import compose as C
+    from attestation.inputs import read_bounded
+    from attestation.safe_yaml import MAX_JSON_BYTES
 
-    try:
-        raw = args.app_compose.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {args.app_compose}: {exc.strerror}", fix="pass the app-compose.json to hash") from exc
+    raw = read_bounded(args.app_compose, MAX_JSON_BYTES if args.from_info else C.MAX_APP_COMPOSE, C.ComposeError,
+                       "Info document" if args.from_info else "app-compose.json")
+    if args.save is not None and not args.from_info:
+        raise ConfigError("--save needs --from-info (the file itself is already the app-compose.json)")
     if args.from_info:
         raw = C.from_info(raw)
-        if args.save is not None:
-            from app.fsutil import atomic_write_bytes
-
-            atomic_write_bytes(args.save, raw)
-    elif args.save is not None:
-        raise ConfigError("--save needs --from-info (the file itself is already the app-compose.json)")
     doc = C.load(raw)
     digest = C.compose_hash(raw)
     app_id = C.app_id(doc, digest, pinned_app_id=args.app_id)
@@ -33,6 +29,10 @@ def _compose_hash(args: argparse.Namespace) -> int:
     out = {"compose_hash": digest, "app_id": app_id, "mr_config_id": mr_config_id, "mr_config_id_form": form,
            "kms_enabled": bool(doc.get("kms_enabled")),
            "images": C.images(doc) if doc.get("runner") == "docker-compose" else {}, "problems": C.audit(doc)}
+    if args.save is not None:  # only an app-compose.json that could be read and audited is saved
+        from app.fsutil import atomic_write_bytes
+
+        atomic_write_bytes(args.save, raw)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -84,7 +84,8 @@ def _deploy_plan(args: argparse.Namespace) -> int:
 
 
 def _env(args: argparse.Namespace) -> int:
-    from attestation.compose import load
+    from attestation.compose import MAX_APP_COMPOSE, ComposeError, load
+    from attestation.inputs import read_bounded
 
     from app.deploy import check_env, encrypt_env, read_env_file, verify_public_key
 
@@ -97,10 +98,11 @@ def _env(args: argparse.Namespace) -> int:
         values = {n: os.environ[n] for n in args.from_env}
     allowed = None
     if args.app_compose is not None:
-        try:
-            allowed = list(load(args.app_compose.read_bytes()).get("allowed_envs") or [])
-        except OSError as exc:
-            raise ConfigError(f"cannot read {args.app_compose}: {exc.strerror}") from exc
+        raw = read_bounded(args.app_compose, MAX_APP_COMPOSE, ComposeError, "app-compose.json")
+        names = load(raw).get("allowed_envs") or []
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ComposeError(f"{args.app_compose}: allowed_envs is not a list of names")
+        allowed = names
     check_env(values, allowed)
     if args.kms_signature:
         if not (args.app_id and args.timestamp is not None and args.kms_signer):

@@ -28,7 +28,7 @@ def _verify(args: argparse.Namespace) -> int:
     policy = load_policy(args.policy)
     now = args.now if args.now is not None else int(time.time())
     if args.chain is not None:
-        return _verify_chain(args.chain, policy, now, as_json=args.json)
+        return _verify_chain(args.chain, policy, now, as_json=args.json, hint=args.policy is None)
     coll = read_collateral_file(args.collateral) if args.collateral is not None else None
     from attestation.round_verify import is_round_bundle
 
@@ -39,13 +39,19 @@ def _verify(args: argparse.Namespace) -> int:
     verdict = verify_bundle(args.bundle, policy=policy, now=now, collateral=coll,
                             base_model_dir=args.base_model, dataset_file=args.dataset)
     if args.parent is None:
-        return _print_verdict(verdict, as_json=args.json)
+        code = _print_verdict(verdict, as_json=args.json)
+        if args.policy is None:
+            _simulator_hint([(args.bundle, verdict)])
+        return code
     from attestation.lineage import check_link
 
     parent = verify_bundle(args.parent, policy=policy, now=now)
-    return _print_with_parent(verdict, parent, check_link(args.bundle, args.parent), as_json=args.json,
+    code = _print_with_parent(verdict, parent, check_link(args.bundle, args.parent), as_json=args.json,
                               names=("bundle", "parent", f"parent {args.parent}", "lineage"),
                               linked="the bundle continued from this parent (manifest, adapter and base model hashes match)")
+    if args.policy is None:
+        _simulator_hint([(args.bundle, verdict), (args.parent, parent)])
+    return code
 
 
 def _print_with_parent(verdict: Verdict, parent: Verdict, problems: list[str], *, as_json: bool,
@@ -69,7 +75,39 @@ def _print_with_parent(verdict: Verdict, parent: Verdict, problems: list[str], *
     return 0 if ok else EXIT_REJECTED
 
 
-def _verify_chain(exports: Path, policy: Any, now: int, *, as_json: bool) -> int:
+SIMULATOR_POLICY_FILE = "simulator-test-policy.yaml"  # app.publish writes it next to exports/ on a simulator run
+
+
+def _simulator_hint(verdicts: list[tuple[Path, Verdict]]) -> None:
+    """Under the default policy, a bundle whose quote chains to the cvm-tune simulator's TEST CA is rejected by
+    design: say so on stderr (stdout keeps the verdict alone), with the ``--policy`` that verifies it."""
+    for bundle, verdict in verdicts:
+        quote = verdict.findings.quote
+        if verdict.accepted or quote is None or not _simulator_chain(quote.pck_chain or b""):
+            continue
+        policy = bundle.resolve().parent.parent / SIMULATOR_POLICY_FILE
+        where = (f"--policy {policy}" if policy.is_file() else f"--policy OUTPUT_DIR/{SIMULATOR_POLICY_FILE} (the run "
+                 "that made it wrote it into its output directory; `cvm-tune simulator --write-policy FILE` writes one)")
+        print(f"hint: {bundle} was made by the cvm-tune simulator: its quote chains to the simulator's TEST CA, which "
+              f"the default policy never trusts (expected). To check everything else, verify with {where}", file=sys.stderr)
+        return
+
+
+def _simulator_chain(pem: bytes) -> bool:
+    """Is the last certificate of a quote's PCK chain one the cvm-tune simulator issued (``O=cvm-tune TEST ONLY``)?"""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    from app.simulator.pki import TEST_ORG
+
+    try:
+        root = x509.load_pem_x509_certificates(pem.rstrip(b"\0"))[-1]
+    except (ValueError, IndexError):
+        return False
+    return any(a.value == TEST_ORG for a in root.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME))
+
+
+def _verify_chain(exports: Path, policy: Any, now: int, *, as_json: bool, hint: bool = False) -> int:
     from attestation.lineage import verify_chain
 
     report = verify_chain(exports, policy=policy, now=now)
@@ -92,6 +130,8 @@ def _verify_chain(exports: Path, policy: Any, now: int, *, as_json: bool) -> int
         sys.stdout.flush()
     except BrokenPipeError:
         _silence_stdout()
+    if hint:
+        _simulator_hint([(link.bundle, link.verdict) for link in report.links])
     return 0 if broken is None else EXIT_REJECTED
 
 

@@ -87,13 +87,16 @@ class Plan:
 
 def _check_inputs(app_compose: Path, env_file: Path) -> list[str]:
     """The app-compose passes its audit and keeps the alert variable; the env file holds only allowed names."""
-    try:
-        doc = C.load(app_compose.read_bytes())
-    except OSError as exc:
-        raise ConfigError(f"cannot read {app_compose}: {exc.strerror}", fix="run cvm-tune app-compose first") from exc
+    from attestation.inputs import read_bounded
+
+    if not app_compose.is_file():
+        raise ConfigError(f"cannot read {app_compose}: no such file", fix="run cvm-tune app-compose first")
+    doc = C.load(read_bounded(app_compose, C.MAX_APP_COMPOSE, C.ComposeError, "app-compose.json"))
     if problems := C.audit(doc):
         raise ConfigError(f"{app_compose} fails its audit: " + "; ".join(problems), fix="regenerate it with cvm-tune app-compose")
-    allowed = list(doc.get("allowed_envs") or [])
+    allowed = doc.get("allowed_envs") or []
+    if not isinstance(allowed, list) or not all(isinstance(n, str) for n in allowed):
+        raise C.ComposeError(f"{app_compose}: allowed_envs is not a list of names")
     if ALERT_ENV not in allowed:
         raise ConfigError(f"{ALERT_ENV} is not in {app_compose}'s allowed_envs: alerts would be dropped",
                           fix="keep `- CVM_TUNE_ALERT_WEBHOOK` in docker-compose.yaml and regenerate")

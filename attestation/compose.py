@@ -30,6 +30,7 @@ from typing import Any, Literal
 import yaml
 
 from attestation.errors import AttestationError
+from attestation.safe_yaml import error_text, parse_json
 
 SERVICE = "cvm-tune"  # the compose service that runs cvm-tune (its image is recorded in every manifest)
 DSTACK_SOCKET = "/var/run/dstack.sock"
@@ -114,7 +115,7 @@ def check_mr_config_id(config_id: bytes, compose_hash_hex: str, app_id_hex: str 
     if version != 2:
         return False, f"MRCONFIGID version {version} is not one dstack 0.5.x sets (1 or 2): cannot be checked"
     try:
-        kp = json.loads(key_provider_event or b"")
+        kp = parse_json(key_provider_event or b"", "the key-provider event", ComposeError)
         kind, kp_id = EVENT_KEY_PROVIDER[kp["name"]], str(kp.get("id") or "")
         want = mr_config_id_v2(compose_hash_hex, app_id_hex or "", kind, kp_id) if app_id_hex else None
     except (ValueError, KeyError, TypeError, ComposeError) as exc:
@@ -137,14 +138,11 @@ def load(raw: bytes) -> dict[str, Any]:
     """Parse app-compose.json (a JSON object).
 
     Raises:
-        ComposeError: not UTF-8 JSON, not an object, or too large.
+        ComposeError: not UTF-8 JSON, not an object, too large or nested too deeply.
     """
     if len(raw) > MAX_APP_COMPOSE:
         raise ComposeError(f"app-compose.json is {len(raw)} bytes (limit {MAX_APP_COMPOSE})")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ComposeError(f"app-compose.json is not UTF-8 JSON: {exc}") from exc
+    data = parse_json(raw, "app-compose.json", ComposeError, max_bytes=MAX_APP_COMPOSE)
     if not isinstance(data, dict):
         raise ComposeError("app-compose.json must be a JSON object")
     return data
@@ -159,12 +157,10 @@ def from_info(raw: bytes) -> bytes:
     Raises:
         ComposeError: not JSON, or no ``tcb_info.app_compose`` text.
     """
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-        tcb = doc.get("tcb_info") if isinstance(doc, dict) else None
-        tcb = json.loads(tcb) if isinstance(tcb, str) else tcb
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ComposeError(f"not a JSON Info / attestation document: {exc}") from exc
+    what = "the Info / attestation document"
+    doc = parse_json(raw, what, ComposeError)
+    tcb = doc.get("tcb_info") if isinstance(doc, dict) else None
+    tcb = parse_json(tcb, f"{what}'s tcb_info", ComposeError) if isinstance(tcb, str) else tcb
     text = tcb.get("app_compose") if isinstance(tcb, dict) else None
     if not isinstance(text, str) or not text:
         raise ComposeError("the document has no tcb_info.app_compose (is the CVM's public_tcbinfo off?)",
@@ -230,8 +226,10 @@ def compose_document(docker_compose_text: str, loader: type | None = None) -> tu
 
     try:
         doc = compose_yaml.parse(docker_compose_text, loader or compose_yaml.LOADER)
-    except (yaml.YAMLError, RecursionError) as exc:
-        raise ComposeError(f"docker_compose_file is not valid YAML: {str(exc).splitlines()[0]}") from exc
+    except yaml.YAMLError as exc:
+        raise ComposeError(f"docker_compose_file is not valid YAML: {error_text(exc)}") from exc
+    except RecursionError as exc:  # a long chain of aliases: the constructor recurses through them
+        raise ComposeError("docker_compose_file: its aliases are chained too deeply to be a compose file") from exc
     svcs = doc.get("services") if isinstance(doc, dict) else None
     if not isinstance(svcs, dict) or not all(isinstance(v, dict) for v in svcs.values()):
         raise ComposeError("docker_compose_file has no `services` mapping")

@@ -14,7 +14,11 @@ syntax, top-level volumes that are really binds) and refuses, each with the offe
   ``volumes_from``, ``extends`` and ``include`` (text this audit cannot see), and ``$VAR`` interpolation outside
   ``environment`` (compose fills it from the environment, which dstack does not measure and the host can forge);
 * images not pinned by digest, ``build:``, secrets in clear; ``public_logs`` / ``public_sysinfo`` not false,
-  ``pre_launch_script``, swap.
+  ``pre_launch_script``, swap;
+* anything it does not understand: it works from allow-lists (the tables below), so ``env_file``, configs and
+  secrets from ``environment:``, external networks (``{name: host, external: true}``), other drivers, a seccomp
+  profile file or an SELinux type, and fields a later Compose adds are findings, never skipped. Explicit YAML tags
+  (``!!binary``: bytes to PyYAML, a string to Compose) are refused when the text is parsed (``compose_yaml``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,50 @@ SOCKET_PATH = "/run/dstack.sock"  # canonical form of DSTACK_SOCKET
 HOST_MODES = ("network_mode", "pid", "ipc", "uts", "userns_mode", "cgroup")
 UNCONFINED = ("seccomp=unconfined", "seccomp:unconfined", "apparmor=unconfined", "apparmor:unconfined",
               "label=disable", "label:disable", "systempaths=unconfined")
+SECURITY_OPTS = ("no-new-privileges", "no-new-privileges:true", "no-new-privileges=true")  # the only ones allowed
+
+# Allow-lists: a field outside them is a finding (the audit refuses what it cannot judge). Keys starting with
+# ``x-`` are Compose extension fields (Compose ignores them; anchors usually live there).
+SERVICE_FIELDS = frozenset((  # judged below, then fields with no way out of the container
+    "image environment volumes security_opt deploy networks configs secrets privileged " + " ".join(HOST_MODES) +
+    " command entrypoint init restart stop_grace_period stop_signal healthcheck working_dir user read_only stdin_open"
+    " tty tmpfs shm_size ulimits mem_limit mem_reservation memswap_limit mem_swappiness cpus cpu_shares cpuset cpu_count"
+    " cpu_percent cpu_period cpu_quota pids_limit oom_score_adj oom_kill_disable cap_drop ports expose hostname"
+    " domainname container_name labels annotations depends_on profiles platform pull_policy scale extra_hosts dns"
+    " dns_search dns_opt mac_address").split())
+REFUSED_FIELDS = {  # known fields with their own finding
+    "build": "`build:` is not reproducible in a CVM; use a pushed image by digest",
+    "volumes_from": "`volumes_from:` pulls in configuration this audit cannot see here; write it out",
+    "extends": "`extends:` pulls in configuration this audit cannot see here; write it out",
+    "env_file": "`env_file:` reads a file of the CVM's (dstack's host-shared files are under /dstack) that the "
+                "compose-hash does not cover; write the values under environment or pass them through dstack's "
+                "encrypted env",
+    "device_cgroup_rules": "device_cgroup_rules opens device access; remove it",
+}
+DEPLOY_FIELDS = {"deploy": frozenset("resources restart_policy labels replicas mode".split()),
+                 "deploy.resources": frozenset(("limits", "reservations")),
+                 "deploy.resources.limits": frozenset(("cpus", "memory", "pids")),
+                 "deploy.resources.reservations": frozenset(("cpus", "memory", "devices"))}
+GPU_DEVICE_FIELDS = frozenset(("driver", "count", "device_ids", "capabilities"))
+VOLUME_ITEM = {"": frozenset("type source target read_only consistency bind volume tmpfs".split()),
+               "bind": frozenset(("propagation", "create_host_path", "selinux")),
+               "volume": frozenset(("nocopy", "subpath")), "tmpfs": frozenset(("size", "mode"))}
+VOLUME_TYPES = ("bind", "volume", "tmpfs")
+VOLUME_MODES = frozenset("ro rw z Z nocopy consistent cached delegated shared rshared slave rslave private rprivate".split())
+REFERENCE_ITEM = frozenset(("source", "target", "uid", "gid", "mode"))  # a service's configs / secrets entry
+NETWORK_ATTACH = frozenset("aliases ipv4_address ipv6_address link_local_ips priority gw_priority mac_address".split())
+TOP_FIELDS = frozenset(("services", "volumes", "networks", "configs", "secrets", "name", "version"))
+SECTION_FIELDS = {"volumes": frozenset(("driver", "driver_opts", "labels", "name")),  # one top-level entry's fields
+                  "networks": frozenset(("driver", "internal", "attachable", "labels", "enable_ipv6")),
+                  "configs": frozenset(("file", "content")), "secrets": frozenset(("file",))}
+SECTION_REFUSED = {
+    "external": "`external:` refers to something created outside this file (an external network named host is "
+                "the CVM's own network)",
+    "environment": "`environment:` fills it from the environment of `docker compose`, which dstack does not measure "
+                   "and the host can forge",
+    "name": "`name:` refers to an object outside this file (a network named host is the CVM's own network)",
+}
+SECTION_DRIVERS = {"volumes": (None, "local"), "networks": (None, "bridge")}
 
 
 def canonical(path: str) -> str:
@@ -95,69 +143,193 @@ def _where(name: str, line: int) -> str:
     return f"service {name} (line {line})" if line else f"service {name}"
 
 
+def _get(node: Any, path: str) -> Any:
+    """``node[a][b]...`` for ``path`` "a.b...", None where a level is missing or not a mapping."""
+    for key in path.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
+def _line(mapping: Any, key: Any, default: int = 0) -> int:
+    return mapping.line(key, default) if isinstance(mapping, (Y.LinedDict, Y.LinedList)) else default
+
+
+def _fields(where: str, mapping: Any, allowed: frozenset[str], line: int = 0,
+            refused: dict[str, str] | None = None) -> list[str]:
+    """Findings for a mapping's keys outside ``allowed`` (``x-`` extension keys pass; ``refused``: own messages)."""
+    if mapping is None:
+        return []
+    if not isinstance(mapping, dict):
+        return [f"{where} (line {line}): {type(mapping).__name__} {mapping!r:.60} is not a mapping this audit can read"]
+    out = []
+    for key in mapping:
+        if isinstance(key, str) and (key in allowed or key.startswith("x-")):
+            continue
+        why = (refused or {}).get(key) if isinstance(key, str) else None
+        out.append(f"{where} (line {_line(mapping, key, line)}): "
+                   + (why or f"`{key}:` is not a field this audit understands; remove it (what the audit cannot "
+                              "judge is refused)"))
+    return out
+
+
+def _section_problems(doc: dict[str, Any]) -> list[str]:
+    """Top-level fields, and the fields of each top-level volume / network / config / secret."""
+    out = _fields("top level", doc, TOP_FIELDS, refused={"include": "`include:` other compose files are not measured; "
+                                                             "inline them"})
+    if interpolated(doc.get("name")):
+        out.append(f"top level (line {doc.line('name')}): `name` is interpolated from the environment; write it out")
+    for section, allowed in SECTION_FIELDS.items():
+        entries = doc.get(section)
+        if entries is not None and not isinstance(entries, dict):
+            out.append(f"top-level {section} (line {_line(doc, section)}): not a mapping this audit can read")
+        if not isinstance(entries, dict):
+            continue
+        out += _interpolation_problems(f"top-level {section}", entries)
+        for name, spec in entries.items():
+            where, line = f"{section[:-1]} {name}", _line(entries, name)
+            out += _fields(where, spec, allowed, line, SECTION_REFUSED)
+            driver = spec.get("driver") if isinstance(spec, dict) else None
+            if section in SECTION_DRIVERS and driver not in SECTION_DRIVERS[section]:
+                out.append(f"{where} (line {_line(spec, 'driver', line)}): driver {driver!r} is not "
+                           f"{SECTION_DRIVERS[section][1]}, the only one this audit can judge")
+    return out
+
+
 def _named_binds(doc: dict[str, Any], problems: list[str]) -> dict[str, str]:
-    """Top-level volumes that are binds in disguise (local driver ``o: bind``, ``device: PATH``): name -> path."""
+    """Top-level volumes that are binds in disguise (local driver ``o: bind``, ``device: PATH``): name -> path; and
+    the files of top-level configs and secrets (a path that is not absolute is relative: it resolves inside /dstack)."""
     out: dict[str, str] = {}
     vols = doc.get("volumes")
     for name, spec in (vols.items() if isinstance(vols, dict) else ()):
         opts = spec.get("driver_opts") if isinstance(spec, dict) else None
-        device = str(opts.get("device") or "") if isinstance(opts, dict) else ""
-        if device.startswith("/"):  # a bind (o: bind) or a block device: either way a CVM path
+        if opts is None:
+            continue
+        where = f"volume {name} (line {_line(vols, name)})"
+        if not isinstance(opts, dict) or set(opts) - {"type", "o", "device"}:
+            problems.append(f"{where}: driver_opts other than type, o and device are not understood by this audit")
+            continue
+        device, kind = opts.get("device"), opts.get("type")
+        if isinstance(device, str) and device.startswith("/"):  # a bind (o: bind) or a block device: a CVM path
             out[str(name)] = device
-        elif device and "bind" in str(opts.get("o") or ""):
-            problems.append(f"volume {name} (line {vols.line(name)}): driver_opts device {device!r} is a relative bind")
+        elif isinstance(device, str) and device and "bind" in str(opts.get("o") or ""):
+            problems.append(f"{where}: driver_opts device {device!r} is a relative bind")
+        elif kind != "tmpfs":
+            problems.append(f"{where}: driver_opts type {kind!r} device {device!r} is neither tmpfs nor a CVM path this "
+                            "audit can check (nfs, cifs and the like mount storage from outside the CVM)")
     for kind in ("configs", "secrets"):
         section = doc.get(kind)
         for name, spec in (section.items() if isinstance(section, dict) else ()):
-            if isinstance(spec, dict) and isinstance(spec.get("file"), str):
-                out[f"{kind}:{name}"] = spec["file"]
+            path = spec.get("file") if isinstance(spec, dict) else None
+            if path is not None and not isinstance(path, str):
+                problems.append(f"{kind[:-1]} {name} (line {_line(section, name)}): file {path!r} is not a path")
+            elif path is not None:
+                out[f"{kind}:{name}"] = path if path.startswith(("/", ".", "~")) else "./" + path
     return out
 
 
-def _mounts(svc: dict[str, Any], binds: dict[str, str]) -> list[tuple[str, str, int]]:
+def _volume(v: Any, name: str, line: int) -> tuple[str, str, list[str]]:
+    """(source, target, problems) of one ``volumes`` entry; source "" for anonymous volumes and tmpfs."""
+    where = _where(name, line)
+    if isinstance(v, str):
+        parts = v.split(":")
+        if len(parts) > 3 or (len(parts) == 3 and set(parts[2].split(",")) - VOLUME_MODES):
+            return "", "", [f"{where}: volume {v!r} is not a form this audit can read (source:target[:ro|rw|...])"]
+        return (parts[0], parts[1], []) if len(parts) > 1 else ("", parts[0], [])
+    if not isinstance(v, dict):
+        return "", "", [f"{where}: volume {v!r:.60} is not a string or a mapping"]
+    bad = [p for sub, allowed in VOLUME_ITEM.items()
+           for p in _fields(f"service {name} volume {sub}".rstrip(), v.get(sub) if sub else v, allowed, line)]
+    kind, source, target = v.get("type", "volume" if v.get("source") else None), v.get("source") or "", v.get("target")
+    if kind not in (*VOLUME_TYPES, None) or not isinstance(source, str) or not isinstance(target, str):
+        bad.append(f"{where}: volume type {kind!r}, source {source!r:.60}, target {target!r:.60} is not a bind, "
+                   "volume or tmpfs this audit can read")
+    if kind == "bind" and isinstance(source, str) and source and not source.startswith(("/", ".", "~")):
+        source = "./" + source  # a bind's source is always a path, relative to the project directory (/dstack)
+    return ("" if bad or kind == "tmpfs" else source), target, bad
+
+
+def _mounts(svc: dict[str, Any], binds: dict[str, str], name: str,
+            problems: list[str]) -> list[tuple[str, str, int]]:
     """(source, target, line) of every bind a service gets; named volumes only when they are binds."""
     out = []
     vols = svc.get("volumes") or []
-    for i, v in enumerate(vols if isinstance(vols, list) else []):
-        line = vols.line(i) if isinstance(vols, Y.LinedList) else 0
-        if isinstance(v, str):
-            parts = v.split(":")
-            source, target = (parts[0], parts[1]) if len(parts) > 1 else ("", parts[0])
-        elif isinstance(v, dict):
-            source, target = str(v.get("source") or ""), str(v.get("target") or "")
-            if v.get("type") not in (None, "bind", "volume"):
-                continue  # tmpfs, npipe, cluster, image: no host path
-        else:
-            continue
+    if not isinstance(vols, list):
+        problems.append(f"{_where(name, _line(svc, 'volumes'))}: volumes is not a list")
+        vols = []
+    for i, v in enumerate(vols):
+        source, target, bad = _volume(v, name, _line(vols, i))
+        problems.extend(bad)
         if source in binds:
             source = binds[source]
         if source.startswith((".", "~", "/")):  # a host path (relative ones resolve inside /dstack)
-            out.append((source, target, line))
+            out.append((source, target, _line(vols, i)))
     for kind in ("configs", "secrets"):
-        for item in svc.get(kind) or []:
-            name = item.get("source") if isinstance(item, dict) else item
-            if f"{kind}:{name}" in binds:
-                out.append((binds[f"{kind}:{name}"], f"{kind} {name}", svc.line(kind) if isinstance(svc, Y.LinedDict) else 0))
+        items = svc.get(kind) or []
+        for i, item in enumerate(items if isinstance(items, list) else [items]):
+            where = _where(name, _line(items, i, _line(svc, kind)))
+            if isinstance(item, dict):
+                problems.extend(_fields(f"service {name} {kind}", item, REFERENCE_ITEM, _line(items, i)))
+            ref = item.get("source") if isinstance(item, dict) else item
+            if not isinstance(ref, str):
+                problems.append(f"{where}: {kind} entry {item!r:.60} does not name a top-level {kind[:-1]}")
+            elif f"{kind}:{ref}" in binds:
+                out.append((binds[f"{kind}:{ref}"], f"{kind} {ref}", _line(svc, kind)))
     return out
 
 
-def _service_problems(name: str, svc: dict[str, Any], binds: dict[str, str], sockets: list[tuple[str, int]]) -> list[str]:
-    line = svc.line if isinstance(svc, Y.LinedDict) else (lambda _k, d=0: d)
-    at = lambda key: _where(name, line(key))  # noqa: E731
-    out = []
+def _deploy_problems(name: str, svc: dict[str, Any]) -> list[str]:
+    """``deploy``: only resources, restart policy, labels, replicas, mode; the one device is the nvidia GPU."""
+    out = [p for path, allowed in DEPLOY_FIELDS.items()
+           for p in _fields(f"service {name} {path}", _get(svc, path), allowed, _line(svc, "deploy"))]
+    devs = _get(svc, "deploy.resources.reservations.devices") or []
+    for d in devs if isinstance(devs, list) else [devs]:
+        if not isinstance(d, dict) or d.get("driver") != "nvidia" or not isinstance(d.get("capabilities"), list) \
+                or "gpu" not in d["capabilities"]:
+            out.append(f"{_where(name, _line(svc, 'deploy'))}: device reservation {dict(d) if isinstance(d, dict) else d!r} "
+                       "is not the GPU (driver: nvidia, capabilities: [gpu])")
+        else:
+            out += _fields(f"service {name} deploy device", d, GPU_DEVICE_FIELDS, _line(svc, "deploy"))
+    return out
+
+
+def _network_problems(name: str, svc: dict[str, Any], networks: Any) -> list[str]:
+    """The networks a service joins must be defined at the top level (whose fields ``_section_problems`` judged)."""
+    nets = svc.get("networks")
+    if nets is None:
+        return []
+    where = _where(name, _line(svc, "networks"))
+    if isinstance(nets, dict):
+        out = [p for net, spec in nets.items() for p in _fields(f"service {name} network {net}", spec, NETWORK_ATTACH,
+                                                                  _line(nets, net))]
+        names = list(nets)
+    elif isinstance(nets, list):
+        out, names = [], nets
+    else:
+        return [f"{where}: networks is not a list or a mapping"]
+    defined = set(networks) if isinstance(networks, dict) else set()
+    out += [f"{where}: network {n!r} is not defined in the top-level networks" for n in names
+            if n != "default" and (not isinstance(n, str) or n not in defined)]
+    return out
+
+
+def _service_problems(name: str, svc: dict[str, Any], binds: dict[str, str], sockets: list[tuple[str, int]],
+                      doc: dict[str, Any]) -> list[str]:
+    at = lambda key: _where(name, _line(svc, key))  # noqa: E731
+    out = _fields(f"service {name}", svc, SERVICE_FIELDS | {"devices", "cap_add"}, refused=REFUSED_FIELDS)
     ref = svc.get("image")
-    if svc.get("build") is not None:
-        out.append(f"{at('build')}: `build:` is not reproducible in a CVM; use a pushed image by digest")
     if not isinstance(ref, str) or image_digest(ref) is None:
         out.append(f"{at('image')}: image {ref!r} is not pinned by digest (name@sha256:<64 hex>)")
     elif image_digest(ref) == PLACEHOLDER_DIGEST:
         out.append(f"{at('image')}: image digest is the placeholder; use the pushed image's digest")
-    for var, value in env_entries(svc).items():
-        if value is not None and SECRET_NAME.search(var) and not var.endswith("_SHA256"):
-            out.append(f"{at('environment')}: {var} has a value in clear; pass it through from dstack's encrypted env")
-        if var.endswith("_SHA256") and value == "0" * 64:
-            out.append(f"{at('environment')}: {var} is the placeholder; set the real hash")
-    for source, target, ln in _mounts(svc, binds):
+    if not isinstance(svc.get("environment") or {}, (dict, list)):
+        out.append(f"{at('environment')}: environment is not a list or a mapping")
+    else:
+        for var, value in env_entries(svc).items():
+            if value is not None and SECRET_NAME.search(var) and not var.endswith("_SHA256"):
+                out.append(f"{at('environment')}: {var} has a value in clear; pass it through from dstack's encrypted env")
+            if var.endswith("_SHA256") and value == "0" * 64:
+                out.append(f"{at('environment')}: {var} is the placeholder; set the real hash")
+    for source, target, ln in _mounts(svc, binds, name, out):
         where = _where(name, ln)
         if source.startswith((".", "~")):
             out.append(f"{where}: bind `{source}:{target}` is relative: it resolves inside /dstack "
@@ -173,33 +345,28 @@ def _service_problems(name: str, svc: dict[str, Any], binds: dict[str, str], soc
         out.append(f"{at('privileged')}: privileged: {svc['privileged']!r} gives the container every device and capability "
                    "(the guest agent, /dev/tdx_guest)")
     for key in HOST_MODES:
-        value = str(svc.get(key) or "")
-        if value == "host":
+        value = svc.get(key)
+        if value is not None and not isinstance(value, str):
+            out.append(f"{at(key)}: {key}: {value!r:.60} is not a string this audit can read")
+        elif value == "host":
             out.append(f"{at(key)}: {key}: host shares the CVM's {key.split('_')[0]} namespace")
-        elif key in ("pid", "ipc") and value.startswith(("service:", "container:")):
+        elif key in ("pid", "ipc") and value and value.startswith(("service:", "container:")):
             out.append(f"{at(key)}: {key}: {value} shares another container's namespace (/proc/<pid>/root reaches its files)")
     if svc.get("cap_add"):
-        out.append(f"{at('cap_add')}: cap_add {list(svc['cap_add'])} adds capabilities; remove it")
+        out.append(f"{at('cap_add')}: cap_add {svc['cap_add']!r:.80} adds capabilities; remove it")
     if svc.get("devices"):
-        out.append(f"{at('devices')}: devices {list(svc['devices'])}: the only device allowed is the GPU, through "
+        out.append(f"{at('devices')}: devices {svc['devices']!r:.80}: the only device allowed is the GPU, through "
                    "deploy.resources.reservations.devices (driver: nvidia)")
-    if svc.get("device_cgroup_rules"):
-        out.append(f"{at('device_cgroup_rules')}: device_cgroup_rules opens device access; remove it")
-    bad_opts = [o for o in svc.get("security_opt") or [] if str(o).replace(" ", "") in UNCONFINED]
-    if bad_opts:
-        out.append(f"{at('security_opt')}: security_opt {bad_opts} turns off confinement")
+    opts = svc.get("security_opt") or []
+    opts = opts if isinstance(opts, list) else [opts]
+    if off := [o for o in opts if str(o).replace(" ", "") in UNCONFINED]:
+        out.append(f"{at('security_opt')}: security_opt {off} turns off confinement")
+    if other := [o for o in opts if str(o).replace(" ", "") not in UNCONFINED + SECURITY_OPTS or not isinstance(o, str)]:
+        out.append(f"{at('security_opt')}: security_opt {other} is not one this audit can judge (a profile read from a "
+                   "file, an SELinux type...); only no-new-privileges is allowed")
     out.extend(_interpolation_problems(f"service {name}", svc, skip=("environment",)))
-    for key in ("volumes_from", "extends"):
-        if svc.get(key):
-            out.append(f"{at(key)}: `{key}:` pulls in configuration this audit cannot see here; write it out")
-    devs: Any = svc
-    for key in ("deploy", "resources", "reservations", "devices"):
-        devs = devs.get(key) if isinstance(devs, dict) else None
-    devs = devs or []
-    for d in devs if isinstance(devs, list) else [devs]:
-        if not isinstance(d, dict) or d.get("driver") != "nvidia" or "gpu" not in (d.get("capabilities") or []):
-            out.append(f"{at('deploy')}: device reservation {dict(d) if isinstance(d, dict) else d!r} is not the "
-                       "GPU (driver: nvidia, capabilities: [gpu])")
+    out.extend(_deploy_problems(name, svc))
+    out.extend(_network_problems(name, svc, doc.get("networks")))
     return out
 
 
@@ -210,16 +377,11 @@ def compose_problems(text: str, loader: type = Y.LOADER) -> list[str]:
         ComposeError: not YAML, or no ``services`` mapping.
     """
     doc, svcs = compose_document(text, loader)
-    problems: list[str] = []
-    if doc.get("include"):
-        problems.append(f"include (line {doc.line('include')}): other compose files are not measured; inline them")
-    for section in ("volumes", "configs", "secrets", "networks"):
-        if isinstance(doc.get(section), dict):
-            problems.extend(_interpolation_problems(f"top-level {section}", doc[section]))
+    problems = _section_problems(doc)
     binds = _named_binds(doc, problems)
     mounts: list[tuple[str, int]] = []
     for name, svc in svcs.items():
-        problems.extend(_service_problems(str(name), svc, binds, mounts))
+        problems.extend(_service_problems(str(name), svc, binds, mounts, doc))
     holders = sorted({name for name, _ in mounts})
     if len(holders) > 1:
         where = ", ".join(_where(name, ln) for name, ln in mounts)

@@ -9,7 +9,6 @@ broken one. Standard library + the bundle verifier only.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from attestation import bundle as B
 from attestation.bundle_verify import verify_bundle
 from attestation.errors import BundleError
 from attestation.policy import Policy
+from attestation.safe_yaml import parse_json
 from attestation.verify import Verdict
 
 CHAIN_SCHEMA = "cvm-tune/chain/v1"
@@ -32,12 +32,9 @@ def _manifest(bundle: Path) -> tuple[bytes, dict[str, Any]]:
             raw = fh.read(MAX_MANIFEST + 1)
     except OSError as exc:
         raise BundleError(f"cannot read {path}: {exc.strerror}", fix="pass an exports/<run_id> bundle directory") from exc
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        doc = None
-    if len(raw) > MAX_MANIFEST or not isinstance(doc, dict):
-        raise BundleError(f"{path} is not a cvm-tune manifest")
+    doc = parse_json(raw, str(path), BundleError, max_bytes=MAX_MANIFEST)
+    if not isinstance(doc, dict):
+        raise BundleError(f"{path} is not a cvm-tune manifest (not a JSON object)")
     return raw, doc
 
 
@@ -45,10 +42,15 @@ def check_link(child: Path, parent: Path) -> list[str]:
     """Problems with the claim "``child`` was trained from ``parent``" (empty: the link holds).
 
     Recomputed, not trusted: the parent's manifest hash from its bytes, its run id, base model and adapter-weights
-    hash from its manifest (whose file hashes :func:`verify_bundle` checks against the files).
+    hash from its manifest (whose file hashes :func:`verify_bundle` checks against the files). A manifest that
+    cannot be read (damaged, oversized, nested too deeply) is a problem, not an error: damage inside a bundle
+    rejects it.
     """
-    _, c = _manifest(child)
-    p_raw, p = _manifest(parent)
+    try:
+        _, c = _manifest(child)
+        p_raw, p = _manifest(parent)
+    except BundleError as exc:
+        return [exc.message]
     lineage = c.get("lineage")
     if not isinstance(lineage, dict):
         return [f"{c.get('run_id')} names no parent (it was trained from the base model)"]
@@ -57,12 +59,18 @@ def check_link(child: Path, parent: Path) -> list[str]:
         problems.append("parent manifest hash differs from the lineage")
     if lineage.get("parent_run_id") != p.get("run_id"):
         problems.append(f"lineage names run {lineage.get('parent_run_id')}, the parent bundle is {p.get('run_id')}")
-    if lineage.get("parent_adapter_sha256") != (p.get("files") or {}).get(WEIGHTS):
+    if lineage.get("parent_adapter_sha256") != _field(p, "files", WEIGHTS):
         problems.append("parent adapter weights hash differs from the lineage")
-    c_base, p_base = (c.get("base_model") or {}).get("tree_sha256"), (p.get("base_model") or {}).get("tree_sha256")
+    c_base, p_base = _field(c, "base_model", "tree_sha256"), _field(p, "base_model", "tree_sha256")
     if c_base != p_base:
         problems.append("parent was trained on another base model")
     return problems
+
+
+def _field(doc: dict[str, Any], section: str, key: str) -> Any:
+    """``doc[section][key]``, or None where the (untrusted) manifest has no such mapping."""
+    inner = doc.get(section)
+    return inner.get(key) if isinstance(inner, dict) else None
 
 
 @dataclass
@@ -100,6 +108,8 @@ class ChainReport:
 def verify_chain(exports: Path, *, policy: Policy, now: int) -> ChainReport:
     """Verify every bundle under ``exports`` once and every lineage link between them, roots first.
 
+    A bundle whose manifest cannot be read is verified too (and so rejected) and starts no link.
+
     Raises:
         BundleError: ``exports`` is not a directory or holds no bundle.
     """
@@ -111,15 +121,19 @@ def verify_chain(exports: Path, *, policy: Policy, now: int) -> ChainReport:
         raise BundleError(f"{root} holds no export bundle", fix="pass the exports/ directory of an output volume")
     by_hash: dict[str, Path] = {}
     info: dict[Path, dict[str, Any]] = {}
+    damaged: dict[Path, str] = {}
     for b in bundles:
-        raw, doc = _manifest(b)
+        try:
+            raw, info[b] = _manifest(b)
+        except BundleError as exc:
+            info[b], damaged[b] = {}, exc.message
+            continue
         by_hash[hashlib.sha256(raw).hexdigest()] = b
-        info[b] = doc
     links: list[ChainLink] = []
     for b in _lineage_order(bundles, info, by_hash):
         lineage = info[b].get("lineage") if isinstance(info[b].get("lineage"), dict) else None
         verdict = verify_bundle(b, policy=policy, now=now)
-        problems: list[str] = []
+        problems: list[str] = [damaged[b]] if b in damaged else []
         parent_id = lineage.get("parent_run_id") if lineage else None
         if lineage:
             parent = by_hash.get(str(lineage.get("parent_manifest_sha256")))
@@ -128,7 +142,7 @@ def verify_chain(exports: Path, *, policy: Policy, now: int) -> ChainReport:
                                 f"is not in {root}")
             else:
                 problems += check_link(b, parent)
-        links.append(ChainLink(str(info[b].get("run_id")), b, verdict, parent_id, problems))
+        links.append(ChainLink(str(info[b].get("run_id") or b.name), b, verdict, parent_id, problems))
     promoted = None
     try:
         promoted = (root / "PROMOTED").read_text(encoding="ascii").strip() or None

@@ -1,8 +1,9 @@
 """YAML for configs and policies, bounded JSON, and nesting limits for both (no third-party imports but PyYAML).
 
 Hostile input is refused with one clear error, never a crash: a key given twice (YAML would keep the last),
-nesting deeper than a real file has (``MAX_DEPTH``), nesting so deep the parser would recurse out, a document over
-its size limit, or an integer too long to convert.
+nesting deeper than a real file has (``MAX_DEPTH``), nesting so deep the parser would recurse out, anchors and
+aliases that expand to more than ``MAX_NODES`` nodes (an "alias bomb": a few KB that a reader would walk as 10^8
+items), a document over its size limit, or an integer too long to convert. YAML errors name their line and column.
 """
 
 from __future__ import annotations
@@ -13,6 +14,72 @@ import yaml
 
 
 MAX_DEPTH = 32  # nesting of a config, policy or manifest: a few levels; refuse before it hurts a recursive step
+MAX_NODES = 100_000  # nodes of a YAML document with every alias expanded: a real file has a few hundred
+
+
+class YAMLLimitError(yaml.YAMLError):
+    """A YAML document over one of the limits above (its message is one line, with the line where known)."""
+
+
+def error_text(exc: yaml.YAMLError) -> str:
+    """One line for a YAML error: ``line L, column C: problem (context)`` when PyYAML knows where it is."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        what = " ".join(str(exc.problem or exc.context or "invalid YAML").split())
+        if exc.problem and exc.context:
+            what += f" ({' '.join(str(exc.context).split())})"
+        return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark is not None else what
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def expanded_nodes(root: yaml.Node, limit: int = MAX_NODES) -> int:
+    """How many nodes the document under ``root`` has with every alias expanded (what a reader walks).
+
+    Counted once per distinct node (an alias is the same node object again), so counting costs the size of the text,
+    not of its expansion; iterative, so a long chain of aliases cannot recurse out.
+
+    Raises:
+        YAMLLimitError: more than ``limit``, or an alias inside its own anchor (a recursive structure).
+    """
+    size: dict[int, int] = {}
+    active: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        kids = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                else node.value if isinstance(node, yaml.SequenceNode) else [])
+        if children_done:
+            active.discard(key)
+            size[key] = 1 + sum(size[id(k)] for k in kids)
+            if size[key] > limit:
+                raise YAMLLimitError(f"line {node.start_mark.line + 1}: anchors and aliases expand to more than {limit} "
+                                     "nodes (an alias bomb?)")
+            continue
+        if key in size:
+            continue
+        if key in active:
+            raise YAMLLimitError(f"line {node.start_mark.line + 1}: an alias refers to its own anchor "
+                                 "(a recursive structure)")
+        active.add(key)
+        stack.append((node, True))
+        stack.extend((k, False) for k in kids if id(k) not in size)
+    return size[id(root)]
+
+
+def load_bounded(text: str | bytes, loader: type, *, max_nodes: int = MAX_NODES) -> object:
+    """``yaml.load`` with :func:`expanded_nodes` checked between composing the node graph and building objects (the
+    composer keeps aliases as shared nodes; everything after it would walk their expansion)."""
+    parser = loader(text)
+    try:
+        node = parser.get_single_node()
+        if node is None:
+            return None
+        expanded_nodes(node, max_nodes)
+        return parser.construct_document(node)
+    finally:
+        parser.dispose()
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -70,22 +137,23 @@ def depth(obj: object) -> int:
     return deepest
 
 
-def parse_yaml(text: str | bytes, what: str, error: type, *, max_depth: int = MAX_DEPTH) -> object:
-    """Parse a YAML config or policy: unique keys, bounded nesting; ``error(message)`` otherwise.
+def parse_yaml(text: str | bytes, what: str, error: type, *, max_depth: int = MAX_DEPTH,
+               max_nodes: int = MAX_NODES) -> object:
+    """Parse a YAML config or policy: unique keys, bounded nesting and alias expansion; ``error(message)`` otherwise
+    (with the line and column of a syntax error).
 
-    libyaml (``CSafeLoader``) when available, after a nesting check on its event stream (its composer would
-    overflow the C stack on deeply nested input); the pure-Python SafeLoader otherwise, which raises
-    RecursionError instead."""
+    A nesting check on the event stream first (libyaml's composer would overflow the C stack on deeply nested
+    input), then libyaml (``CSafeLoader``) when available, else the pure-Python SafeLoader; the composed node graph
+    is counted (:func:`expanded_nodes`) before any object is built."""
     deep = f"{what} is nested more than {max_depth} levels deep: not a cvm-tune file"
     try:
-        if _UniqueKeyCLoader is not None:
-            if deeper_than(text, max_depth):
-                raise error(deep)
-            data = yaml.load(text, Loader=_UniqueKeyCLoader)  # noqa: S506  (a CSafeLoader subclass)
-        else:
-            data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506  (a SafeLoader subclass)
+        if deeper_than(text, max_depth):
+            raise error(deep)
+        data = load_bounded(text, _UniqueKeyCLoader or _UniqueKeyLoader, max_nodes=max_nodes)
+    except YAMLLimitError as exc:
+        raise error(f"{what}: {exc}: not a cvm-tune file") from None
     except yaml.YAMLError as exc:
-        raise error(f"{what} is not valid YAML: {str(exc).strip().splitlines()[0]}") from exc
+        raise error(f"{what} is not valid YAML: {error_text(exc)}") from exc
     except RecursionError:
         raise error(f"{what} is nested too deeply to be a cvm-tune file") from None
     if depth(data) > max_depth:

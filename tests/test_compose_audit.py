@@ -194,3 +194,110 @@ def test_deeply_nested_compose_is_refused_not_a_crash(loader: type) -> None:
             "try:\n    C.images(json.loads(sys.stdin.read()))\nexcept C.ComposeError as e:\n    print(e.message)\n")
     run = subprocess.run([sys.executable, "-c", code], input=json.dumps(doc), capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and "nested more than 32 levels" in run.stdout, (run.returncode, run.stderr[-500:])
+
+
+# Text that PyYAML's safe loader turns into bytes, sets or dates while Docker Compose reads a string: refused when
+# parsed, naming the line (each of these passed the audit while tags were honoured).
+TAGGED = [
+    ("binary-network-mode", _compose("network_mode: !!binary aG9zdA==\n"), "network_mode: !!binary"),  # "host"
+    ("binary-pid", _compose("pid: !!binary aG9zdA==\n"), "pid: !!binary"),
+    ("binary-volume", _compose("volumes:\n  - !!binary LzovaG9zdA==\n"), "- !!binary LzovaG9zdA=="),  # "/:/host"
+    ("binary-long-source", _compose("volumes:\n  - type: bind\n    source: !!binary Lw==\n    target: /h\n"),
+     "source: !!binary Lw=="),
+    ("binary-security-opt", _compose("security_opt: [!!binary c2VjY29tcD11bmNvbmZpbmVk]\n"), "security_opt: [!!binary"),
+    ("set", _compose("cap_drop: !!set {ALL}\n"), "cap_drop: !!set"),
+    ("timestamp", _compose("labels: {a: !!timestamp 2026-01-01}\n"), "!!timestamp"),
+    ("python-tag", _compose("command: !!python/object:os.system [id]\n"), "!!python"),
+    ("local-tag", _compose("command: !custom x\n"), "!custom"),
+]
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize(("text", "line_text"), [pytest.param(t, ln, id=i) for i, t, ln in TAGGED])
+def test_tags_beyond_the_core_schema_are_refused_with_their_line(text: str, line_text: str, loader: type) -> None:
+    line = max(n for n, s in enumerate(text.split("\n"), 1) if line_text in s)
+    with pytest.raises(C.ComposeError, match=rf"line {line}, column \d+: tag !") as err:
+        compose_problems(text, loader)
+    assert type(err.value) is C.ComposeError
+    with pytest.raises(C.ComposeError):
+        audit({**GOOD, "docker_compose_file": text}, loader)
+
+
+# Fields the audit used to skip: it now works from allow-lists, and each of these is a finding (with its line).
+UNDERSTOOD_ONLY = [
+    ("env-file-host", _compose("env_file: /dstack/.host-shared/.decrypted-env\n"), "`env_file:` reads a file",
+     "env_file: /dstack"),
+    ("env-file-long", _compose("env_file:\n  - path: ./app.env\n    required: false\n"), "`env_file:`", "env_file:"),
+    ("config-from-env", _compose("configs: [c]\n", top="configs:\n  c: {environment: AGENT_TOKEN}\n"),
+     "`environment:` fills it from the environment", "c: {environment"),
+    ("secret-from-env", _compose("secrets: [s]\n", top="secrets:\n  s:\n    environment: X\n"),
+     "`environment:` fills it", "environment: X"),
+    ("seccomp-profile-file", _compose('security_opt: ["seccomp=/host/profile.json"]\n'), "not one this audit can judge",
+     "security_opt:"),
+    ("selinux-type", _compose('security_opt: ["label=type:spc_t"]\n'), "not one this audit can judge", "security_opt:"),
+    ("external-host-network", _compose("networks: [hostnet]\n", top="networks:\n  hostnet: {name: host, external: true}\n"),
+     "`external:` refers to something created outside", "hostnet: {name: host"),
+    ("host-network-driver", _compose("networks: [n]\n", top="networks:\n  n: {driver: host}\n"), "driver 'host' is not bridge",
+     "n: {driver: host}"),
+    ("undefined-network", _compose("networks: [elsewhere]\n"), "'elsewhere' is not defined", "networks: [elsewhere]"),
+    ("external-volume", _compose("volumes:\n  - v:/x\n", top="  v: {external: true}\n"), "`external:`", "v: {external"),
+    ("nfs-volume", _compose("volumes:\n  - v:/x\n", top="  v:\n    driver_opts: {type: nfs, o: 'addr=10.0.2.2', device: ':/x'}\n"),
+     "neither tmpfs nor a CVM path", "  v:"),
+    ("volume-plugin", _compose("volumes:\n  - v:/x\n", top="  v: {driver: sshfs}\n"), "driver 'sshfs' is not local",
+     "v: {driver: sshfs}"),
+    ("unknown-service-field", _compose("use_api_socket: true\n"), "`use_api_socket:` is not a field", "use_api_socket"),
+    ("post-start-hook", _compose("post_start:\n  - {command: id, privileged: true}\n"), "`post_start:` is not a field",
+     "post_start:"),
+    ("sysctls", _compose("sysctls: {net.ipv4.ip_forward: 1}\n"), "`sysctls:` is not a field", "sysctls:"),
+    ("gpus-shortcut", _compose("gpus: all\n"), "`gpus:` is not a field", "gpus: all"),
+    ("logging-driver", _compose("logging: {driver: syslog, options: {syslog-address: 'tcp://10.0.2.2:514'}}\n"),
+     "`logging:` is not a field", "logging:"),
+    ("unknown-top-level", _compose(prefix="models:\n  m: {model: ai/x}\n"), "`models:` is not a field", "models:"),
+    ("deploy-field", _compose("deploy:\n  placement: {constraints: [x]}\n"), "`placement:` is not a field", "placement:"),
+    ("gpu-options", _compose("deploy:\n  resources:\n    reservations:\n      devices: [{driver: nvidia, capabilities: [gpu],"
+                             " options: {a: b}}]\n"), "`options:` is not a field", "options: {a: b}"),
+    ("volume-type-image", _compose("volumes:\n  - type: image\n    source: alpine\n    target: /i\n"),
+     "is not a bind, volume or tmpfs", "- type: image"),
+    ("volume-long-unknown", _compose("volumes:\n  - type: volume\n    source: output\n    target: /o\n    x: 1\n"),
+     "`x:` is not a field", "    x: 1"),
+    ("bind-relative-no-dot", _compose("volumes:\n  - type: bind\n    source: host-shared\n    target: /h\n"),
+     "is relative", "- type: bind"),
+    ("secret-relative-no-dot", _compose("secrets: [s]\n", top="secrets:\n  s: {file: app-keys.json}\n"),
+     "is relative", "secrets: [s]"),
+    ("volume-mode-unknown", _compose("volumes:\n  - output:/o:ro,weird\n"), "not a form this audit can read",
+     "- output:/o:ro,weird"),
+    ("network-mode-not-string", _compose("network_mode: [host]\n"), "is not a string", "network_mode: [host]"),
+    ("volumes-not-a-list", _compose("volumes: {a: b}\n"), "volumes is not a list", "volumes: {a: b}"),
+]
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+@pytest.mark.parametrize(("text", "reason", "line_text"), [pytest.param(t, r, ln, id=i) for i, t, r, ln in UNDERSTOOD_ONLY])
+def test_fields_the_audit_does_not_understand_are_findings(text: str, reason: str, line_text: str, loader: type) -> None:
+    problems = compose_problems(text, loader)
+    hits = [p for p in problems if reason in p]
+    assert hits, problems
+    line = max(n for n, s in enumerate(text.split("\n"), 1) if line_text in s)
+    assert any(f"(line {line})" in p for p in hits), (line, hits)
+    assert any(reason in p for p in audit({**GOOD, "docker_compose_file": text}, loader))
+
+
+def test_only_the_unknown_field_is_a_finding() -> None:
+    """Core-schema tags, extension fields and fields with no way out of the container pass; the unknown one does not."""
+    text = _compose("x-note: anything\nhostname: side\nread_only: true\ntmpfs: [/tmp]\ncap_drop: [ALL]\n"
+                    "ulimits: {nofile: 1024}\nhealthcheck: {test: [CMD, 'true'], interval: 30s}\nnetworks: [inner]\n"
+                    "stop_signal: !!str SIGTERM\ncpus: !!float 2\ntty: !!bool false\nlabel_file: ./labels\n",
+                    top="networks:\n  inner: {driver: bridge, internal: true}\n", prefix="x-base: &b {init: true}\n")
+    line = text.split("\n").index("    label_file: ./labels") + 1
+    assert compose_problems(text) == [f"service sidecar (line {line}): `label_file:` is not a field this audit "
+                                      "understands; remove it (what the audit cannot judge is refused)"]
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_alias_bomb_compose_is_refused_quickly(loader: type) -> None:
+    anchors = "x-l0: &l0 [a, a, a, a, a, a, a, a, a, a]\n" + "".join(
+        f"x-l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 10)}]\n" for i in range(1, 8))
+    text = _compose("command: *l7\n", prefix=anchors)
+    assert len(text) < 8000
+    with pytest.raises(C.ComposeError, match="expand to more than 100000 nodes"):
+        compose_problems(text, loader)

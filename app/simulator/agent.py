@@ -30,6 +30,7 @@ from eth_utils import ValidationError as EthValidationError
 from eth_utils import keccak
 
 from attestation.compose import key_provider_kind, mr_config_id_v1, mr_config_id_v2
+from attestation.safe_yaml import parse_json
 
 import app
 import app.simulator.pki as pki
@@ -97,10 +98,7 @@ class GuestAgentSimulator:
         self._base = pki.BaseQuote.parse(_fixture("base_quote.bin"))
         self._pki = pki.DcapTestPki.build(settings.secret, self._base.sgx_extension)
         raw = settings.app_compose if settings.app_compose is not None else _fixture("app-compose.json").decode()
-        try:
-            compose = json.loads(raw)
-        except ValueError as exc:
-            raise ValueError(f"app_compose is not valid JSON: {exc}") from exc
+        compose = parse_json(raw, "app_compose", ValueError)
         if not isinstance(compose, dict):
             raise ValueError("app_compose must be a JSON object")
         self.app_compose, self.app_name = raw, str(compose.get("name", ""))
