@@ -10,7 +10,7 @@ and network errors are retried with exponential backoff; other 4xx are not.
 
 Payload (``cvm-tune/alert/v1``)::
 
-    {"schema": "cvm-tune/alert/v1", "event": "failed" | "skipped" | "rollback" | "service.error",
+    {"schema": "cvm-tune/alert/v1", "event": "failed" | "skipped" | "rollback" | "service.error" | "state.inconsistent" | …,
      "run_id": ..., "reason": ..., "attempt": ..., "retry_at": ..., "time": ..., "output": ..., "host": ...}
 """
 
@@ -24,6 +24,9 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+# ``state.inconsistent``: the output volume's state disagrees with the audit chain (exports/PROMOTED or the
+# privacy ledger edited, deleted or replaced); the night stops with a state error (exit 7) and is not retried.
 
 from app.config import AlertSettings
 

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from attestation.privacy import NOISE_MAX, NOISE_MIN, PRV_MAX_STEPS
+
 from app.config_base import _Closed
 
 
@@ -72,22 +74,27 @@ class PrivacySettings(_Closed):
         "sampling of each step's rows, (epsilon, delta) accounted and recorded in the attested manifest. Runs on the hf "
         "backend only (backend auto falls back to it; backend unsloth is refused).",
     )
-    target_epsilon: float = Field(8.0, gt=0, le=1000, description="The run's privacy budget epsilon: the noise is "
-                                  "derived so that max_steps spend at most this; a run never spends more.")
+    target_epsilon: float = Field(8.0, ge=0.01, le=1000, description="The run's privacy budget epsilon (0.01 to "
+                                  "1000): the noise is derived so that max_steps spend at most this; a run never "
+                                  "spends more.")
     target_delta: float | None = Field(
         None, gt=0, lt=1, description="delta of the (epsilon, delta) guarantee; must be below 1/N (N: rows after "
         "deduplication and the token policy), checked once N is known. Unset: 1/N^2.",
     )
-    max_grad_norm: float = Field(1.0, gt=0, description="Per-example clipping norm C (L2, over all LoRA parameters).")
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="Per-example clipping norm C (L2, over all LoRA "
+                                 "parameters; at most 1e6).")
     noise_multiplier: float | None = Field(
-        None, gt=0, description="sigma: noise standard deviation / C. Unset: the smallest sigma (Opacus "
-        "get_noise_multiplier) that fits max_steps into target_epsilon. Set: a run whose max_steps do not fit is refused.",
+        None, ge=NOISE_MIN, le=NOISE_MAX, description="sigma: noise standard deviation / C, from 0.01 to 1e6. Unset: "
+        "the smallest sigma (Opacus' get_noise_multiplier search) that fits max_steps into target_epsilon. Set: a run "
+        "whose max_steps do not fit is refused.",
     )
     accountant: Literal["rdp", "prv"] = Field("rdp", description="Opacus privacy accountant: rdp (Renyi DP) or prv "
-                                              "(privacy loss random variables; tighter, slower).")
+                                              "(privacy loss random variables; tighter, slower; at most 100000 "
+                                              "max_steps, and refused when its mesh would exceed 4194304 points).")
     lifetime_epsilon: float | None = Field(
-        None, gt=0, description="Cap on the epsilon spent on one dataset version across all runs on this output volume "
-        "(summed: basic composition). A run whose target_epsilon would exceed what is left is refused. Unset: no cap.",
+        None, gt=0, le=1e6, description="Cap on the epsilon spent on one dataset version across all runs on this output "
+        "volume (summed: basic composition; at most 1e6). A run whose target_epsilon would exceed what is left is "
+        "refused. Unset: no cap.",
     )
 
 
@@ -146,7 +153,8 @@ class TrainingSettings(_Closed):
         if self.backend == "unsloth" and g.devices > 1:
             raise ValueError("training.gpu.devices > 1 runs the hf backend only")
         if self.privacy.mode == "dp-sgd":
-            dp = {"training.backend 'unsloth' (Opacus cannot hook Unsloth's fused LoRA kernels: use auto or hf)":
+            dp = {f"training.max_steps above {PRV_MAX_STEPS} with training.privacy.accountant 'prv' (its memory grows "
+                  "with the steps: use rdp)": self.privacy.accountant == "prv" and self.max_steps > PRV_MAX_STEPS,"training.backend 'unsloth' (Opacus cannot hook Unsloth's fused LoRA kernels: use auto or hf)":
                   self.backend == "unsloth",
                   "training.gpu.devices > 1 (one process only)": g.devices > 1,
                   f"training.gpu.batching '{g.batching}' (padded only)": g.batching != "padded",

@@ -12,6 +12,14 @@ A warm start reads the promoted bundle only after it passes its own verification
 policy; a CVM: every integrity check of the default policy) and only if it was trained on the same base model with
 the same LoRA shape. Its manifest hash and adapter hash become the new bundle's ``lineage`` and are committed in the
 ``run.start`` audit entry, so ``cvm-tune verify --parent`` / ``--chain`` can check every link offline.
+
+``PROMOTED`` is a file anyone with the volume can edit, so it is not the record of what was promoted: every move is
+also a ``promote`` audit entry (the bundle's manifest hash and dataset), measured into RTMR3 like the rest of the
+chain. Before a warm start :func:`check_promoted` insists that the pointer names the bundle of the chain's last
+``promote`` entry, with the same manifest, trained on the run's dataset id; a pointer that was deleted, moved back,
+or names a bundle from another volume stops the run (:class:`~app.errors.PromotionStateError`, exit 7). The one
+gap it tolerates is the pointer moved and the entry not yet written (a crash in between): a bundle exported on this
+volume after the last promotion, continuing from it, whose gate passed; the caller records its entry then.
 """
 
 from __future__ import annotations
@@ -22,15 +30,18 @@ from pathlib import Path
 from typing import Any
 
 from attestation import bundle as B
+from attestation.audit import AuditEntry
 from attestation.hashing import sha256_file
+from attestation.safe_yaml import parse_json
 
 from app.config import Config
-from app.errors import InputsUnchanged, StateError, TrainingError
+from app.errors import InputsUnchanged, PromotionStateError, StateError, TrainingError
 from app.fsutil import atomic_write_bytes
 from app.run_state import RUN_ID
 
 PROMOTED = "PROMOTED"
 CANDIDATE = "CANDIDATE"
+PROMOTE = "promote"  # the audit entry that records each move of PROMOTED
 WEIGHTS = "adapter/adapter_model.safetensors"
 
 
@@ -88,11 +99,88 @@ def set_pointer(out: Path, name: str, run_id: str) -> None:
 
 
 def load_parent(bundle: Path) -> Parent:
-    """The promoted bundle's identity (its manifest hash and adapter weights hash, recomputed from the files)."""
+    """The promoted bundle's identity (its manifest hash and adapter weights hash, recomputed from the files).
+
+    Raises:
+        TrainingError: the manifest or the adapter weights cannot be read (the bundle fails verification).
+    """
+    fix = "set training.init: base to train this run from the base model (the lineage then starts again)"
+    try:
+        raw = (bundle / B.MANIFEST).read_bytes()
+        manifest: dict[str, Any] = parse_json(raw, f"{bundle.name}/manifest.json", ValueError)  # type: ignore[assignment]
+        B.Manifest.model_validate(manifest)  # the fields read below exist and have their types
+        adapter = sha256_file(bundle / WEIGHTS)
+    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        raise TrainingError(f"the promoted bundle {bundle.name} fails verification (its manifest or adapter cannot be "
+                            f"read: {str(exc).splitlines()[0][:200]})", fix=fix) from exc
+    return Parent(run_id=manifest["run_id"], bundle=bundle, manifest_sha256=_sha256(raw), adapter_sha256=adapter,
+                  manifest=manifest)
+
+
+def promotions(entries: list[AuditEntry]) -> list[AuditEntry]:
+    """The chain's ``promote`` entries, oldest first."""
+    return [e for e in entries if e.type == PROMOTE]
+
+
+def promotion_data(bundle: Path) -> dict[str, Any]:
+    """The ``promote`` audit entry's data for an exported bundle that ``PROMOTED`` now names."""
     raw = (bundle / B.MANIFEST).read_bytes()
-    manifest = json.loads(raw)
-    return Parent(run_id=manifest["run_id"], bundle=bundle, manifest_sha256=_sha256(raw),
-                  adapter_sha256=sha256_file(bundle / WEIGHTS), manifest=manifest)
+    m = json.loads(raw)
+    return {"manifest_sha256": _sha256(raw), "dataset_id": m["dataset"]["dataset_id"],
+            "dataset_version": m["dataset"]["dataset_version"],
+            "parent_manifest_sha256": (m.get("lineage") or {}).get("parent_manifest_sha256")}
+
+
+def check_promoted(bundle: Path | None, entries: list[AuditEntry], dataset_id: str) -> bool:
+    """``PROMOTED`` (``bundle``, ``None`` when absent) must agree with the audit chain's last ``promote`` entry and
+    name an adapter of ``dataset_id``. Returns True when the pointer is one promotion ahead of the chain (moved, then a
+    crash before the entry): the caller records the entry once the bundle has passed its verification.
+
+    Raises:
+        PromotionStateError: the pointer was deleted, moved to another bundle, or names a bundle whose manifest is
+            not the promoted one, that was not exported on this volume, or that was trained on another dataset.
+    """
+    done = promotions(entries)
+    last = done[-1] if done else None
+    said = f"the audit chain promoted run {last.run_id} last (seq {last.seq})" if last else "the audit chain records no promotion"
+    if bundle is None:
+        if last is not None:
+            raise PromotionStateError(f"exports/{PROMOTED} is missing, but {said}: refusing to restart the lineage from "
+                                      "the base model")
+        return False
+    raw = (bundle / B.MANIFEST).read_bytes()
+    if last is not None and last.run_id == bundle.name and last.data.get("manifest_sha256") == _sha256(raw):
+        pending = False
+    else:
+        why = _not_pending(bundle.name, raw, entries, last)
+        if why is not None:
+            raise PromotionStateError(f"exports/{PROMOTED} names {bundle.name}, but {said}: {why}")
+        pending = True
+    manifest = parse_json(raw, f"{bundle.name}/manifest.json", PromotionStateError)
+    got = (manifest.get("dataset") or {}).get("dataset_id") if isinstance(manifest, dict) else None
+    if got != dataset_id:
+        raise PromotionStateError(f"the promoted adapter {bundle.name} was trained on dataset {str(got)[:80]!r}, not "
+                                  f"{dataset_id!r}: cannot continue from it",
+                                  fix="train another dataset on an output volume of its own (output.dir)")
+    return pending
+
+
+def _not_pending(run_id: str, raw: bytes, entries: list[AuditEntry], last: AuditEntry | None) -> str | None:
+    """Why the bundle is not the next promotion after ``last`` (``None``: it is)."""
+    try:
+        m = B.Manifest.model_validate(parse_json(raw, "manifest.json", ValueError))
+    except ValueError:
+        return "its manifest is not a valid manifest"
+    exported = next((e for e in entries if e.hash == m.audit.head), None)
+    if exported is None or exported.type != "export" or exported.run_id != run_id or m.run_id != run_id:
+        return "it is not a bundle exported on this output volume (its audit head is not in the chain)"
+    if last is not None and exported.seq < last.seq:
+        return "it was exported before that promotion (the pointer was moved back)"
+    if last is not None and (m.lineage.parent_manifest_sha256 if m.lineage else None) != last.data.get("manifest_sha256"):
+        return "it does not continue from the promoted adapter"
+    if m.evaluation is not None and not m.evaluation.promote:
+        return "its promotion was refused by the evaluation gate"
+    return None
 
 
 def check_parent(parent: Parent, cfg: Config, base_tree: str, verdict_failures: list[str]) -> None:
@@ -138,11 +226,15 @@ def check_unchanged(out: Path, current: dict[str, Any], parent: Parent | None) -
     cand = pointer(out, CANDIDATE)
     if cand is None or parent is None or cand == parent.bundle:
         return
-    raw = (cand / B.MANIFEST).read_bytes()
-    manifest = json.loads(raw)
-    same_parent = (manifest.get("lineage") or {}).get("parent_manifest_sha256") == parent.manifest_sha256
-    if same_parent and inputs_of(manifest, (cand / B.CONFIG).read_bytes()) == current:
-        raise InputsUnchanged(f"inputs unchanged since run {manifest['run_id']}, whose promotion was refused")
+    try:
+        manifest = parse_json((cand / B.MANIFEST).read_bytes(), f"{cand.name}/manifest.json", ValueError)
+        same_parent = (manifest.get("lineage") or {}).get("parent_manifest_sha256") == parent.manifest_sha256  # type: ignore[union-attr]
+        unchanged = same_parent and inputs_of(manifest, (cand / B.CONFIG).read_bytes()) == current  # type: ignore[arg-type]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise StateError(f"exports/{CANDIDATE} names {cand.name}, whose manifest or config cannot be read",
+                         fix=f"restore that bundle from a backup, or remove exports/{CANDIDATE}") from exc
+    if unchanged:
+        raise InputsUnchanged(f"inputs unchanged since run {manifest['run_id']}, whose promotion was refused")  # type: ignore[index]
 
 
 decide = B.promotion_rule  # the promotion rule, shared with the verifier (which recomputes it)

@@ -180,6 +180,21 @@ class ExportError(StateError):
     """The export bundle could not be written; no partial bundle is left behind."""
 
 
+class PrivacyLedgerError(StateError):
+    """``state/privacy-budget.json`` is damaged, or records less than the audit chain and the exported bundles."""
+
+    default_fix = ("restore state/privacy-budget.json from a backup of the output volume, or delete it: it is then "
+                   "rebuilt from the audit chain and the exported bundles")
+
+
+class PromotionStateError(StateError):
+    """``exports/PROMOTED`` (or the bundle it names) disagrees with the audit chain's record of promotions, or the
+    promoted adapter was trained on another dataset."""
+
+    default_fix = ("restore exports/PROMOTED and the promoted bundle from a backup of the output volume (the error "
+                   "names the run the audit chain promoted last)")
+
+
 _DISK_ERRNOS = frozenset({28, 122, 30, 5, 27})  # ENOSPC, EDQUOT, EROFS, EIO, EFBIG
 _DISK_WORDS = ("No space left on device", "Disk quota exceeded", "failed writing file", "Read-only file system")
 

@@ -93,7 +93,8 @@ def source_stage(cfg: Config, out: Path, progress: Progress) -> Located | None:
     def fetch(inbox: Path) -> None:
         path = download(d.url, inbox, dataset_id=d.dataset_id, owner_public_key=owner,  # type: ignore[arg-type]
                         timeout_s=d.download.timeout_s, retries=d.download.retries,
-                        backoff_s=d.download.retry_backoff_s, max_bytes=d.download.max_bytes)
+                        backoff_s=d.download.retry_backoff_s, max_bytes=d.download.max_bytes,
+                        deadline_s=d.download.deadline_s)
         progress(f"dataset: fetched {path.name} from the owner's URL (owner signature and body hash checked)")
 
     located = locate(d.source, d.path, d.dataset_id, owner, out, fetch=fetch)

@@ -24,12 +24,12 @@ from attestation import Verdict
 from attestation.gpu import describe as describe_gpu
 from attestation.hashing import sha256_file, sha256_hex
 
-from app import continual, export, privacy_run, publish
+from app import alerts, continual, export, privacy_run, publish
 from app import gpu as gpu_evidence
 from app.audit import AuditLog, AuditRecorder, utc_now
 from app.config import Config
 from app.dataset.versions import record_version
-from app.errors import ConfigError, CvmTuneError, InputsUnchanged
+from app.errors import ConfigError, CvmTuneError, InputsUnchanged, StateError
 from app.fsutil import remove_stale_temps
 from app.input_stages import (
     Agent,
@@ -159,7 +159,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             run = identity_stage(cfg, out, ds, base, parent, run_id, hooks.federation)  # 8. resume the newest, or start
             privacy_run.reserve_stage(cfg, out, ds.info, run.run_id, dp)  # DP-SGD: the dataset version's lifetime cap
         with timer.phase("audit"):
-            audit = audit_stage(cfg, out, ag, ds, base, parent, run, progress)  # 9. run.start commits to the inputs
+            audit = audit_stage(cfg, out, ag, ds, base, parent, run, progress, dp)  # 9. run.start commits to the inputs
         done: list[bool] = []  # set once the bundle is published
         stack.push(lambda _et, exc, _tb: _record_abort(audit.recorder, run.run_id, exc, done))  # run.abort on failure
         with timer.phase("gpu_evidence"):
@@ -184,9 +184,10 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         done.append(True)
         write_state(run.run_dir, {"run_id": run.run_id, "fingerprint": run.fingerprint, "status": "exported",
                                   "started_at": run.started_at, "bundle": str(published.bundle)})
-        promoted, refused = continual.record_outcome(  # 12. PROMOTED moves only past the gate
-            out, published.bundle,
-            lineage=hooks.federation is None and continual.init_mode(cfg, service=hooks.service) == "previous")
+        lineage = hooks.federation is None and continual.init_mode(cfg, service=hooks.service) == "previous"
+        promoted, refused = continual.record_outcome(out, published.bundle, lineage=lineage)  # 12. past the gate only
+        if lineage and promoted:  # the chain's record of the move (PROMOTED itself is an editable file)
+            audit.recorder.record(run.run_id, continual.PROMOTE, continual.promotion_data(published.bundle))
         progress(f"exported: {published.bundle}" + ("" if promoted else f" (not promoted: {refused})"))
     timer.t["total"] = time.perf_counter() - t0
     return RunResult(run.run_id, published.bundle, published.verdicts, published.policy_file, result.losses, timer.t,
@@ -209,12 +210,23 @@ def parent_stage(cfg: Config, out: Path, ag: Agent, ds: Dataset, base: BaseModel
     of the same base model and LoRA shape; nothing new since it (or since a refused candidate): skip the run."""
     if hooks.federation is not None or continual.init_mode(cfg, service=hooks.service) == "base":
         return None
-    bundle = continual.pointer(out, continual.PROMOTED)
+    log = AuditLog(out / "state" / "audit.jsonl")
+    try:  # PROMOTED must be what the audit chain promoted last (and of this dataset)
+        bundle = continual.pointer(out, continual.PROMOTED)
+        pending = continual.check_promoted(bundle, log.entries, ds.info["dataset_id"])
+    except StateError as exc:
+        alerts.send(cfg.alerts, {"event": "state.inconsistent", "reason": exc.message}, output=out)
+        raise
     parent = None
     if bundle is not None:
         parent = continual.load_parent(bundle)
         verdicts, _ = publish.self_verify(bundle, out, ag.agent, ag.simulated)
         continual.check_parent(parent, cfg, base.tree, publish.gate_failures(verdicts, ag.simulated))
+        if pending:  # moved by a run that died before recording it: the record, now that the bundle verified
+            AuditRecorder(log, ag.agent, require_emit=cfg.tee.emit_events == "required").record(
+                parent.run_id, continual.PROMOTE, continual.promotion_data(bundle))
+            progress(f"state: recorded the promotion of {parent.run_id} in the audit chain (the run that promoted it "
+                     "stopped before it could)")
     current = {"dataset_plaintext_sha256": ds.info["plaintext_sha256"], "base_model_tree_sha256": base.tree,
                "training_config_sha256": sha256_hex(cfg.training_json()), "code_source_sha256": export.source_digest()}
     try:
@@ -245,7 +257,7 @@ def identity_stage(cfg: Config, out: Path, ds: Dataset, base: BaseModel, parent:
 
 
 def audit_stage(cfg: Config, out: Path, ag: Agent, ds: Dataset, base: BaseModel, parent: continual.Parent | None,
-                run: RunIdentity, progress: Progress) -> Audit:
+                run: RunIdentity, progress: Progress, dp: Any = None) -> Audit:
     """``run.start`` (or ``run.resume``) commits to every input hash before training, measured into RTMR3."""
     log = AuditLog(out / "state" / "audit.jsonl")
     recorder = AuditRecorder(log, ag.agent, require_emit=cfg.tee.emit_events == "required")
@@ -254,7 +266,7 @@ def audit_stage(cfg: Config, out: Path, ag: Agent, ds: Dataset, base: BaseModel,
         "dataset_id": ds.info["dataset_id"], "dataset_version": ds.info["dataset_version"],
         "dataset_encrypted_sha256": ds.info["encrypted_sha256"], "dataset_plaintext_sha256": ds.info["plaintext_sha256"],
         "base_model_tree_sha256": base.tree, "code_source_sha256": run.code_sha,
-        "parent_manifest_sha256": parent.manifest_sha256 if parent else None}
+        "parent_manifest_sha256": parent.manifest_sha256 if parent else None, **privacy_run.commitment(dp)}
     if run.resuming:
         changed = resume_changes(log, run.run_id, commitment)
         recorder.record(run.run_id, "run.resume", {"fingerprint": run.fingerprint, **commitment})

@@ -14,8 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app import privacy_budget
+from app import alerts, privacy_budget
 from app.audit import AuditLog, AuditRecorder
+from app.errors import PrivacyLedgerError
 
 if TYPE_CHECKING:
     from app.config import Config
@@ -43,19 +44,33 @@ def plan_stage(cfg: Config, rows: int, progress: Callable[[str], None]) -> Priva
 
 
 def reserve_stage(cfg: Config, out: Path, dataset: dict[str, Any], run_id: str, dp: PrivacyPlan | None) -> None:
-    """Check the dataset version's lifetime cap and reserve the planned epsilon for ``run_id``.
+    """Check the dataset version's lifetime cap and reserve the planned epsilon for ``run_id``. The spend so far is
+    the ledger's only where it agrees with the audit chain and the exported bundles (``privacy_budget``).
 
     Raises:
         PrivacyBudgetError: the cap would be exceeded (exit 2; nothing trained).
-        StateError: the ledger is unreadable, cannot be written, or is missing and cannot be rebuilt.
+        PrivacyLedgerError: the ledger is damaged or disagrees with those records (exit 7; an alert is sent).
+        StateError: the ledger cannot be written.
     """
     if dp is None:
         return
-    if not (out / "state" / privacy_budget.FILE).exists():  # deleted? rebuilt from the audit chain's privacy.spent
-        privacy_budget.rebuild_if_missing(out / "state", AuditLog(out / "state" / "audit.jsonl").entries)
-    privacy_budget.reserve(out / "state", cap=cfg.training.privacy.lifetime_epsilon, dataset_id=dataset["dataset_id"],
-                           version=int(dataset["dataset_version"]), run_id=run_id, epsilon=dp.planned_epsilon,
-                           delta=dp.delta)
+    entries = AuditLog(out / "state" / "audit.jsonl").entries
+    try:
+        if not (out / "state" / privacy_budget.FILE).exists():  # deleted? rebuilt from the chain and the bundles
+            privacy_budget.rebuild_if_missing(out / "state", entries, out / "exports")
+        privacy_budget.reserve(out / "state", cap=cfg.training.privacy.lifetime_epsilon,
+                               dataset_id=dataset["dataset_id"], version=int(dataset["dataset_version"]), run_id=run_id,
+                               epsilon=dp.planned_epsilon, delta=dp.delta,
+                               trusted=privacy_budget.trusted_spend(entries, out / "exports"))
+    except PrivacyLedgerError as exc:
+        alerts.send(cfg.alerts, {"event": "state.inconsistent", "run_id": run_id, "reason": exc.message}, output=out)
+        raise
+
+
+def commitment(dp: PrivacyPlan | None) -> dict[str, Any]:
+    """What ``run.start``/``run.resume`` commit to for DP: the planned epsilon, so that the audit chain holds the
+    reservation of a run that dies before it records ``privacy.spent``."""
+    return {} if dp is None else {"privacy_planned": {"epsilon": dp.planned_epsilon, "delta": dp.delta}}
 
 
 def spent_stage(recorder: AuditRecorder, out: Path, dataset: dict[str, Any], run_id: str, result: Any,

@@ -36,7 +36,8 @@ from zoneinfo import ZoneInfo
 from app import alerts
 from app.audit import AuditLog
 from app.config import Config
-from app.errors import CvmTuneError, DatasetRollbackError, InputsUnchanged, PrivacyBudgetError
+from app.errors import (CvmTuneError, DatasetRollbackError, InputsUnchanged, PrivacyBudgetError, PrivacyLedgerError,
+                        PromotionStateError)
 from app.state import (
     Locked,
     RollbackDetected,
@@ -270,9 +271,11 @@ class Service:
         kind = type(exc).__name__
         message = exc.message if isinstance(exc, CvmTuneError) else f"internal error ({kind})"
         logger.warning("%s failed: %s", slot.run_id, message)
-        # A rolled-back dataset stays rolled back within the night, a spent privacy budget spent: never retried.
+        # A rolled-back dataset stays rolled back within the night, a spent privacy budget spent, state that disagrees
+        # with the audit chain disagrees: never retried.
         retry = (attempts < sched.max_attempts and self.schedule.due(now) == slot
-                 and not isinstance(exc, (DatasetRollbackError, PrivacyBudgetError)))  # refused for the whole night
+                 and not isinstance(exc, (DatasetRollbackError, PrivacyBudgetError,  # refused for the whole night
+                                          PrivacyLedgerError, PromotionStateError)))
         backoff = min(sched.retry_backoff_s * 2 ** (attempts - 1), sched.retry_backoff_max_s)
         self._finish(slot.run_id, None, "failed", f"{kind}: {message}",
                      next_attempt_at=iso(now + timedelta(seconds=backoff)) if retry else None)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import Config
-from app.privacy_budget import privacy_lines
+from app.privacy_budget import chain_entries, privacy_lines, trusted_spend
 from app.privacy_budget import summary as privacy_summary
 from app.scheduler import DailySchedule
 from app.state import RunDB, iso, read_heartbeat
@@ -24,7 +24,8 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
     db = RunDB.existing(out)
     rows = db.recent(limit) if db is not None else []
     beat = read_heartbeat(out)
-    budget = privacy_summary(out / "state")
+    budget = privacy_summary(out / "state", trusted_spend(chain_entries(out / "state" / "audit.jsonl"),
+                                                        out / "exports"))
     nxt = DailySchedule(cfg.schedule.time, cfg.schedule.timezone).next(now)
     if as_json:
         return json.dumps({"schema": STATUS_SCHEMA, "output": str(out), "heartbeat": beat,

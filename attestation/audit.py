@@ -22,7 +22,8 @@ GENESIS = "0" * 64
 EVENT_PREFIX = "cvm-tune."
 ENTRY_TYPES = ("run.start", "run.resume", "gpu.evidence", "train.batch", "train.done", "export",
                "checkpoint", "checkpoint.rejected", "run.abort",  # these three: metadata only
-               "privacy.spent")  # DP-SGD: the manifest's privacy block (parameters and (epsilon, delta) spent)
+               "privacy.spent",  # DP-SGD: the manifest's privacy block (parameters and (epsilon, delta) spent)
+               "promote")  # continual retraining: exports/PROMOTED moved to this run's bundle (after its export entry)
 _KEYS = {"v", "seq", "run_id", "type", "time", "data", "prev"}
 
 

@@ -16,6 +16,11 @@ quote binds the manifest, so the block says what the measured code did, not what
 * ``privacy.dp`` depends on the bundle's bytes only (an integrity check: every honest export passes it); the
   separate ``privacy.policy`` check, present when the policy sets ``max_epsilon`` or ``max_delta``, bounds the
   recomputed values, and rejects a bundle trained without DP.
+
+Every number is bounded before the accountant sees it (:func:`history_problems`; the same bounds refuse a training
+configuration): a noise multiplier outside [``NOISE_MIN``, ``NOISE_MAX``], more than ``MAX_STEPS`` steps, and for
+``prv`` more than ``PRV_MAX_STEPS`` steps or a discretisation mesh over ``PRV_MAX_POINTS`` points (its memory grows
+with it: 10**7 steps would need terabytes) fail the check instead of exhausting the verifier.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from attestation.safe_yaml import parse_json
 from attestation.verdict import QuoteFindings
 
 if TYPE_CHECKING:
@@ -36,6 +42,12 @@ if TYPE_CHECKING:
 CHECK = "privacy.dp"
 POLICY_CHECK = "privacy.policy"
 EPSILON_REL_TOL = 1e-6  # the recomputed epsilon may differ from the recorded one by float noise only
+NOISE_MIN, NOISE_MAX = 0.01, 1e6  # sigma; Opacus derives at most 655360 (its MAX_SIGMA is 1e6), and 0.0235 for epsilon 1000
+MAX_STEPS = 10_000_000  # training.max_steps' own bound
+PRV_MAX_STEPS = 100_000  # prv: its mesh grows with the square root of the steps (and with epsilon and 1/delta)
+PRV_MAX_POINTS = 1 << 22  # prv mesh points: about 700 MB and 10 s on a CPU
+MAX_ROWS = 10**12
+MAX_BATCH = 1 << 32  # per_device_batch_size x gradient_accumulation_steps, each at most 65536
 
 
 class _Closed(BaseModel):
@@ -70,26 +82,89 @@ class PrivacyInfo(_Closed):
     target_epsilon: float = Field(gt=0)
 
 
+def _number(value: object, low: float, high: float) -> bool:
+    """A finite int or float (not a bool) within [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return (isinstance(value, int) or math.isfinite(value)) and low <= value <= high  # a huge int: no float()
+
+
+def history_problems(accountant: str, history: list[tuple[float, float, int]], delta: float) -> list[str]:
+    """Why the accountant must not be run on ``history`` at ``delta`` (empty: it may). Cheap: for ``prv`` the mesh
+    size is computed (Opacus' own formula, from RDP bounds) before anything is discretised."""
+    if accountant not in ("rdp", "prv"):
+        return [f"accountant {str(accountant)[:20]!r} is not rdp or prv"]
+    problems = [] if _number(delta, 0.0, 1.0) and 0 < delta < 1 else ["delta is not a number between 0 and 1"]
+    max_steps = PRV_MAX_STEPS if accountant == "prv" else MAX_STEPS
+    for sigma, q, steps in history:
+        if not _number(sigma, NOISE_MIN, NOISE_MAX):
+            problems.append(f"noise multiplier {sigma!r:.20} is outside [{NOISE_MIN:g}, {NOISE_MAX:g}]")
+        if not (_number(q, 0.0, 1.0) and q > 0):
+            problems.append(f"sample rate {q!r:.20} is outside (0, 1]")
+        if not (isinstance(steps, int) and not isinstance(steps, bool) and 0 <= steps <= max_steps):
+            problems.append(f"{str(steps)[:20]} steps is outside [0, {max_steps}] for the {accountant} accountant")
+    if problems or accountant != "prv" or not any(n for _s, _q, n in history):
+        return problems
+    try:
+        points = prv_mesh_points(history, delta)
+    except (ArithmeticError, RuntimeError, ValueError) as exc:
+        return [f"the prv accountant's mesh cannot be sized for these parameters: {str(exc)[:200]}"]
+    if not points <= PRV_MAX_POINTS:
+        problems.append(f"the prv accountant would discretise {points:.3g} points for these parameters (at most "
+                        f"{PRV_MAX_POINTS}): use the rdp accountant")
+    return problems
+
+
+def prv_mesh_points(history: list[tuple[float, float, int]], delta: float) -> float:
+    """Points of the mesh Opacus' PRV accountant discretises (its ``_get_domain`` at the default error bounds)."""
+    from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV, compute_safe_domain_size
+
+    eps_error, delta_error = 0.01, delta / 1000  # PRVAccountant.get_epsilon's defaults
+    history = [(s, q, n) for s, q, n in history if n]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Optimal order is the")
+        half = compute_safe_domain_size([PoissonSubsampledGaussianPRV(q, s) for s, q, _n in history],
+                                        [n for _s, _q, n in history], eps_error=eps_error, delta_error=delta_error)
+    mesh = eps_error / math.sqrt(sum(n for _s, _q, n in history) * math.log(12 / delta_error) / 2)
+    return 2 * half / mesh + 1
+
+
 def accountant_epsilon(accountant: str, history: list[tuple[float, float, int]], delta: float) -> float:
-    """Epsilon spent at ``delta`` by ``history`` [(noise multiplier, sample rate, steps)], computed by Opacus."""
+    """Epsilon spent at ``delta`` by ``history`` [(noise multiplier, sample rate, steps)], computed by Opacus.
+
+    Raises:
+        ValueError: the parameters are outside the bounds above, or the accountant cannot compute them (Opacus'
+            own errors, whatever their class, are re-raised as ValueError).
+    """
     from opacus.accountants import create_accountant  # imports torch: only for bundles that carry DP
 
     if not history:
         return 0.0
+    history = [tuple(h) for h in history]  # type: ignore[misc]
+    if problems := history_problems(accountant, history, delta):
+        raise ValueError("; ".join(problems))
     acc = create_accountant(mechanism=accountant)
-    acc.history = [tuple(h) for h in history]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-        return float(acc.get_epsilon(delta=delta))
+    acc.history = history
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Optimal order is the")
+            eps = float(acc.get_epsilon(delta=delta))
+    except (ArithmeticError, RuntimeError, ValueError) as exc:  # e.g. prv: "Discrete mean differs significantly"
+        raise ValueError(f"the {accountant} accountant cannot compute epsilon: {str(exc)[:200]}") from exc
+    if math.isnan(eps):
+        raise ValueError(f"the {accountant} accountant computed no epsilon (NaN)")
+    return eps
 
 
 def _config_problems(dp: PrivacyInfo, config_bytes: bytes | None) -> list[str]:
     """The block's parameters must be the bundle config's ``training.privacy`` and batch."""
     try:
-        training = json.loads(config_bytes or b"")["training"]
+        training = parse_json(config_bytes or b"", "config.json", ValueError)["training"]  # type: ignore[index]
         p = training["privacy"]
         batch = int(training["per_device_batch_size"]) * int(training["gradient_accumulation_steps"])
-    except (ValueError, KeyError, TypeError):
+        if not isinstance(p, dict):
+            raise TypeError("training.privacy is not a mapping")
+    except (ValueError, KeyError, TypeError, ArithmeticError):
         return ["the bundle config has no readable training.privacy section"]
     want: dict[str, Any] = {"mode": "dp-sgd", "max_grad_norm": dp.max_grad_norm, "accountant": dp.accountant,
                             "target_epsilon": dp.target_epsilon}
@@ -105,6 +180,9 @@ def _config_problems(dp: PrivacyInfo, config_bytes: bytes | None) -> list[str]:
 
 def _problems(dp: PrivacyInfo, m: Manifest, config_bytes: bytes | None) -> tuple[list[str], float]:
     """What is inconsistent in the block, and epsilon as recomputed (inf when it cannot be)."""
+    bounds = _bound_problems(dp)
+    if bounds:  # nothing is computed with numbers out of range
+        return bounds, math.inf
     problems = _config_problems(dp, config_bytes)
     if dp.rows != m.dataset.rows:
         problems.append(f"privacy rows {dp.rows} != dataset rows {m.dataset.rows}")
@@ -119,7 +197,7 @@ def _problems(dp: PrivacyInfo, m: Manifest, config_bytes: bytes | None) -> tuple
     except ImportError as exc:
         problems.append(f"epsilon cannot be recomputed without opacus ({exc.name}): install cvm-tune's dependencies")
         return problems, math.inf
-    except (ValueError, ArithmeticError) as exc:
+    except ValueError as exc:
         problems.append(f"epsilon cannot be recomputed from the block: {exc}")
         return problems, math.inf
     if not math.isclose(eps, dp.epsilon, rel_tol=EPSILON_REL_TOL, abs_tol=1e-9):
@@ -128,6 +206,19 @@ def _problems(dp: PrivacyInfo, m: Manifest, config_bytes: bytes | None) -> tuple
     if eps > dp.target_epsilon * (1 + EPSILON_REL_TOL):
         problems.append(f"epsilon {eps:.4g} exceeds the run's target {dp.target_epsilon:g}")
     return problems, eps
+
+
+def _bound_problems(dp: PrivacyInfo) -> list[str]:
+    """The block's numbers out of range (checked before any arithmetic: rows and batch may be huge integers)."""
+    problems = []
+    if not _number(dp.rows, 2, MAX_ROWS):
+        problems.append(f"privacy rows {str(dp.rows)[:20]} is outside [2, {MAX_ROWS:g}]")
+    if not _number(dp.expected_batch_size, 1, MAX_BATCH):
+        problems.append(f"expected batch {str(dp.expected_batch_size)[:20]} is outside [1, {MAX_BATCH}]")
+    for name in ("max_grad_norm", "epsilon", "target_epsilon"):
+        if not math.isfinite(getattr(dp, name)):
+            problems.append(f"{name} is not a finite number")
+    return problems + history_problems(dp.accountant, [(dp.noise_multiplier, dp.sample_rate, dp.steps)], dp.delta)
 
 
 def check(f: QuoteFindings, m: Manifest, policy: Policy, config_bytes: bytes | None) -> None:
@@ -142,6 +233,11 @@ def check(f: QuoteFindings, m: Manifest, policy: Policy, config_bytes: bytes | N
                   f"{policy.max_epsilon}, max_delta {policy.max_delta}); this run trained without DP-SGD")
         return
     problems, eps = _problems(dp, m, config_bytes)
+    if not math.isfinite(eps):  # out of range or not recomputable: nothing else is worth showing
+        f.add(CHECK, "fail", "; ".join(problems))
+        if bounded:
+            f.add(POLICY_CHECK, "fail", "epsilon cannot be recomputed from the bundle's privacy block")
+        return
     shown = (f"(ε, δ) = ({eps:.4g}, {dp.delta:.3g}) as run: DP-SGD, Poisson sampling q={dp.sample_rate:.4g} "
              f"of N={dp.rows} rows, clipping C={dp.max_grad_norm:g}, noise σ={dp.noise_multiplier:.4g}, {dp.steps} "
              f"steps, {dp.accountant} accountant, opacus {dp.library.opacus}")

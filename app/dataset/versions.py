@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from attestation.safe_yaml import parse_json
+
 from app.errors import DatasetRollbackError, StateError
 from app.fsutil import atomic_write_bytes
 
@@ -29,11 +31,12 @@ def load_state(state_dir: Path, file: str = FILE, schema: str = SCHEMA,
     """The ``datasets`` mapping of a per-dataset state file (``{}`` when absent); also the privacy budget's reader."""
     path = Path(state_dir) / file
     try:
-        obj = json.loads(path.read_bytes())
+        raw = path.read_bytes()
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         raise StateError(f"{path} is unreadable: {type(exc).__name__}", fix=fix) from exc
+    obj = parse_json(raw, str(path), lambda message: StateError(message, fix=fix))
     if not isinstance(obj, dict) or obj.get("schema") != schema or not isinstance(obj.get("datasets"), dict):
         raise StateError(f"{path} is not a {schema} file")
     return obj["datasets"]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -121,18 +122,18 @@ def plan(s: TrainingSettings, *, rows: int) -> PrivacyPlan | None:
     q = batch / rows
     sigma, derived = p.noise_multiplier, False
     if sigma is None:
-        from opacus.accountants.utils import get_noise_multiplier
-
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-                sigma = float(get_noise_multiplier(target_epsilon=p.target_epsilon, target_delta=delta, sample_rate=q,
-                                                   steps=s.max_steps, accountant=p.accountant))
+            sigma = derive_noise_multiplier(p.target_epsilon, delta, q, s.max_steps, p.accountant)
         except ValueError as exc:
             raise ConfigError(f"training.privacy: no noise multiplier fits {s.max_steps} steps into epsilon "
                               f"{p.target_epsilon:g}: {exc}", fix="raise target_epsilon or lower max_steps") from exc
         derived = True
-    planned = epsilon(p.accountant, [(sigma, q, s.max_steps)], delta)
+    try:
+        planned = epsilon(p.accountant, [(sigma, q, s.max_steps)], delta)
+    except ValueError as exc:  # out of the accountant's bounds (prv: too many steps for its mesh) or not computable
+        raise ConfigError(f"training.privacy: the {p.accountant} accountant cannot account for {s.max_steps} steps at "
+                          f"noise multiplier {sigma:g}, sample rate {q:.4g} and delta {delta:.3g}: {exc}",
+                          fix="use training.privacy.accountant: rdp, or lower training.max_steps") from exc
     if planned > p.target_epsilon:
         raise ConfigError(f"training.max_steps {s.max_steps} cannot fit the privacy budget: with noise multiplier "
                           f"{sigma:g} and sample rate {q:.4g} they spend epsilon {planned:.3f} > target_epsilon "
@@ -142,6 +143,40 @@ def plan(s: TrainingSettings, *, rows: int) -> PrivacyPlan | None:
     return PrivacyPlan(noise_multiplier=sigma, noise_derived=derived, max_grad_norm=p.max_grad_norm, sample_rate=q,
                        expected_batch_size=batch, rows=rows, max_steps=s.max_steps, target_epsilon=p.target_epsilon,
                        delta=delta, accountant=p.accountant, planned_epsilon=planned)
+
+
+def derive_noise_multiplier(target: float, delta: float, q: float, steps: int, accountant: str,
+                            tolerance: float = 0.01) -> float:
+    """The smallest noise multiplier (within ``tolerance`` of ``target`` in epsilon) that spends at most ``target``:
+    Opacus' ``get_noise_multiplier`` search, with every evaluation through the bounded :func:`epsilon` (a sigma the
+    accountant refuses or cannot compute counts as over the budget, so the search moves to more noise).
+
+    Raises:
+        ValueError: no sigma up to Opacus' MAX_SIGMA (1e6) fits, or the accountant refuses even that one.
+    """
+    def spend(sigma: float) -> float:
+        try:
+            return epsilon(accountant, [(sigma, q, steps)], delta)
+        except ValueError:
+            return math.inf
+
+    low, high, eps_high = 0.0, 10.0, math.inf
+    while eps_high > target:
+        high *= 2
+        if high > 1e6:
+            raise ValueError(f"the privacy budget is too low: no noise multiplier up to 1e6 fits (or the {accountant} "
+                             "accountant cannot account for these steps)")
+        eps_high = spend(high)
+    while target - eps_high > tolerance:
+        mid = (low + high) / 2
+        eps = spend(mid)
+        if eps < target:
+            high, eps_high = mid, eps
+        else:
+            low = mid
+        if high - low < 1e-12 * high:  # converged without reaching the tolerance (the accountant is coarse here)
+            break
+    return high
 
 
 def _secret_generator(device: Any) -> Any:
