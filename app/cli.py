@@ -1,4 +1,5 @@
-"""``cvm-tune`` command line. The only module that prints (with ``app.cli_owner``, the data owner's commands).
+"""``cvm-tune`` command line. The only module that prints (with ``app.cli_owner``, the data owner's commands, and
+``app.cli_federated``, the federated simulation).
 
 Exit codes (also in docs/exit-codes.md):
   0  success / bundle or quote accepted
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import app
-from app import cli_owner
+from app import cli_federated, cli_owner
 from app.errors import CvmTuneError
 
 EXIT_REJECTED = 1
@@ -150,6 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("validate-config", help="check a configuration file and print the resolved config")
     c.add_argument("config", type=Path, metavar="FILE")
     cli_owner.add_parsers(sub)
+    cli_federated.add_parsers(sub)
     return p
 
 
@@ -297,4 +299,5 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
         ("compose-hash", "_compose_hash"), ("app-compose", "_app_compose"), ("deploy-plan", "_deploy_plan"), ("env", "_env"),
         ("bundles", "_bundles"))},
     **cli_owner.COMMANDS,
+    **cli_federated.COMMANDS,
 }
