@@ -25,27 +25,13 @@ from pathlib import Path
 
 import app
 from app import cli_federated, cli_owner
+from app.cli_args import bounded_int
 from app.errors import CvmTuneError
 
 EXIT_REJECTED = 1
 EXIT_INTERNAL = 70
 EXIT_BROKEN_PIPE = 141  # as a shell reports a process killed by SIGPIPE
 MAX_UNIX_SECONDS = 253402300799  # 9999-12-31T23:59:59Z: the latest time a certificate or collateral date can name
-
-
-def _bounded_int(lo: int, hi: int):
-    """argparse type: an integer in [lo, hi] (out of range is a usage error, exit 2)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"{value} is outside {lo}..{hi}")
-        return value
-
-    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--config", type=Path, metavar="FILE", help="YAML configuration (see `cvm-tune schema`)")
     st.add_argument("--health", action="store_true", help="health check for Docker HEALTHCHECK: exit 0 healthy, 1 not")
     st.add_argument("--json", action="store_true", help="machine-readable status (schema cvm-tune/status/v1)")
-    st.add_argument("-n", type=_bounded_int(1, 10_000), default=10, metavar="N", help="rows to show (default 10)")
+    st.add_argument("-n", type=bounded_int(1, 10_000), default=10, metavar="N", help="rows to show (default 10)")
 
     v = sub.add_parser("verify", help="verify an export bundle (or a federated round bundle, recursively)",
                        description="Check a bundle's quote (dcap-qvl), report_data binding, file hashes, RTMR0-3 replay "
@@ -90,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--chain", type=Path, metavar="EXPORTS_DIR", help="instead of BUNDLE: verify every bundle in an "
                    "exports/ directory and every lineage link, roots first; names the first broken link")
     v.add_argument("--policy", type=Path, metavar="FILE", help="YAML policy (default: built-in, Intel root, UpToDate only)")
-    v.add_argument("--now", type=_bounded_int(0, MAX_UNIX_SECONDS), metavar="UNIX_SECONDS", help="verification time (default: now); pins time for tests")
+    v.add_argument("--now", type=bounded_int(0, MAX_UNIX_SECONDS), metavar="UNIX_SECONDS", help="verification time (default: now); pins time for tests")
     v.add_argument("--json", action="store_true", help="print the machine-readable verdict (schema cvm-tune/verdict/v1)")
     v.add_argument("--collateral", type=Path, metavar="FILE", help="use this collateral JSON instead of the bundle's")
     v.add_argument("--base-model", type=Path, metavar="DIR", help="also check a local copy of the base model against the manifest")
@@ -120,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--event-log", type=Path, metavar="FILE", help="dstack event log: a JSON list, or JSON with an event_log member")
     q.add_argument("--report-data", metavar="HEX", help="expected report_data (at most 64 bytes; shorter is zero-padded)")
     q.add_argument("--policy", type=Path, metavar="FILE", help="YAML policy (default: built-in, Intel root, UpToDate only)")
-    q.add_argument("--now", type=_bounded_int(0, MAX_UNIX_SECONDS), metavar="UNIX_SECONDS", help="verification time (default: now); pins time for tests")
+    q.add_argument("--now", type=bounded_int(0, MAX_UNIX_SECONDS), metavar="UNIX_SECONDS", help="verification time (default: now); pins time for tests")
     q.add_argument("--json", action="store_true", help="print the machine-readable verdict (schema cvm-tune/verdict/v1)")
 
     co = sub.add_parser("collateral", help="fetch a quote's collateral from a PCCS (network)",

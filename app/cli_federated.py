@@ -9,20 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-
-def _count(lo: int, hi: int):
-    """argparse type: an integer in [lo, hi] (out of range is a usage error, exit 2)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"{value} is outside {lo}..{hi}")
-        return value
-
-    return parse
+from app.cli_args import bounded_int
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -40,13 +27,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "verification.")
     s.add_argument("--out", type=Path, required=True, metavar="DIR",
                    help="new or empty directory: keys, datasets, configs, output volumes and round bundles go there")
-    s.add_argument("--clients", type=_count(2, 8), default=3, metavar="N", help="simulated data owners (2..8, default 3)")
-    s.add_argument("--rounds", type=_count(1, 5), default=2, metavar="R", help="rounds (1..5, default 2)")
+    s.add_argument("--clients", type=bounded_int(2, 8), default=3, metavar="N", help="simulated data owners (2..8, default 3)")
+    s.add_argument("--rounds", type=bounded_int(1, 5), default=2, metavar="R", help="rounds (1..5, default 2)")
     s.add_argument("--strategy", choices=("fedavg", "fedprox", "fedyogi"), default="fedavg",
                    help="Flower strategy (default fedavg; fedyogi starts from a fresh initial adapter)")
-    s.add_argument("--max-steps", type=_count(1, 200), default=5, metavar="N",
+    s.add_argument("--max-steps", type=bounded_int(1, 200), default=5, metavar="N",
                    help="training steps per client and round (default 5)")
-    s.add_argument("--min-clients", type=_count(1, 8), metavar="M",
+    s.add_argument("--min-clients", type=bounded_int(1, 8), metavar="M",
                    help="fewest admitted client bundles a round needs (default: every client)")
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from attestation.audit import AuditEntry, AuditFormatError, parse_lines
 from attestation.safe_yaml import parse_json
 
-from app.dataset.versions import save_state
+from app.dataset.versions import load_state, save_state
 from app.errors import PrivacyBudgetError, PrivacyLedgerError
 
 SCHEMA = "cvm-tune/privacy-budget/v1"
@@ -64,16 +64,8 @@ def load(state_dir: Path) -> dict[str, dict[str, Any]]:
             (or a delta outside (0, 1)).
     """
     path = Path(state_dir) / FILE
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return {}
-    except OSError as exc:
-        raise PrivacyLedgerError(f"{path} is unreadable ({exc.strerror})", fix=_FIX) from exc
-    doc = parse_json(raw, str(path), PrivacyLedgerError)
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("datasets"), dict):
-        raise PrivacyLedgerError(f"{path} is not a {SCHEMA} file", fix=_FIX)
-    for key, entry in doc["datasets"].items():
+    datasets = load_state(state_dir, FILE, SCHEMA, _FIX, error=PrivacyLedgerError)
+    for key, entry in datasets.items():
         ok = (isinstance(entry, dict) and isinstance(entry.get("dataset_id"), str)
               and type(entry.get("dataset_version")) is int and key == _key(entry["dataset_id"], entry["dataset_version"])
               and isinstance(entry.get("runs"), dict))
@@ -83,7 +75,7 @@ def load(state_dir: Path) -> dict[str, dict[str, Any]]:
         if bad:
             raise PrivacyLedgerError(f"{path}: run {bad[0]} of dataset {entry['dataset_id']!r} v{entry['dataset_version']} "
                                      "has no valid epsilon (a finite number >= 0), delta or status", fix=_FIX)
-    return doc["datasets"]
+    return datasets
 
 
 def chain_entries(path: Path) -> list[AuditEntry]:

@@ -27,18 +27,21 @@ FILE = "dataset-versions.json"
 
 
 def load_state(state_dir: Path, file: str = FILE, schema: str = SCHEMA,
-               fix: str = "restore it from a backup (deleting it disables rollback protection until the next run)") -> dict[str, dict]:
-    """The ``datasets`` mapping of a per-dataset state file (``{}`` when absent); also the privacy budget's reader."""
+               fix: str = "restore it from a backup (deleting it disables rollback protection until the next run)",
+               error: type[StateError] = StateError) -> dict[str, dict]:
+    """The ``datasets`` mapping of a per-dataset state file (``{}`` when absent); also the privacy budget's reader,
+    which checks each entry itself. Raises ``error`` (a :class:`StateError`) when the file is unreadable, not
+    bounded JSON, or not a ``schema`` file."""
     path = Path(state_dir) / file
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
         return {}
     except OSError as exc:
-        raise StateError(f"{path} is unreadable: {type(exc).__name__}", fix=fix) from exc
-    obj = parse_json(raw, str(path), lambda message: StateError(message, fix=fix))
+        raise error(f"{path} is unreadable ({exc.strerror})", fix=fix) from exc
+    obj = parse_json(raw, str(path), lambda message: error(message, fix=fix))
     if not isinstance(obj, dict) or obj.get("schema") != schema or not isinstance(obj.get("datasets"), dict):
-        raise StateError(f"{path} is not a {schema} file")
+        raise error(f"{path} is not a {schema} file", fix=fix)
     return obj["datasets"]
 
 
