@@ -5,8 +5,10 @@ encrypted env var: webhook URLs usually embed a token), so it is neither in the 
 bundle. The payload is built here from a fixed set of fields — event, run id, slot, attempt,
 reason (the app's own one-line error message, which by construction names files, lines and
 classes but never row content), times and the service identity — and every string is cut to one
-line of at most 300 characters. Delivery: up to ``1 + retries`` POSTs; 2xx is delivered; 429, 5xx
-and network errors are retried with exponential backoff; other 4xx are not.
+line of at most 300 characters. Delivery goes through the HTTP edge (:mod:`attestation.http_edge`): the URL
+must be https (or http on loopback), no redirect is followed and no proxy used; up to ``1 + retries`` POSTs; 2xx is
+delivered; 429, 5xx and network errors are retried with the edge's exponential backoff (``Retry-After`` honoured
+up to ``MAX_BACKOFF_S``); anything else is not; the whole delivery has a deadline.
 
 Payload (``cvm-tune/alert/v1``)::
 
@@ -16,6 +18,7 @@ Payload (``cvm-tune/alert/v1``)::
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -28,10 +31,13 @@ from typing import Any
 # ``state.inconsistent``: the output volume's state disagrees with the audit chain (exports/PROMOTED or the
 # privacy ledger edited, deleted or replaced); the night stops with a state error (exit 7) and is not retried.
 
-from app.config import AlertSettings
+from attestation.http_edge import Edge, EdgeError, Transient, budget_s, retry
+
+from app.config import AlertSettings, check_url
 
 logger = logging.getLogger(__name__)
 SCHEMA = "cvm-tune/alert/v1"
+MAX_BACKOFF_S = 300.0  # the longest wait between POSTs (alerts.retry_backoff_s is at most this)
 FIELDS = ("event", "run_id", "reason", "attempt", "retry_at")
 MAX_TEXT = 300
 
@@ -57,19 +63,30 @@ def send(settings: AlertSettings, event: Mapping[str, Any], *, output: Path, env
     logger.warning("alert: %s %s %s", body["event"], body.get("run_id", ""), body.get("reason", ""))
     if not url:
         return False
-    import requests
+    check = functools.partial(check_url, what="the alert webhook URL")
+    try:
+        check(url)
+    except ValueError as exc:
+        logger.warning("alert not sent: %s", exc)  # never the URL itself: it usually embeds a token
+        return False
 
-    for attempt in range(settings.retries + 1):
-        if attempt:
-            sleep(settings.retry_backoff_s * 2 ** (attempt - 1))
-        try:
-            resp = requests.post(url, json=body, timeout=settings.timeout_s)
-        except requests.RequestException as exc:
-            logger.warning("alert POST failed (%s), attempt %d", type(exc).__name__, attempt + 1)
-            continue
-        if 200 <= resp.status_code < 300:
-            return True
-        logger.warning("alert POST answered HTTP %d, attempt %d", resp.status_code, attempt + 1)
-        if resp.status_code != 429 and resp.status_code < 500:
-            return False
-    return False
+    def post(attempt: int) -> int:
+        with edge.request("POST", url, check=check, json=body) as resp:
+            if not 200 <= resp.status < 300:
+                logger.warning("alert POST answered HTTP %d, attempt %d", resp.status, attempt + 1)
+            return resp.status
+
+    def failed(attempt: int, exc: Transient) -> None:
+        logger.warning("alert POST failed (%s), attempt %d", exc.status or exc.kind, attempt + 1)
+
+    attempts = settings.retries + 1
+    deadline_s = budget_s(requests=1, attempts=attempts, timeout_s=settings.timeout_s,
+                          backoff_s=settings.retry_backoff_s, cap_s=MAX_BACKOFF_S)
+    try:
+        with Edge(deadline_s=deadline_s, timeout_s=settings.timeout_s) as edge:
+            status = retry(post, attempts=attempts, backoff_s=settings.retry_backoff_s, cap_s=MAX_BACKOFF_S,
+                           deadline=edge.deadline, sleep=sleep, on_failure=failed)
+    except EdgeError as exc:  # retries spent, deadline, a redirect (never followed: the body goes nowhere else), TLS
+        logger.warning("alert not delivered: %s", exc.reason)
+        return False
+    return 200 <= status < 300

@@ -14,32 +14,31 @@ with ``CVM_TUNE_BUNDLES_TOKEN_SHA256``, a value in the measured compose file. Un
 host cannot swap it without changing the compose-hash (dstack.md §5.4). A bundle needs no secrecy to be
 *checked* (``cvm-tune verify`` trusts nothing the transport says); the token keeps the adapter to its operator.
 
-The client (``cvm-tune bundles list``/``fetch``) sends the token only to the host its URL names (https, or http on
-loopback; no user name in the URL, no redirect followed, no proxy), reads bounded answers, checks every name and
-size the server lists, and writes a fetched bundle complete or not at all. A bad answer is a ``StateError``.
+The client (``cvm-tune bundles list``/``fetch``) goes through the HTTP edge (:mod:`attestation.http_edge`): it sends
+the token only to the host its URL names (https, or http on loopback; no user name in the URL, no redirect followed,
+no proxy), retries network errors, 429 and 5xx a bounded number of times, reads bounded answers under an overall
+deadline, checks every name and size the server lists, and writes a fetched bundle complete or not at all. A bad
+answer is a ``StateError``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
-import http.client
 import json
 import os
 import re
 import secrets
 import stat
 import threading
-import urllib.error
 import urllib.parse
-import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from attestation.bundle import RUN_ID_PATTERN
+from attestation.http_edge import Answer, DeadlineExceeded, Edge, EdgeError, GaveUp, Redirected, budget_s, retry
 from attestation.safe_yaml import parse_json
 
 from app.config import check_url
@@ -54,6 +53,11 @@ MAX_RUNS = 100_000
 MAX_FILES = 10_000
 MAX_FILE_BYTES = 1 << 40  # a merged model's shard is a few GB
 MAX_TOKEN_CHARS = 1000
+RETRIES = 2  # the client's retries per request (network errors, 429, 5xx), through the HTTP edge
+BACKOFF_S = 1.0
+BACKOFF_CAP_S = 30.0
+MIN_RATE_BPS = 64 << 10  # a file may take its size at this rate, on top of the timeouts, before it is cut off
+T = TypeVar("T")
 
 
 def token_sha256(token: str) -> str:
@@ -206,69 +210,72 @@ class BundleServer(ThreadingHTTPServer):
         self.server_close()
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """Never follow a redirect: it would carry the bearer token to whatever address the server names."""
-
-    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str) -> None:
-        return None  # urllib then raises HTTPError with the 3xx code
-
-
-# no redirect, and no proxy from the environment: the token goes to the host the URL names, and nowhere else
-_OPENER = urllib.request.build_opener(_NoRedirect, urllib.request.ProxyHandler({}))
-
-
 def _bad_answer(what: str) -> StateError:
     return StateError(f"the bundle server's {what}", fix="check the URL: it must be a cvm-tune bundle server "
                       "(cvm-tune bundles serve), nothing else")
 
 
-@contextlib.contextmanager
-def _open(url: str, token: str, timeout: float) -> Iterator[Any]:
-    """A GET with the bearer token, to exactly the host ``url`` names: never redirected, never a proxy's choice."""
+def _check(url: str) -> urllib.parse.SplitResult:
     try:
-        check_url(url, "the bundle server URL")
+        return check_url(url, "the bundle server URL")
     except ValueError as exc:
         raise ConfigError(str(exc), fix="pass the gateway URL, https://<app-id>-8000.<gateway domain>") from None
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+
+
+def _get(url: str, token: str, timeout: float, deadline_s: float, consume: Callable[[Answer], T]) -> T:
+    """A GET with the bearer token through the HTTP edge, to exactly the host ``url`` names (never redirected, never a
+    proxy's choice), retried on network errors, 429 and 5xx; ``consume`` reads the 2xx answer (again on a retry)."""
+
+    def attempt(_n: int) -> T:
+        with edge.request("GET", url, check=_check, headers={"Authorization": f"Bearer {token}"}) as r:
+            if not 200 <= r.status < 300:
+                raise StateError(f"{url}: HTTP {r.status}", fix="check the URL, the run id and the token file")
+            return consume(r)
+
     try:
-        resp = _OPENER.open(req, timeout=timeout)
-    except urllib.error.HTTPError as exc:
-        if 300 <= exc.code < 400:
-            where = str(exc.headers.get("Location", "?"))[:200]
-            raise StateError(f"{url}: the server redirected (HTTP {exc.code}) to {where!r}; the bundle token is never "
-                             "sent to another address", fix="pass the final URL yourself if you trust it") from None
-        raise StateError(f"{url}: HTTP {exc.code}", fix="check the URL, the run id and the token file") from None
-    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-        raise StateError(f"cannot reach {url}: {getattr(exc, 'reason', type(exc).__name__)}",
-                         fix="check the gateway URL") from None
-    with resp:
-        yield resp
+        with Edge(deadline_s=deadline_s, timeout_s=timeout) as edge:
+            return retry(attempt, attempts=RETRIES + 1, backoff_s=BACKOFF_S, cap_s=BACKOFF_CAP_S,
+                         deadline=edge.deadline)
+    except Redirected as exc:
+        where = str(exc.location or "?")[:200]
+        raise StateError(f"{url}: the server redirected (HTTP {exc.status}) to {where!r}; the bundle token is never "
+                         "sent to another address", fix="pass the final URL yourself if you trust it") from None
+    except GaveUp as exc:
+        what = f"{url}: HTTP {exc.last.status}" if exc.last.status else f"cannot reach {url}: {exc.last.kind}"
+        raise StateError(f"{what} (after {exc.attempts} attempts)", fix="check the gateway URL") from None
+    except DeadlineExceeded:
+        raise StateError(f"{url}: no complete answer within {deadline_s:g} s", fix="check the gateway URL and the "
+                         "link; a server that sends slower than that is cut off") from None
+    except EdgeError as exc:
+        raise StateError(f"{url}: {exc.reason}", fix="check the gateway URL") from None
 
 
 def _get_json(url: str, token: str, timeout: float, what: str) -> object:
-    with _open(url, token, timeout) as resp:
-        try:
-            raw = resp.read(MAX_ANSWER_BYTES + 1)
-        except (OSError, http.client.HTTPException) as exc:
-            raise StateError(f"cannot read {url}: {type(exc).__name__}", fix="check the gateway URL") from None
+    deadline_s = budget_s(requests=1, attempts=RETRIES + 1, timeout_s=timeout, backoff_s=BACKOFF_S,
+                          cap_s=BACKOFF_CAP_S)
+    raw = _get(url, token, timeout, deadline_s, lambda r: r.read_at_most(MAX_ANSWER_BYTES + 1))
     return parse_json(raw, what, _bad_answer, max_bytes=MAX_ANSWER_BYTES)
 
 
 def _download(url: str, token: str, timeout: float, target: Path, size: int) -> None:
-    """Stream one file to ``target``: exactly the ``size`` bytes the listing announced, never more."""
-    got = 0
-    with _open(url, token, timeout) as resp, open(target, "xb") as fh:
-        while True:
-            try:
-                chunk = resp.read(min(_CHUNK, size - got + 1))
-            except (OSError, http.client.HTTPException) as exc:
-                raise StateError(f"cannot read {url}: {type(exc).__name__}", fix="fetch the bundle again") from None
-            if not chunk:
-                break
+    """Stream one file to ``target``: exactly the ``size`` bytes the listing announced, never more; a retry starts
+    the file over. The deadline allows ``MIN_RATE_BPS`` for the announced size on top of the timeouts."""
+    deadline_s = budget_s(requests=1, attempts=RETRIES + 1, timeout_s=timeout, backoff_s=BACKOFF_S,
+                          cap_s=BACKOFF_CAP_S) + size / MIN_RATE_BPS
+
+    def consume(r: Answer) -> int:
+        fh.seek(0)
+        fh.truncate()
+        got = 0
+        while chunk := r.read(min(_CHUNK, size - got + 1)):
             got += len(chunk)
             if got > size:
                 raise _bad_answer(f"file {target.name} is longer than the {size} bytes it listed")
             fh.write(chunk)
+        return got
+
+    with open(target, "xb") as fh:
+        got = _get(url, token, timeout, deadline_s, consume)
     if got != size:
         raise _bad_answer(f"file {target.name} ended after {got} of the {size} bytes it listed")
 

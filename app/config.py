@@ -26,6 +26,7 @@ from app.config_training import (
 )
 from app.errors import ConfigError
 from app.federated.settings import FederationSettings
+from attestation.http_edge import check_url as _edge_check_url
 from attestation.safe_yaml import parse_yaml
 
 __all__ = [  # with the training and evaluation sections of app.config_training
@@ -101,36 +102,15 @@ class KeySettings(_Closed):
         return self
 
 
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
-MAX_URL_CHARS = 2048
-
-
 def check_url(url: str, what: str) -> urllib.parse.SplitResult:
-    """Parse a URL cvm-tune will fetch (with ``urllib.parse``, the parser the fetching code uses too) and check the
-    host it will contact: ``https://``, or ``http://`` only on loopback; printable ASCII without spaces or
-    backslashes; no user name or password (``http://127.0.0.1:80@example.com/`` contacts example.com).
+    """Parse a URL cvm-tune will fetch and check the host it will contact: ``https://``, or ``http://`` only on
+    loopback; printable ASCII without spaces or backslashes; no user name or password. The one rule of the HTTP
+    edge (:func:`attestation.http_edge.check_url`), which then contacts exactly the host parsed here.
 
     Raises:
         ValueError: anything else (the message names ``what``).
     """
-    if not isinstance(url, str) or not url.isascii() or not url.isprintable() or " " in url or "\\" in url \
-            or len(url) > MAX_URL_CHARS:
-        raise ValueError(f"{what} must be one URL of printable ASCII (at most {MAX_URL_CHARS} characters, no spaces "
-                         "or backslashes)")
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("https", "http"):
-        raise ValueError(f"{what} must start with https:// (or http:// on loopback)")
-    if "@" in parts.netloc:
-        raise ValueError(f"{what} must not carry a user name or password (user@host)")
-    try:
-        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
-    except ValueError:
-        raise ValueError(f"{what} has an invalid port") from None
-    if not parts.hostname:
-        raise ValueError(f"{what} names no host")
-    if parts.scheme == "http" and parts.hostname not in LOOPBACK_HOSTS:
-        raise ValueError(f"{what}: plain http is allowed only on loopback (127.0.0.1, localhost, [::1]); use https")
-    return parts
+    return _edge_check_url(url, what)
 
 
 class DownloadSettings(_Closed):

@@ -19,6 +19,7 @@ from typing import Any
 from attestation import DEFAULT_POLICY, Verdict, verify_bundle
 from attestation import bundle as B
 from attestation.bundle_verify import INTEGRITY_CHECKS
+from attestation.errors import CollateralError
 from attestation.hashing import files_digest, sha256_file
 from attestation.policy import policy_file_text, simulator_policy
 
@@ -114,12 +115,20 @@ def export_bundle(x: ExportInputs, *, phase: Phase, timings: dict[str, float],
         (stage / B.QUOTE_HEX).write_text(quote.hex() + "\n")
         (stage / B.EVENT_LOG).write_text(event_log)
         with phase("collateral"):
-            collateral = None if x.cfg.tee.collateral == "none" else x.agent.collateral(
-                quote, pccs_url=x.cfg.tee.pccs_url, timeout_s=x.cfg.tee.timeout_s)
+            collateral, missing = None, "tee.collateral is 'none'"
+            if x.cfg.tee.collateral != "none":
+                try:
+                    collateral = x.agent.collateral(quote, pccs_url=x.cfg.tee.pccs_url, timeout_s=x.cfg.tee.timeout_s)
+                except CollateralError as exc:
+                    missing = f"fetching it from {x.cfg.tee.pccs_url} failed: {exc.message}"
+                else:
+                    missing = "the guest agent returned none"
         if collateral is not None:
             (stage / B.COLLATERAL).write_text(collateral)
         else:
-            progress("collateral: not available; verify later with --collateral (fresh collateral from a PCCS)")
+            progress(f"collateral: NOT included ({missing}); the bundle is exported without it, so its verdict "
+                     "fails collateral.window until verified with --collateral FILE (`cvm-tune collateral QUOTE -o "
+                     "FILE` fetches it)")
         # Check our own work the way a relying party will, before anything is published.
         with phase("self_verify"):
             verdicts, policy_file = self_verify(stage, x.out, x.agent, x.simulated)

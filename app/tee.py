@@ -15,7 +15,6 @@ no-op agent) and the result is recorded in the manifest.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import stat
@@ -130,22 +129,21 @@ class GuestAgent:
         raise TeeError("only the cvm-tune simulator has a test root CA")
 
     def collateral(self, quote: bytes, *, pccs_url: str, timeout_s: float) -> str | None:
-        """Collateral for the bundle: the simulator's test collateral, or the PCCS's (network).
+        """Collateral for the bundle: the simulator's test collateral, or the PCCS's (network, through the HTTP
+        edge: :func:`attestation.pccs.fetch_collateral`, the whole fetch within ``timeout_s``).
 
-        Returns None (and the caller says so) when the PCCS cannot be reached.
+        Raises:
+            CollateralError: the PCCS could not be reached or did not answer collateral (a ``PccsError``); the
+                caller reports it and, where it can, goes on without collateral and says so.
         """
         if self._embedded is not None:
             return str(self._embedded.collateral_json())
         if self.identity().is_cvm_tune_simulator:
             # Simulator-only extension route (documented in app.simulator): not part of dstack.
             return str(_post(self.endpoint, "SimulatorCollateral", timeout_s)["collateral"])
-        import dcap_qvl
+        from attestation.pccs import fetch_collateral
 
-        try:
-            coll = asyncio.run(asyncio.wait_for(dcap_qvl.get_collateral(pccs_url, quote), timeout_s))
-        except Exception:  # network, PCCS or parse failure (incl. timeout): the export says "no collateral"
-            return None
-        return str(coll.to_json())
+        return fetch_collateral(quote, pccs_url=pccs_url, timeout=timeout_s, retries=2, deadline_s=timeout_s)
 
 
 def _error_text(exc: httpx.HTTPStatusError) -> str:

@@ -19,9 +19,11 @@ bytes of the inner objects as served (Intel signs those bytes; they are never re
 FMSPC and CA type come from the quote's PCK certificate, and the quote's own PCK chain becomes
 ``pck_certificate_chain``, as dcap-qvl does. PEM chains are written in canonical form.
 
-HTTP goes through one ``requests`` session with a per-request timeout and bounded retries with
-backoff on connection errors and on 429/500/502/503/504. Nothing here is trusted: the verifier
-checks every signature. Every failure is a :class:`PccsError` (exit 2 at the CLI).
+HTTP goes through the project's one HTTP edge (:mod:`attestation.http_edge`): no proxy or credentials
+from the environment, TLS verified, at most 3 redirects (each target checked again), bounded bodies, a per-request timeout, an
+overall deadline, and the one retry policy (connection errors, 429 and 5xx; ``Retry-After`` honoured up
+to 10 s). Nothing here is trusted: the verifier checks every signature. Every failure is a
+:class:`PccsError` (exit 2 at the CLI); a caller that goes on without collateral must say so.
 """
 
 from __future__ import annotations
@@ -32,22 +34,21 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
-from urllib.parse import unquote
+from urllib.parse import SplitResult, unquote
 
 import dcap_qvl
-import requests
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
-from requests.adapters import HTTPAdapter
-from urllib3.util.retry import Retry
 
 from attestation.dcap import MAX_COLLATERAL_BYTES, parse_collateral
 from attestation.errors import CollateralError
+from attestation.http_edge import DeadlineExceeded, Edge, EdgeError, GaveUp, TooLarge, budget_s, check_url, retry
 from attestation.quote import Quote
 
 PHALA_PCCS_URL = "https://pccs.phala.network"  # dcap-qvl's default
 INTEL_PCS_URL = "https://api.trustedservices.intel.com"
-RETRY_STATUSES = (429, 500, 502, 503, 504)
+MAX_REDIRECTS = 3  # each target checked again (a CRL distribution point may move)
+BACKOFF_CAP_S = 10.0  # the longest wait between attempts, a server's Retry-After included
 
 
 class PccsError(CollateralError):
@@ -63,6 +64,7 @@ def fetch_collateral(
     timeout: float = 15.0,
     retries: int = 3,
     backoff: float = 0.5,
+    deadline_s: float | None = None,
 ) -> str:
     """Fetch the collateral for ``raw_quote`` and return it as dcap-qvl ``QuoteCollateralV3`` JSON.
 
@@ -71,7 +73,10 @@ def fetch_collateral(
         pccs_url: PCCS base URL (a trailing ``/sgx|tdx/certification/v4`` is accepted).
         timeout: seconds per request (connect and read).
         retries: retries per request on connection errors and retryable HTTP statuses.
-        backoff: backoff factor between retries (0.5 s, 1 s, 2 s, ...; at most 10 s).
+        backoff: wait before the first retry, doubled per retry (0.5 s, 1 s, 2 s, ...; at most 10 s, a server's
+            Retry-After honoured up to that).
+        deadline_s: the whole fetch, every request, retry and wait together, however slowly a server sends
+            (default: the four requests with every attempt taking its timeouts in full, plus the waits).
 
     Raises:
         QuoteParseError: the bytes are not a quote.
@@ -92,9 +97,12 @@ def fetch_collateral(
     base = pccs_url.strip().rstrip("/").removesuffix("/sgx/certification/v4").removesuffix("/tdx/certification/v4")
     if not base.startswith(("http://", "https://")):
         raise PccsError(f"--pccs {pccs_url!r} is not an http(s) URL", fix="pass a URL such as https://pccs.phala.network")
+    _check(base)
     tee = "tdx" if q.is_tdx else "sgx"
-    with _session(retries, backoff) as http:
-        get = lambda url: _get(http, url, timeout)  # noqa: E731
+    if deadline_s is None:
+        deadline_s = budget_s(requests=4, attempts=retries + 1, timeout_s=timeout, backoff_s=backoff, cap_s=BACKOFF_CAP_S)
+    with Edge(deadline_s=deadline_s, timeout_s=timeout) as edge:
+        get = lambda url: _get(edge, url, retries, backoff, deadline_s)  # noqa: E731
         crl = get(f"{base}/sgx/certification/v4/pckcrl?ca={ca}&encoding=der")
         pck_crl, pck_crl_chain = _der_crl(crl), _header_chain(crl, "SGX-PCK-CRL-Issuer-Chain")
         tcb = get(f"{base}/{tee}/certification/v4/tcb?fmspc={fmspc}")
@@ -142,17 +150,13 @@ def save_collateral(path: Path, text: str) -> None:
         raise PccsError(f"cannot write {path}: {exc.strerror}", fix="choose a writable output path with -o") from exc
 
 
-def _session(retries: int, backoff: float) -> requests.Session:
-    retry = Retry(
-        total=retries, connect=retries, read=retries, status=retries, backoff_factor=backoff, backoff_max=10,
-        status_forcelist=RETRY_STATUSES, allowed_methods=frozenset({"GET"}), raise_on_status=False,
-        respect_retry_after_header=False,  # keep the command's worst-case time bounded
-    )
-    http = requests.Session()
-    adapter = HTTPAdapter(max_retries=retry)
-    http.mount("http://", adapter)
-    http.mount("https://", adapter)
-    return http
+def _check(url: str) -> SplitResult:
+    """The edge's URL rule, with plain http allowed anywhere: collateral is public and the verifier checks every
+    signature in it, and a PCCS on a private network often serves plain http."""
+    try:
+        return check_url(url, "the PCCS URL", plain_http_anywhere=True)
+    except ValueError as exc:
+        raise PccsError(str(exc), fix="pass a URL such as https://pccs.phala.network") from None
 
 
 class _Answer(NamedTuple):
@@ -161,20 +165,29 @@ class _Answer(NamedTuple):
     content: bytes
 
 
-def _get(http: requests.Session, url: str, timeout: float) -> _Answer:
-    """GET with a bounded body (at most the collateral limit is read)."""
+def _get(edge: Edge, url: str, retries: int, backoff: float, deadline_s: float) -> _Answer:
+    """GET through the HTTP edge with the one retry policy and a bounded body (at most the collateral limit)."""
+
+    def attempt(_n: int) -> _Answer:
+        with edge.request("GET", url, check=_check, redirects=MAX_REDIRECTS) as resp:
+            if not 200 <= resp.status < 300:
+                raise PccsError(f"{url} answered HTTP {resp.status}")
+            return _Answer(url, resp.headers, resp.read_all(MAX_COLLATERAL_BYTES))
+
     try:
-        resp = http.get(url, timeout=(timeout, timeout), stream=True)
-        body = resp.raw.read(MAX_COLLATERAL_BYTES + 1, decode_content=True)
-    except requests.RequestException as exc:
-        raise PccsError(f"cannot fetch {url}: {type(exc).__name__}: {_line(exc)}") from exc
-    except OSError as exc:  # urllib3 read errors surface as OSError subclasses
-        raise PccsError(f"cannot fetch {url}: {type(exc).__name__}: {_line(exc)}") from exc
-    if not 200 <= resp.status_code < 300:
-        raise PccsError(f"{url} answered HTTP {resp.status_code}")
-    if len(body) > MAX_COLLATERAL_BYTES:
-        raise PccsError(f"{url} answered more than {MAX_COLLATERAL_BYTES} bytes")
-    return _Answer(url, resp.headers, body)
+        return retry(attempt, attempts=retries + 1, backoff_s=backoff, cap_s=BACKOFF_CAP_S, deadline=edge.deadline)
+    except GaveUp as exc:
+        last = exc.last
+        what = f"{url} answered HTTP {last.status}" if last.status else f"cannot fetch {url}: {last.reason}"
+        raise PccsError(f"{what} (after {exc.attempts} attempt(s))") from None
+    except DeadlineExceeded as exc:
+        raise PccsError(f"cannot fetch {url}: the collateral fetch did not finish within {deadline_s:g} s"
+                        + (f" (last: {exc.last.reason})" if exc.last else ""),
+                        fix="check --pccs URL and the network; pass a larger --timeout for a slow PCCS") from None
+    except TooLarge:
+        raise PccsError(f"{url} answered more than {MAX_COLLATERAL_BYTES} bytes") from None
+    except EdgeError as exc:
+        raise PccsError(f"cannot fetch {url}: {exc.reason}") from None
 
 
 def _line(exc: BaseException) -> str:

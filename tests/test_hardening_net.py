@@ -40,6 +40,8 @@ class Server:
                 with contextlib.suppress(OSError):
                     server.route(self, server.stop)
 
+            do_POST = do_GET  # noqa: N815 (an alert webhook)
+
             def log_message(self, *_a: Any) -> None:
                 pass
 
@@ -309,3 +311,50 @@ def test_a_full_disk_while_downloading_is_a_state_error_and_leaves_no_partial_fi
     assert info.value.exit_code == 7
     assert not (inbox / PART).exists() and not (inbox / PART).is_symlink() and not (inbox / PART_META).exists()
     assert list(inbox.iterdir()) == []
+
+
+# ---------------------------------------------------------------- the one HTTP edge, seen from each caller
+
+
+def test_the_bundle_client_retries_a_busy_server_then_fetches(serve: Callable[[Route], Server],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.bundles as bundles
+
+    monkeypatch.setattr(bundles, "BACKOFF_S", 0.01)
+    answers = iter([(503, b"busy"), (429, b"slow down")])
+    server = serve(lambda h, _s: _send(h, *next(answers, (200, b'[{"run_id": "run-1"}]')), Retry_After="0"))
+    assert [r["run_id"] for r in bundles.list_runs(server.url, TOKEN)] == ["run-1"]
+    assert len(server.seen) == 3 and {auth for _p, auth in server.seen} == {f"Bearer {TOKEN}"}
+    down = serve(lambda h, _s: _send(h, 503, b"busy"))
+    with pytest.raises(StateError, match=r"HTTP 503 \(after 3 attempts\)"):
+        bundles.list_runs(down.url, TOKEN)
+    assert len(down.seen) == bundles.RETRIES + 1
+
+
+def test_an_alert_is_never_redirected_nor_sent_over_plain_http_elsewhere(serve: Callable[[Route], Server],
+                                                                        tmp_path: Path) -> None:
+    from app import alerts
+    from app.config import AlertSettings
+
+    elsewhere = serve(lambda h, _s: _send(h, 200))
+    redirector = serve(lambda h, _s: _send(h, 307, Location=elsewhere.url + "/hook"))
+    settings = AlertSettings(retries=2)
+    assert not alerts.send(settings, {"event": "failed"}, output=tmp_path, env={"CVM_TUNE_ALERT_WEBHOOK":
+                                                                                redirector.url + "/hook"})
+    assert len(redirector.seen) == 1 and elsewhere.seen == []
+    with guard() as attempts:
+        assert not alerts.send(settings, {"event": "failed"}, output=tmp_path,
+                               env={"CVM_TUNE_ALERT_WEBHOOK": "http://alerts.example/hook?token=x"})
+    assert attempts == []
+
+
+def test_the_dataset_download_honours_retry_after_within_its_cap(serve: Callable[[Route], Server],
+                                                                 tmp_path: Path) -> None:
+    server = serve(lambda h, _s: _send(h, 503, b"busy", Retry_After="86400"))
+    waits: list[float] = []
+    with pytest.raises(DataError, match=r"after 3 attempt\(s\): HTTP 503"):
+        _download(server.url + "/current.cvmds", tmp_path / "inbox", retries=2, backoff_s=1.0, sleep=waits.append)
+    from app.dataset.sources import MAX_BACKOFF_S
+
+    assert waits == [MAX_BACKOFF_S, MAX_BACKOFF_S] and len(server.seen) == 3
+    assert list((tmp_path / "inbox").iterdir()) == []

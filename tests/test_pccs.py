@@ -216,3 +216,26 @@ def test_verifier_import_stays_offline() -> None:
     code = "import sys, attestation, attestation.verify; print(sorted(m for m in ('requests', 'attestation.pccs') if m in sys.modules))"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert res.stdout.strip() == "[]"
+
+
+def _dstack_agent(monkeypatch: pytest.MonkeyPatch) -> object:
+    from types import SimpleNamespace
+
+    from app.tee import GuestAgent
+
+    agent = GuestAgent(None, endpoint="/nonexistent.sock", mode="dstack")  # type: ignore[arg-type]
+    monkeypatch.setattr(agent, "identity", lambda: SimpleNamespace(is_cvm_tune_simulator=False))
+    return agent
+
+
+def test_the_guest_agents_collateral_goes_through_the_edge_and_a_failure_is_raised(
+        pccs: FakePccs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's collateral comes from the same fetch as `cvm-tune collateral`; when the PCCS fails, the caller gets a
+    PccsError to report (it says so and exports without collateral), never a silent None."""
+    agent = _dstack_agent(monkeypatch)
+    assert json.loads(agent.collateral(QUOTE.read_bytes(), pccs_url=pccs.url, timeout_s=10)) == STORED
+    pccs.fail_first, pccs.fail_status = 100, 503
+    started = time.monotonic()
+    with pytest.raises(PccsError, match="answered HTTP 503"):
+        agent.collateral(QUOTE.read_bytes(), pccs_url=pccs.url, timeout_s=3)
+    assert time.monotonic() - started < 6

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import secrets
 from dataclasses import dataclass
@@ -43,7 +44,10 @@ from app.dataset.release import (
 from app.errors import DatasetFormatError, KeyGrantError, KeyReleasePendingError, KeySourceError, StateError
 from app.fsutil import atomic_write_bytes, open_regular
 from attestation.dataset_sig import owner_key_id
+from attestation.errors import CollateralError
 from attestation.hashing import canonical_json
+
+logger = logging.getLogger(__name__)
 
 _GRANT_KEYS = {"schema", "request_sha256", "dataset_id", "dataset_version", "owner_public_key", "suite", "ciphertext",
                "signature"}
@@ -212,7 +216,12 @@ class ReleasedKeySource:
             "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "nonce": secrets.token_hex(16),
         }
         quote, event_log = self._agent.quote(request_report_data(request))
-        collateral = self._agent.collateral(quote, pccs_url=self._pccs_url, timeout_s=self._timeout_s)
+        try:
+            collateral = self._agent.collateral(quote, pccs_url=self._pccs_url, timeout_s=self._timeout_s)
+        except CollateralError as exc:  # the owner can still check the quote with collateral of their own
+            collateral = None
+            logger.warning("key request: collateral NOT included (fetching it from %s failed: %s); "
+                           "`cvm-tune dataset release` then needs --collateral FILE", self._pccs_url, exc.message)
         self._write_sealed(self._state / "pending.json", {"schema": "cvm-tune/pending-key-request/v1", "request": request},
                            private_key.private_bytes_raw(), seal)
         body = {"schema": REQUEST_FILE_SCHEMA, "request": request, "quote": quote.hex(), "event_log": event_log,

@@ -7,7 +7,7 @@
   versions are ignored; a newest version older than one already trained on is refused later, as for a file;
 * a **URL** the owner controls (``dataset.source: url``): the current version is downloaded (ciphertext only, with
   timeouts, retries that resume with HTTP ``Range``, a size cap and an overall deadline; https, or http on
-  loopback, for the URL and every redirect) into ``<output>/datasets/fetched/``, checked
+  loopback, for the URL and every redirect; all through the one HTTP edge, :mod:`attestation.http_edge`) into ``<output>/datasets/fetched/``, checked
   (owner signature, body hash, dataset id) and only then renamed into place under its version. The transport is
   untrusted: nothing from it is used before those checks, and the dataset key is not needed for them. When the URL
   cannot be reached or serves something invalid, the newest valid version fetched before is used, and the caller
@@ -17,19 +17,16 @@
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
-import socket
-import ssl
-import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from attestation.dataset_sig import TrailerError, read_signed_file
+from attestation.http_edge import Answer, DeadlineExceeded, Edge, EdgeError, GaveUp, Redirected, Transient, retry
 
 from app.config import check_url
 from app.errors import (
@@ -48,6 +45,7 @@ PART = ".download.part"
 PART_META = ".download.json"
 _BLOCK = 1 << 16  # a connection dropped mid-block loses at most this much progress
 MAX_REDIRECTS = 5
+MAX_BACKOFF_S = 600.0  # the longest wait between attempts (dataset.download.retry_backoff_s is at most this)
 
 
 @dataclass
@@ -140,22 +138,16 @@ def locate(source: str, path: Path | None, dataset_id: str | None, owner_public_
 # --- download -------------------------------------------------------------------------------------------------
 
 
-class _Retry(Exception):
-    pass
-
-
-class _Deadline(Exception):  # noqa: N818
-    pass
-
-
 def download(url: str, inbox: Path, *, dataset_id: str, owner_public_key: bytes, timeout_s: float, retries: int,
              backoff_s: float, max_bytes: int, deadline_s: float = 7200.0,
              sleep: Callable[[float], None] = time.sleep) -> Path:
     """Fetch the owner's current version into ``inbox`` (resumable) and keep it only if it checks out.
 
-    ``url`` and every redirect target must pass :func:`app.config.check_url`; the connection goes to exactly the
-    host that check parsed. ``deadline_s`` bounds the whole download, attempts and waits included: a watchdog shuts
-    the connection down when it passes, however slowly the server sends.
+    Through the HTTP edge (:mod:`attestation.http_edge`): ``url`` and every redirect target must pass
+    :func:`app.config.check_url` and the connection goes to exactly the host that check parsed; retries follow the
+    edge's one policy (network errors, 429 and 5xx; ``Retry-After`` honoured up to ``MAX_BACKOFF_S``), each resuming
+    with ``Range``. ``deadline_s`` bounds the whole download, attempts and waits included: the edge shuts the
+    connection down when it passes, however slowly the server sends.
 
     Returns:
         The checked file, renamed to ``<dataset_id>-v<version>-<sha256[:16]>.cvmds`` (already there: kept as is).
@@ -168,30 +160,28 @@ def download(url: str, inbox: Path, *, dataset_id: str, owner_public_key: bytes,
         StateError: the output volume cannot be written (the partial download is removed).
     """
     part, meta_file = inbox / PART, inbox / PART_META
-    deadline = time.monotonic() + deadline_s
     meta = _read_meta(meta_file, url)
-    last = "no attempt"
+    failures: list[str] = []
     try:
-        for attempt in range(retries + 1):
-            if attempt:
-                wait = backoff_s * 2 ** (attempt - 1)
-                if time.monotonic() + wait >= deadline:
-                    raise _Deadline
-                sleep(wait)
-            try:
-                _get_once(url, part, meta, meta_file, timeout_s=timeout_s, max_bytes=max_bytes, deadline=deadline)
-                break
-            except _Retry as exc:
-                last = str(exc)
-        else:
-            raise DataError(f"cannot download the dataset from {url} after {retries + 1} attempt(s): {last}",
-                            fix="check the URL and the network; the partial download is kept and resumed next run")
+        with Edge(deadline_s=deadline_s, timeout_s=timeout_s) as edge:
+            retry(lambda _n: _get_once(edge, url, part, meta, meta_file, max_bytes=max_bytes), attempts=retries + 1,
+                  backoff_s=backoff_s, cap_s=MAX_BACKOFF_S, deadline=edge.deadline, sleep=sleep,
+                  on_failure=lambda _n, exc: failures.append(exc.reason))
         return _accept(part, meta_file, inbox, dataset_id=dataset_id, owner_public_key=owner_public_key)
-    except _Deadline:
+    except GaveUp as exc:
+        raise DataError(f"cannot download the dataset from {url} after {exc.attempts} attempt(s): {exc.last.reason}",
+                        fix="check the URL and the network; the partial download is kept and resumed next run") from None
+    except DeadlineExceeded:
+        last = failures[-1] if failures else "no attempt"
         raise DataError(f"the download from {url} did not finish within dataset.download.deadline_s ({deadline_s:g} s;"
                         f" last: {last})", fix="check the owner's server; the partial download is kept and resumed "
                         "next run (raise dataset.download.deadline_s for a slow link)") from None
-    except OSError as exc:  # local files only: every network error is a _Retry by now
+    except Redirected as exc:
+        raise DataError(f"downloading the dataset: {exc.reason}", fix="check dataset.url") from None
+    except EdgeError as exc:
+        raise DataError(f"downloading the dataset from {url}: {exc.reason}",
+                        fix="check dataset.url (serve the .cvmds file as it is, over valid TLS)") from None
+    except OSError as exc:  # local files only: the edge never raises OSError
         _discard(part, meta_file)
         raise StateError(f"cannot write the dataset download into {inbox}: {exc.strerror or type(exc).__name__}",
                          fix="free space on the output volume and check its permissions; the partial download was "
@@ -208,145 +198,63 @@ def _read_meta(meta_file: Path, url: str) -> dict:
     return meta
 
 
-def _get_once(url: str, part: Path, meta: dict, meta_file: Path, *, timeout_s: float, max_bytes: int,
-              deadline: float) -> None:
+def _check(url: str) -> urllib.parse.SplitResult:
+    try:
+        return check_url(url, "the dataset URL")
+    except ValueError as exc:
+        raise DataError(f"downloading the dataset: {exc}", fix="check dataset.url") from None
+
+
+def _get_once(edge: Edge, url: str, part: Path, meta: dict, meta_file: Path, *, max_bytes: int) -> None:
+    """One attempt: GET (resuming with ``Range`` when a partial file and its validator are kept) and append."""
     have = part.stat().st_size if part.is_file() and meta.get("validator") else 0
-    headers = {"Accept-Encoding": "identity", "User-Agent": "cvm-tune"}
-    if have:
-        headers.update({"Range": f"bytes={have}-", "If-Range": meta["validator"]})
-    with _open(url, headers, timeout_s, deadline) as (r, watchdog):
-        if r.status == 429 or r.status >= 500:
-            raise _Retry(f"HTTP {r.status}")
+    headers = {"Range": f"bytes={have}-", "If-Range": meta["validator"]} if have else {}
+    with edge.request("GET", url, check=_check, headers=headers, redirects=MAX_REDIRECTS) as r:
         if r.status == 416:  # the partial file is not a prefix of what is there now: start over
             part.unlink(missing_ok=True)
-            raise _Retry("HTTP 416 (restarting the download)")
+            raise Transient("HTTP 416 (restarting the download)", status=416)
         if r.status not in (200, 206):
             raise DataError(f"downloading the dataset from {url}: HTTP {r.status}",
                             fix="check dataset.url (the owner's published version)")
-        if r.getheader("Content-Encoding", "identity").lower() != "identity":
-            raise DataError(f"downloading the dataset from {url}: the server sent a {r.getheader('Content-Encoding')!r}"
-                            " body, not the file", fix="serve the .cvmds file as it is (no compression)")
-        if r.status == 206 and not (r.getheader("Content-Range") or "").startswith(f"bytes {have}-"):
+        if r.status == 206 and not (r.headers.get("Content-Range") or "").startswith(f"bytes {have}-"):
             part.unlink(missing_ok=True)
-            raise _Retry("unexpected Content-Range (restarting the download)")
+            raise Transient("unexpected Content-Range (restarting the download)")
         offset = have if r.status == 206 else 0
-        length = r.getheader("Content-Length")
+        length = r.headers.get("Content-Length")
         expected = offset + int(length) if length and length.isascii() and length.isdigit() and len(length) < 20 \
             else None
         if expected is not None and expected > max_bytes:
             raise DatasetTooLargeError(f"the dataset at {url} is {expected} bytes, over dataset.download.max_bytes "
                                        f"({max_bytes})", fix="raise dataset.download.max_bytes if the size is expected")
-        validator = r.getheader("ETag") or r.getheader("Last-Modified") or ""
+        validator = r.headers.get("ETag") or r.headers.get("Last-Modified") or ""
         meta["validator"] = validator if validator.isascii() and validator.isprintable() and len(validator) < 1000 \
             else None  # sent back in If-Range: never a header a server could fold a line break into
-        got = _receive(r, watchdog, part, meta, meta_file, offset, max_bytes, url)
+        got = _receive(r, part, meta, meta_file, offset, max_bytes, url)
     if expected is not None and got < expected:
-        raise _Retry(f"connection closed after {got} of {expected} bytes")
+        raise Transient(f"connection closed after {got} of {expected} bytes")
 
 
-def _receive(r: http.client.HTTPResponse, watchdog: _Watchdog, part: Path, meta: dict, meta_file: Path, offset: int,
-             max_bytes: int, url: str) -> int:
-    """Append the body to ``part``; returns the size reached. Network errors are ``_Retry``; a disk error is the
-    ``OSError`` itself."""
+def _receive(r: Answer, part: Path, meta: dict, meta_file: Path, offset: int, max_bytes: int, url: str) -> int:
+    """Append the body to ``part``; returns the size reached. Network errors are the edge's (``Transient``,
+    ``DeadlineExceeded``), with every block received before them kept; a disk error is the ``OSError`` itself."""
     atomic_write_bytes(meta_file, json.dumps(meta).encode())
     got = offset
     with open(part, "r+b" if offset else "wb") as fh:
         fh.seek(offset)
         fh.truncate()
-        while True:
-            try:
-                block = r.read(_BLOCK)
-            except (OSError, http.client.HTTPException) as exc:  # reset, timed out, closed mid-body
-                if watchdog.fired:
-                    raise _Deadline from None
-                raise _Retry(type(exc).__name__) from None
-            if watchdog.fired:
-                raise _Deadline
-            if not block:
-                break
-            got += len(block)
-            if got > max_bytes:
-                fh.truncate(0)
-                raise DatasetTooLargeError(f"the dataset at {url} exceeds dataset.download.max_bytes ({max_bytes})",
-                                           fix="raise dataset.download.max_bytes if the size is expected")
-            fh.write(block)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return got
-
-
-class _Watchdog:
-    """Shuts a connection down at the deadline, whatever a read is waiting for: a server that drips a byte at a
-    time restarts every per-read timeout, never this one."""
-
-    def __init__(self, sock: socket.socket, remaining: float) -> None:
-        self._sock = sock.dup()  # the same connection: shutting it down ends any read on the original
-        self.fired = False
-        self._timer = threading.Timer(max(remaining, 0.0), self._fire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def _fire(self) -> None:
-        self.fired = True
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._timer.cancel()
-        self._sock.close()
-
-
-@contextlib.contextmanager
-def _open(url: str, headers: dict[str, str], timeout_s: float,
-          deadline: float) -> Iterator[tuple[http.client.HTTPResponse, _Watchdog]]:
-    """GET ``url`` and yield the response with its watchdog, following at most ``MAX_REDIRECTS`` redirects; every
-    URL is checked by ``check_url`` and the connection goes to exactly the host and port it parsed."""
-    for _hop in range(MAX_REDIRECTS + 1):
         try:
-            parts = check_url(url, "the dataset URL")
-        except ValueError as exc:
-            raise DataError(f"downloading the dataset: {exc}", fix="check dataset.url") from None
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise _Deadline
-        host, tls = parts.hostname or "", parts.scheme == "https"
-        port = parts.port or (443 if tls else 80)
-        try:
-            raw = socket.create_connection((host, port), timeout=min(timeout_s, remaining))
-        except OSError as exc:
-            raise _Retry(f"cannot connect ({type(exc).__name__})") from None
-        watchdog = _Watchdog(raw, remaining)
-        conn = (http.client.HTTPSConnection(host, port, timeout=timeout_s) if tls
-                else http.client.HTTPConnection(host, port, timeout=timeout_s))
-        try:
-            try:
-                conn.sock = _tls_context().wrap_socket(raw, server_hostname=host) if tls else raw
-                conn.request("GET", urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, "")),
-                             headers=headers)
-                r = conn.getresponse()
-            except (OSError, ValueError, http.client.HTTPException) as exc:
-                if watchdog.fired:
-                    raise _Deadline from None
-                raise _Retry(type(exc).__name__) from None
-            location = r.getheader("Location") if r.status in (301, 302, 303, 307, 308) else None
-            if location is None:
-                yield r, watchdog
-                return
-            url = urllib.parse.urljoin(url, location)
+            while block := r.read(_BLOCK):
+                got += len(block)
+                if got > max_bytes:
+                    fh.truncate(0)
+                    raise DatasetTooLargeError(f"the dataset at {url} exceeds dataset.download.max_bytes "
+                                               f"({max_bytes})", fix="raise dataset.download.max_bytes if the size is "
+                                               "expected")
+                fh.write(block)
         finally:
-            conn.close()
-            raw.close()
-            watchdog.close()
-    raise DataError(f"downloading the dataset: more than {MAX_REDIRECTS} redirects", fix="check dataset.url")
-
-
-def _tls_context() -> ssl.SSLContext:
-    try:
-        import certifi  # the CA bundle requests uses, when installed
-
-        return ssl.create_default_context(cafile=certifi.where())
-    except ImportError:
-        return ssl.create_default_context()
+            fh.flush()
+            os.fsync(fh.fileno())
+    return got
 
 
 def _accept(part: Path, meta_file: Path, inbox: Path, *, dataset_id: str, owner_public_key: bytes) -> Path:

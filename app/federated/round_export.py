@@ -5,6 +5,7 @@ bound into the aggregator's own quote, verified the way a relying party will, an
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from attestation import DEFAULT_POLICY
 from attestation import bundle as B
 from attestation import round_bundle as R
 from attestation.bundle_verify import INTEGRITY_CHECKS
+from attestation.errors import CollateralError
 from attestation.hashing import sha256_file, sha256_hex
 from attestation.policy import Policy, simulator_policy
 from attestation.round_verify import verify_round
@@ -27,6 +29,8 @@ from app.federated.admission import Admitted, Rejected
 from app.federated.transport import arrays_to_safetensors
 from app.fsutil import staged_dir
 from app.tee import GuestAgent, Identity
+
+logger = logging.getLogger(__name__)
 
 # Integrity checks of a round bundle: its own bytes, whatever the relying party's roots and pins.
 ROUND_INTEGRITY = INTEGRITY_CHECKS | {"round.files", "round.schema", "round.file_hashes", "round.terms",
@@ -80,9 +84,20 @@ def export_round(out: Path, agg: Aggregator, rec: RoundRecord, aggregate: Any, a
             (stage / B.QUOTE_BIN).write_bytes(quote)
             (stage / B.QUOTE_HEX).write_text(quote.hex() + "\n")
             (stage / B.EVENT_LOG).write_text(event_log)
-            if agg.collateral != "none" and (coll := agg.agent.collateral(quote, pccs_url=agg.pccs_url,
-                                                                          timeout_s=agg.timeout_s)) is not None:
+            coll, missing = None, "tee.collateral is 'none'"
+            if agg.collateral != "none":
+                try:
+                    coll = agg.agent.collateral(quote, pccs_url=agg.pccs_url, timeout_s=agg.timeout_s)
+                except CollateralError as exc:
+                    missing = f"fetching it from {agg.pccs_url} failed: {exc.message}"
+                else:
+                    missing = "the guest agent returned none"
+            if coll is not None:
                 (stage / B.COLLATERAL).write_text(coll)
+            else:
+                logger.warning("round %d: collateral NOT included (%s); the round bundle is exported without it, so "
+                               "its verdict fails collateral.window until verified with --collateral FILE",
+                               rec.round, missing)
             _self_verify(stage, agg, rec.round)
     except OSError as exc:
         raise ExportError(f"writing the round bundle {final} failed: {exc.strerror or type(exc).__name__}",
