@@ -4,7 +4,7 @@ In a dstack CVM nothing but the gateway reaches a container (``https://<app-id>-
 logs stay private (``public_logs: false``). ``cvm-tune bundles serve`` (the ``bundles`` service of
 docker-compose.yaml: output volume mounted read-only, no guest-agent socket) answers:
 
-    GET /v1/runs                      [{run_id, status, started_at, exported, promoted}] from runs/*/state.json
+    GET /v1/runs                      [{run_id, status, started_at, exported, promoted}] from the run database (state/runs.sqlite)
     GET /v1/promoted                  {"run_id", "files"} of the bundle exports/PROMOTED names (continual retraining)
     GET /v1/bundles/<run_id>          {"files": {path: size}} of exports/<run_id>/
     GET /v1/bundles/<run_id>/<path>   one file of that bundle
@@ -44,6 +44,7 @@ from attestation.safe_yaml import parse_json
 from app.config import check_url
 from app.errors import ConfigError, StateError
 from app.fsutil import open_regular, staged_dir
+from app.state import run_list
 
 TOKEN_ENV = "CVM_TUNE_BUNDLES_TOKEN_SHA256"
 _RUN_ID = re.compile(RUN_ID_PATTERN)
@@ -112,19 +113,9 @@ def bundle_files(root: Path) -> dict[str, int]:
 
 
 def runs(output: Path) -> list[dict[str, Any]]:
-    """One line per run directory: id, status, start time and whether its bundle is exported."""
-    out = []
-    promoted = _promoted(output)
-    for state in sorted((output / "runs").glob("*/state.json")):
-        try:
-            s = json.loads(state.read_text())
-        except (OSError, ValueError):
-            continue
-        run_id = state.parent.name
-        out.append({"run_id": run_id, "status": s.get("status"), "started_at": s.get("started_at"),
-                    "exported": (output / "exports" / run_id / "manifest.json").is_file(),
-                    "promoted": run_id == promoted})
-    return out
+    """One line per run of the run database (read-only): id, status, start time, whether its bundle is exported
+    and whether it is the one exports/PROMOTED names."""
+    return run_list(output, promoted=_promoted(output))
 
 
 def _promoted(output: Path) -> str | None:
@@ -147,7 +138,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(401, {"error": "missing or wrong bearer token"})
         parts = [urllib.parse.unquote(p) for p in urllib.parse.urlsplit(self.path).path.strip("/").split("/")]
         if parts == ["v1", "runs"]:
-            return self._json(200, runs(self.server.output))
+            try:
+                return self._json(200, runs(self.server.output))
+            except StateError as exc:  # damaged, or written by a later release
+                return self._json(503, {"error": exc.message})
         if parts == ["v1", "promoted"] and (promoted := _promoted(self.server.output)) is not None:
             parts = ["v1", "bundles", promoted]
         if len(parts) >= 3 and parts[:2] == ["v1", "bundles"] and _RUN_ID.fullmatch(parts[2]):

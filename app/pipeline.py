@@ -26,7 +26,7 @@ from attestation.hashing import sha256_file, sha256_hex
 
 from app import alerts, continual, export, privacy_run, publish
 from app import gpu as gpu_evidence
-from app.audit import AuditLog, AuditRecorder, utc_now
+from app.audit import AuditLog, AuditRecorder
 from app.config import Config
 from app.dataset.versions import record_version
 from app.errors import ConfigError, CvmTuneError, InputsUnchanged, StateError
@@ -45,7 +45,7 @@ from app.input_stages import (
     token_stage,
 )
 from app.run_inputs import scratch_dir
-from app.run_state import RUN_ID, pick_run, resume_changes, write_state
+from app.run_state import RUN_ID, choose_run, record_export, record_promotion, record_start, resume_changes
 from app.state import check_output_dir
 
 SIMULATOR_POLICY_FILE = publish.SIMULATOR_POLICY_FILE
@@ -182,10 +182,10 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             federation=hooks.federation.manifest_block() if hooks.federation else None),
             phase=timer.phase, timings=timer.t, progress=progress)
         done.append(True)
-        write_state(run.run_dir, {"run_id": run.run_id, "fingerprint": run.fingerprint, "status": "exported",
-                                  "started_at": run.started_at, "bundle": str(published.bundle)})
+        record_export(out, run.run_id, bundle=published.bundle)  # the run database: exported, never run again
         lineage = hooks.federation is None and continual.init_mode(cfg, service=hooks.service) == "previous"
         promoted, refused = continual.record_outcome(out, published.bundle, lineage=lineage)  # 12. past the gate only
+        record_promotion(out, run.run_id, promoted=promoted)
         if lineage and promoted:  # the chain's record of the move (PROMOTED itself is an editable file)
             audit.recorder.record(run.run_id, continual.PROMOTE, continual.promotion_data(published.bundle))
         progress(f"exported: {published.bundle}" + ("" if promoted else f" (not promoted: {refused})"))
@@ -247,11 +247,10 @@ def identity_stage(cfg: Config, out: Path, ds: Dataset, base: BaseModel, parent:
     if federation is not None:  # ... and only within the same federated round
         inputs["federation"] = sha256_hex(json.dumps(federation.manifest_block(), sort_keys=True).encode())
     fingerprint = sha256_hex(json.dumps(inputs, sort_keys=True).encode())
-    run_id, resuming = pick_run(out, fingerprint, requested)
+    run_id, resuming, started_at = choose_run(out, fingerprint, requested)
     run_dir = out / "runs" / run_id
-    started_at = json.loads((run_dir / "state.json").read_text())["started_at"] if resuming else utc_now()
     record_version(out / "state", ds.info["dataset_id"], ds.info["dataset_version"], ds.info["plaintext_sha256"])
-    write_state(run_dir, {"run_id": run_id, "fingerprint": fingerprint, "status": "running", "started_at": started_at})
+    record_start(out, run_id, fingerprint=fingerprint, started_at=started_at)
     return RunIdentity(run_id, resuming, run_dir, fingerprint, inputs, started_at, cfg.canonical_json(),
                        export.source_digest())
 

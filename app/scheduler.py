@@ -207,6 +207,8 @@ class Service:
         run_id, sched = slot.run_id, self.cfg.schedule
         if (self.out / "exports" / run_id).is_dir():  # exported, but the process died before recording it
             refused = self._record_outcome(self.out / "exports" / run_id)  # the pointers may lag the export
+            if (run := self.db.run(run_id)) is not None and run.status != "exported":  # so may the runs ledger
+                self.db.finish_run(run_id, bundle=str(self.out / "exports" / run_id), finished_at=iso(self.clock.now()))
             self._finish(run_id, row, "succeeded", "recovered: the bundle was already exported"
                          + (f"; {refused}" if refused else ""),
                          bundle=str(self.out / "exports" / run_id), **_bundle_record(self.out / "exports" / run_id))

@@ -2,14 +2,17 @@
 
 * ``state/lock`` — ``fcntl.flock`` (exclusive, non-blocking). The kernel drops it when the holder
   dies, so a crash (kill -9, power loss) leaves nothing to clean up; the file itself stays.
-* ``state/runs.sqlite`` — one row per scheduled slot (``RunDB``). SQLite commits are atomic and
-  durable (``synchronous=FULL``), so a kill at any point leaves the last committed state.
+* ``state/runs.sqlite`` — the one record of runs and slots (``RunDB``): ``runs``, one row per run (ad-hoc or
+  scheduled: status, the inputs' fingerprint, times, bundle, promotion, slot), and ``slots``, one row per scheduled
+  slot. Schema versions and migrations: :mod:`app.state_migrations`. SQLite commits are atomic and durable
+  (``synchronous=FULL``), so a kill at any point leaves the last committed state. Writers hold the run lock.
 * ``state/heartbeat.json`` — written atomically every service tick and training step.
 * ``state.rollback_anchor`` (optional, outside the volume) — the run counter and audit-chain head,
   published after every run; a volume restored behind it is refused (threats-and-faults case 41).
 
-Status values: ``pending`` (due, not started or stopped by SIGTERM), ``running``, ``succeeded``,
-``failed`` (``next_attempt_at`` set = a retry is scheduled; unset = final), ``skipped`` (+ reason).
+Slot status values: ``pending`` (due, not started or stopped by SIGTERM), ``running``, ``succeeded``,
+``failed`` (``next_attempt_at`` set = a retry is scheduled; unset = final), ``skipped`` (+ reason). Run status
+values: ``running`` (started, resumable with the same inputs), ``exported``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any, TypeVar
 
 from app.errors import ConfigError, StateError
 from app.fsutil import atomic_write_bytes
+from app.state_migrations import LEGACY_STATE, migrate, read_runs, version
 
 T = TypeVar("T")
 STATUSES = ("pending", "running", "succeeded", "failed", "skipped")
@@ -36,6 +40,7 @@ HEARTBEAT_SCHEMA = "cvm-tune/heartbeat/v1"
 ANCHOR_SCHEMA = "cvm-tune/rollback-anchor/v1"
 _COLUMNS = ("id", "slot", "slot_time", "status", "reason", "attempts", "next_attempt_at", "started_at", "finished_at",
             "metrics", "bundle", "audit_head", "counter")
+_RUN_COLUMNS = ("id", "status", "fingerprint", "started_at", "finished_at", "bundle", "promoted", "slot_id")
 
 
 def state_dir(out: Path) -> Path:
@@ -145,32 +150,34 @@ def _db_errors(method: Callable[..., T]) -> Callable[..., T]:
 
 
 class RunDB:
-    """The run database (``state/runs.sqlite``). One connection per instance; short transactions."""
+    """The run database (``state/runs.sqlite``), migrated to :data:`SCHEMA_VERSION` when opened. One connection per
+    instance; short transactions. Write only under :func:`run_lock` (``status`` writes only a migration)."""
 
     def __init__(self, out: Path) -> None:
+        self.out = Path(out)
         self.path = state_dir(out) / "runs.sqlite"
         self._open()
 
     @classmethod
     def existing(cls, out: Path) -> RunDB | None:
-        """The database if the volume has one; never creates the output directory (``status`` is a read)."""
+        """The database if the volume has one, or state files of a release before it (migrated now); never creates
+        the output directory (``status`` is a read)."""
         check_output_dir(out)
-        if not (Path(out) / "state" / "runs.sqlite").is_file():
+        if not (Path(out) / "state" / "runs.sqlite").is_file() and not _legacy_files(Path(out)):
             return None
         return cls(out)
 
     def _open(self) -> None:
         try:
             self.conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA synchronous=FULL")
-            with self._tx():
-                self.conn.execute(
-                    "CREATE TABLE IF NOT EXISTS runs (id TEXT PRIMARY KEY, slot TEXT NOT NULL UNIQUE, slot_time TEXT NOT NULL,"
-                    " status TEXT NOT NULL CHECK (status IN ('pending','running','succeeded','failed','skipped')),"
-                    " reason TEXT, attempts INTEGER NOT NULL DEFAULT 0, next_attempt_at TEXT, started_at TEXT,"
-                    " finished_at TEXT, metrics TEXT, bundle TEXT, audit_head TEXT, counter INTEGER)")
-                self.conn.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+            try:
+                version(self.conn, self.path)  # a newer database is refused before anything is written to it
+                self.conn.execute("PRAGMA journal_mode=WAL")
+                self.conn.execute("PRAGMA synchronous=FULL")
+                migrate(self.conn, self.out, self.path)
+            except BaseException:
+                self.conn.close()
+                raise
         except sqlite3.Error as exc:
             raise StateError(f"run database {self.path} is unusable: {exc}",
                              fix="check the output volume; restore state/runs.sqlite from a backup") from exc
@@ -188,21 +195,24 @@ class RunDB:
     def close(self) -> None:
         self.conn.close()
 
+    # --- slots (the service's schedule) -------------------------------------------------------------
+
     @_db_errors
     def get(self, run_id: str) -> RunRow | None:
-        cur = self.conn.execute(f"SELECT {','.join(_COLUMNS)} FROM runs WHERE id = ?", (run_id,))
+        """The slot row of ``run_id``."""
+        cur = self.conn.execute(f"SELECT {','.join(_COLUMNS)} FROM slots WHERE id = ?", (run_id,))
         row = cur.fetchone()
         return _row(row) if row else None
 
     @_db_errors
     def recent(self, limit: int = 10) -> list[RunRow]:
         """Newest slots first."""
-        cur = self.conn.execute(f"SELECT {','.join(_COLUMNS)} FROM runs ORDER BY slot DESC LIMIT ?", (limit,))
+        cur = self.conn.execute(f"SELECT {','.join(_COLUMNS)} FROM slots ORDER BY slot DESC LIMIT ?", (limit,))
         return [_row(r) for r in cur.fetchall()]
 
     @_db_errors
     def newest_slot(self) -> str | None:
-        return self.conn.execute("SELECT MAX(slot) FROM runs").fetchone()[0]
+        return self.conn.execute("SELECT MAX(slot) FROM slots").fetchone()[0]
 
     def unfinished(self) -> list[RunRow]:
         """Rows that are not final (pending, running, failed with a retry scheduled), oldest first."""
@@ -215,14 +225,14 @@ class RunDB:
 
     @_db_errors
     def upsert(self, run_id: str, *, slot: str, slot_time: str, **fields: Any) -> RunRow:
-        """Create or update a row; ``metrics`` is stored as JSON. Finishing states bump the run counter."""
+        """Create or update a slot row; ``metrics`` is stored as JSON. Finishing states bump the run counter."""
         bad = set(fields) - set(_COLUMNS)
         if bad or fields.get("status", "pending") not in STATUSES:
             raise StateError(f"bad run update {sorted(bad) or fields.get('status')}")
         if "metrics" in fields and fields["metrics"] is not None:
             fields["metrics"] = json.dumps(fields["metrics"], sort_keys=True)
         with self._tx():
-            self.conn.execute("INSERT OR IGNORE INTO runs (id, slot, slot_time, status) VALUES (?, ?, ?, 'pending')",
+            self.conn.execute("INSERT OR IGNORE INTO slots (id, slot, slot_time, status) VALUES (?, ?, ?, 'pending')",
                               (run_id, slot, slot_time))
             if fields.get("status") in ("succeeded", "failed", "skipped"):
                 counter = self.counter() + 1
@@ -230,11 +240,99 @@ class RunDB:
                 fields["counter"] = counter
             if fields:
                 cols = ", ".join(f"{k} = ?" for k in fields)
-                self.conn.execute(f"UPDATE runs SET {cols} WHERE id = ?", (*fields.values(), run_id))
+                self.conn.execute(f"UPDATE slots SET {cols} WHERE id = ?", (*fields.values(), run_id))
         row = self.get(run_id)
         if row is None:
             raise StateError(f"run {run_id} vanished from {self.path}")
         return row
+
+    # --- runs (every run, ad-hoc or scheduled) ------------------------------------------------------
+
+    @_db_errors
+    def run(self, run_id: str) -> RunRecord | None:
+        """The ledger row of ``run_id``."""
+        row = self.conn.execute(f"SELECT {','.join(_RUN_COLUMNS)} FROM runs WHERE id = ?", (run_id,)).fetchone()
+        return _run(row) if row else None
+
+    @_db_errors
+    def runs(self, limit: int = 10) -> list[RunRecord]:
+        """Most recently started or finished first (the order ``runs/*/state.json`` writes had)."""
+        cur = self.conn.execute(f"SELECT {','.join(_RUN_COLUMNS)} FROM runs ORDER BY seq DESC LIMIT ?", (limit,))
+        return [_run(r) for r in cur.fetchall()]
+
+    @_db_errors
+    def start_run(self, run_id: str, *, fingerprint: str, started_at: str) -> RunRecord:
+        """Record a run as ``running`` (new, or resumed: its start time and fingerprint are kept) and make it the
+        newest; a run of a scheduled slot is linked to its slot row."""
+        with self._tx():
+            self.conn.execute(
+                "INSERT INTO runs (id, status, fingerprint, started_at, slot_id, seq) VALUES (?, 'running', ?, ?,"
+                " (SELECT id FROM slots WHERE id = ?), (SELECT COALESCE(MAX(seq), 0) + 1 FROM runs))"
+                " ON CONFLICT (id) DO UPDATE SET status = 'running', seq = excluded.seq,"
+                " slot_id = COALESCE(runs.slot_id, excluded.slot_id)",
+                (run_id, fingerprint, started_at, run_id))
+        return self._must(run_id)
+
+    @_db_errors
+    def finish_run(self, run_id: str, *, bundle: str, finished_at: str, promoted: bool | None = None) -> RunRecord:
+        """Record a run ``exported`` to ``bundle`` (and its promotion decision, when known)."""
+        with self._tx():
+            cur = self.conn.execute(
+                "UPDATE runs SET status = 'exported', bundle = ?, finished_at = ?, promoted = COALESCE(?, promoted),"
+                " seq = (SELECT MAX(seq) + 1 FROM runs) WHERE id = ?",
+                (bundle, finished_at, None if promoted is None else int(promoted), run_id))
+            if cur.rowcount != 1:
+                raise StateError(f"run {run_id} is not in {self.path}")
+        return self._must(run_id)
+
+    @_db_errors
+    def set_promoted(self, run_id: str, promoted: bool) -> None:
+        """The promotion decision of an exported run."""
+        with self._tx():
+            self.conn.execute("UPDATE runs SET promoted = ? WHERE id = ?", (int(promoted), run_id))
+
+    def _must(self, run_id: str) -> RunRecord:
+        row = self.run(run_id)
+        if row is None:
+            raise StateError(f"run {run_id} vanished from {self.path}")
+        return row
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One run of the ledger (``runs`` table)."""
+
+    id: str
+    status: str
+    fingerprint: str
+    started_at: str
+    finished_at: str | None
+    bundle: str | None
+    promoted: bool | None
+    slot_id: str | None
+
+
+def _run(values: tuple[Any, ...]) -> RunRecord:
+    data = dict(zip(_RUN_COLUMNS, values, strict=True))
+    data["promoted"] = None if data["promoted"] is None else bool(data["promoted"])
+    return RunRecord(**data)
+
+
+def _legacy_files(out: Path) -> bool:
+    return (out / "runs").is_dir() and any((out / "runs").glob(f"*/{LEGACY_STATE}"))
+
+
+def run_list(out: Path, *, promoted: str | None) -> list[dict[str, Any]]:
+    """Every run, for the bundle server (``GET /v1/runs``), by run id: ``run_id``, ``status``,
+    ``started_at``, ``exported`` (its bundle's manifest is on the volume) and ``promoted`` (it is the run
+    ``promoted`` names: ``exports/PROMOTED``). Opens the database read-only (see :func:`read_runs`).
+
+    Raises:
+        StateError: the database is damaged, newer than this code, or a legacy run record is unreadable.
+    """
+    return [{"run_id": run_id, "status": status, "started_at": started_at,
+             "exported": (Path(out) / "exports" / run_id / "manifest.json").is_file(), "promoted": run_id == promoted}
+            for run_id, status, started_at in read_runs(Path(out))]
 
 
 def _row(values: tuple[Any, ...]) -> RunRow:

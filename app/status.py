@@ -31,7 +31,7 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
         return json.dumps({"schema": STATUS_SCHEMA, "output": str(out), "heartbeat": beat,
                            "next_slot": {"run_id": nxt.run_id, "at": iso(nxt.at)},
                            "runs": [r.__dict__ for r in rows], "adapters": adapters(out),
-                           "adhoc_runs": adhoc_runs(out, {r.id for r in rows}, limit), "privacy_budget": budget},
+                           "adhoc_runs": adhoc_runs(db, {r.id for r in rows}, limit), "privacy_budget": budget},
                           indent=2, sort_keys=True)
     lines = [f"cvm-tune service on {out}  (schedule {cfg.schedule.time} {cfg.schedule.timezone})"]
     if beat is None:
@@ -62,7 +62,7 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
         table.append((r.id, r.slot_time.replace("T", " ").rstrip("Z"), r.status, str(r.attempts),
                       (r.finished_at or "").replace("T", " ").rstrip("Z"),
                       str(losses[-1][0]) if losses else "", f"{losses[-1][1]:.4f}" if losses else "", tail))
-    adhoc = adhoc_runs(out, {r.id for r in rows}, limit)
+    adhoc = adhoc_runs(db, {r.id for r in rows}, limit)
     if len(table) == 1 and not adhoc:
         lines.append("no runs yet")
     elif len(table) > 1:
@@ -76,16 +76,11 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
     return "\n".join(lines)
 
 
-def adhoc_runs(out: Path, scheduled: set[str], limit: int) -> list[dict[str, str]]:
-    """Runs started with ``cvm-tune run`` (``runs/<id>/state.json``) that are not service slots, newest first."""
-    found = []
-    for state in (out / "runs").glob("*/state.json") if (out / "runs").is_dir() else ():
-        try:
-            s = json.loads(state.read_bytes())
-        except (OSError, ValueError):
-            continue
-        if isinstance(s, dict) and s.get("run_id") not in scheduled and isinstance(s.get("started_at"), str):
-            found.append({k: str(s.get(k) or "") for k in ("run_id", "status", "started_at", "bundle")})
+def adhoc_runs(db: RunDB | None, scheduled: set[str], limit: int) -> list[dict[str, str]]:
+    """Runs of the run database's ledger that are no service slot (``cvm-tune run``), newest start first."""
+    runs = db.runs(1_000_000) if db is not None else []
+    found = [{"run_id": r.id, "status": r.status, "started_at": r.started_at, "bundle": r.bundle or ""}
+             for r in runs if r.slot_id is None and r.id not in scheduled]
     return sorted(found, key=lambda a: a["started_at"], reverse=True)[:limit]
 
 

@@ -81,8 +81,10 @@ def test_a_bundle_failing_its_own_verification_is_not_published(tmp_path: Path, 
     err = capsys.readouterr().err
     assert "fails its own verification" in err and "report_data" in err
     assert _exports(tmp_path) == []  # nothing published, no temp left
-    state = json.loads((tmp_path / "out" / "runs" / "r1" / "state.json").read_text())
-    assert state["status"] == "running"  # resumable
+    from app.state import RunDB
+
+    run = RunDB(tmp_path / "out").run("r1")
+    assert run is not None and run.status == "running"  # resumable
     monkeypatch.setattr(GuestAgent, "quote", real_quote)
     assert main(["run", "--config", str(cfg), "--run-id", "r1"]) == 0
     (bundle,) = _exports(tmp_path)
