@@ -31,6 +31,10 @@ from app.errors import CvmTuneError
 EXIT_REJECTED = 1
 EXIT_INTERNAL = 70
 EXIT_BROKEN_PIPE = 141  # as a shell reports a process killed by SIGPIPE
+# Import names of pyproject's [train] and [gpu] extras: requirements/verify.lock installs none of them.
+TRAINING_STACK = frozenset({"dstack_sdk", "eth_keys", "torch", "transformers", "peft", "trl", "datasets", "accelerate",
+                            "opacus", "schedule", "pytz", "matplotlib", "huggingface_hub", "flwr", "unsloth",
+                            "unsloth_zoo"})
 MAX_UNIX_SECONDS = 253402300799  # 9999-12-31T23:59:59Z: the latest time a certificate or collateral date can name
 
 
@@ -239,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
             import traceback
 
             traceback.print_exc()
+        if _training_stack_missing(exc):
+            print(f"error: `cvm-tune {args.command}` needs the training stack, which this environment lacks "
+                  f"(no module {exc.name!r}): it has the verifier alone", file=sys.stderr)
+            print("fix: install the training stack: sh requirements/install.sh VENV requirements/cpu.lock", file=sys.stderr)
+            return 2
         if _is_expected(exc):
             print(f"error: {exc.message}", file=sys.stderr)  # type: ignore[attr-defined]
             print(f"fix: {exc.fix}", file=sys.stderr)  # type: ignore[attr-defined]
@@ -247,6 +256,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"internal error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", file=sys.stderr)
         print("fix: rerun with --debug and report the traceback", file=sys.stderr)
         return EXIT_INTERNAL
+
+
+def _training_stack_missing(exc: Exception) -> bool:
+    """A module of the training stack (or one it brings, such as httpx) is missing: a verifier-only install."""
+    if not isinstance(exc, ModuleNotFoundError):
+        return False
+    import importlib.util
+
+    return (exc.name or "").partition(".")[0] in TRAINING_STACK or importlib.util.find_spec("torch") is None
 
 
 def _is_expected(exc: Exception) -> bool:

@@ -20,7 +20,7 @@ Bundle steps (after ``attestation.verify``'s quote steps):
  B14 ``build.image``     the manifest's image is the cvm-tune service's image in app-compose.json, pinned by digest
  B15 ``build.lock``      the run's environment matched the hash lock the image was built from
  B16 ``model.signature`` adapter/ (and merged/) verify with model-signing under the manifest's key (``attestation.model_sig``)
- B17 ``privacy.dp``      DP-SGD as run (``attestation.privacy``): epsilon recomputed with the Opacus accountant,
+ B17 ``privacy.dp``      DP-SGD as run (``attestation.privacy``): epsilon recomputed without torch (``attestation.epsilon``),
                          parameters = the bundle config, rows/steps/sample rate = the manifest's; policy ``max_epsilon``
 """
 

@@ -10,9 +10,11 @@ quote binds the manifest, so the block says what the measured code did, not what
   ``sample_rate`` = ``expected_batch_size / rows``, ``delta`` < 1/N;
 * clipping norm, accountant, target epsilon, a configured noise multiplier and the batch are the bundle config's
   ``training`` section (``config.json``, hashed in the manifest);
-* epsilon is recomputed with the Opacus accountant named in the block from (noise multiplier, sample rate, steps)
-  at delta (Opacus, and torch with it, is imported only when a bundle carries the block, so ``import attestation``
-  stays light);
+* epsilon is recomputed without torch (:mod:`attestation.epsilon`: RDP as Opacus evaluates it, PRV with
+  ``dp-accounting``'s independent PLD accountant) from (noise multiplier, sample rate, steps) at delta, and the
+  recorded figure (the training side's Opacus accountant, :func:`accountant_epsilon`) must agree with it: within
+  float noise for ``rdp``, within ``PRV_ABS_TOL + PRV_REL_TOL * epsilon`` for ``prv``; the recomputed figure is
+  the one shown and bounded by the policy;
 * ``privacy.dp`` depends on the bundle's bytes only (an integrity check: every honest export passes it); the
   separate ``privacy.policy`` check, present when the policy sets ``max_epsilon`` or ``max_delta``, bounds the
   recomputed values, and rejects a bundle trained without DP.
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from attestation.epsilon import PRV_ABS_TOL, PRV_REL_TOL, pld_epsilon, prv_half_width, rdp_epsilon
 from attestation.safe_yaml import parse_json
 from attestation.verdict import QuoteFindings
 
@@ -116,21 +119,47 @@ def history_problems(accountant: str, history: list[tuple[float, float, int]], d
 
 
 def prv_mesh_points(history: list[tuple[float, float, int]], delta: float) -> float:
-    """Points of the mesh Opacus' PRV accountant discretises (its ``_get_domain`` at the default error bounds)."""
-    from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV, compute_safe_domain_size
-
+    """Points of the mesh Opacus' PRV accountant discretises (its ``_get_domain`` at the default error bounds),
+    computed without Opacus."""
     eps_error, delta_error = 0.01, delta / 1000  # PRVAccountant.get_epsilon's defaults
     history = [(s, q, n) for s, q, n in history if n]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Optimal order is the")
-        half = compute_safe_domain_size([PoissonSubsampledGaussianPRV(q, s) for s, q, _n in history],
-                                        [n for _s, _q, n in history], eps_error=eps_error, delta_error=delta_error)
+    half = prv_half_width(history, delta_error, eps_error)
     mesh = eps_error / math.sqrt(sum(n for _s, _q, n in history) * math.log(12 / delta_error) / 2)
     return 2 * half / mesh + 1
 
 
+def recompute_epsilon(accountant: str, history: list[tuple[float, float, int]], delta: float) -> float:
+    """Epsilon spent at ``delta`` by ``history`` [(noise multiplier, sample rate, steps)], recomputed without torch
+    (:mod:`attestation.epsilon`): what the verifier shows.
+
+    Raises:
+        ValueError: the parameters are outside the bounds above, or the accountant cannot compute them.
+    """
+    if not history:
+        return 0.0
+    history = [tuple(h) for h in history]  # type: ignore[misc]
+    if problems := history_problems(accountant, history, delta):
+        raise ValueError("; ".join(problems))
+    try:
+        eps = rdp_epsilon(history, delta) if accountant == "rdp" else pld_epsilon(history, delta)
+    except (ArithmeticError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"the {accountant} accountant cannot compute epsilon: {str(exc)[:200]}") from exc
+    if math.isnan(eps):
+        raise ValueError(f"the {accountant} accountant computed no epsilon (NaN)")
+    return eps
+
+
+def epsilon_agrees(accountant: str, recomputed: float, recorded: float) -> bool:
+    """The recorded (Opacus) epsilon is the recomputed one: to float noise for ``rdp`` (the same formulas), within
+    ``PRV_ABS_TOL + PRV_REL_TOL * epsilon`` for ``prv`` (two numerical methods)."""
+    if accountant == "prv":
+        return abs(recomputed - recorded) <= PRV_ABS_TOL + PRV_REL_TOL * max(recomputed, recorded)
+    return math.isclose(recomputed, recorded, rel_tol=EPSILON_REL_TOL, abs_tol=1e-9)
+
+
 def accountant_epsilon(accountant: str, history: list[tuple[float, float, int]], delta: float) -> float:
-    """Epsilon spent at ``delta`` by ``history`` [(noise multiplier, sample rate, steps)], computed by Opacus.
+    """Epsilon spent at ``delta`` by ``history`` [(noise multiplier, sample rate, steps)], computed by Opacus: the
+    training side's figure (recorded in the manifest); the verifier uses :func:`recompute_epsilon`.
 
     Raises:
         ValueError: the parameters are outside the bounds above, or the accountant cannot compute them (Opacus'
@@ -193,18 +222,19 @@ def _problems(dp: PrivacyInfo, m: Manifest, config_bytes: bytes | None) -> tuple
     if not dp.delta < 1 / dp.rows:
         problems.append(f"delta {dp.delta:.3g} is not below 1/N = 1/{dp.rows}")
     try:
-        eps = accountant_epsilon(dp.accountant, [(dp.noise_multiplier, dp.sample_rate, dp.steps)], dp.delta)
+        eps = recompute_epsilon(dp.accountant, [(dp.noise_multiplier, dp.sample_rate, dp.steps)], dp.delta)
     except ImportError as exc:
-        problems.append(f"epsilon cannot be recomputed without opacus ({exc.name}): install cvm-tune's dependencies")
+        problems.append(f"epsilon cannot be recomputed without {exc.name}: install the verifier "
+                        "(sh requirements/install.sh VENV requirements/verify.lock)")
         return problems, math.inf
     except ValueError as exc:
         problems.append(f"epsilon cannot be recomputed from the block: {exc}")
         return problems, math.inf
-    if not math.isclose(eps, dp.epsilon, rel_tol=EPSILON_REL_TOL, abs_tol=1e-9):
+    if not epsilon_agrees(dp.accountant, eps, dp.epsilon):
         problems.append(f"recorded epsilon {dp.epsilon:.6g} is not what the {dp.accountant} accountant gives for "
                         f"these parameters ({eps:.6g})")
-    if eps > dp.target_epsilon * (1 + EPSILON_REL_TOL):
-        problems.append(f"epsilon {eps:.4g} exceeds the run's target {dp.target_epsilon:g}")
+    if dp.epsilon > dp.target_epsilon * (1 + EPSILON_REL_TOL):
+        problems.append(f"epsilon {dp.epsilon:.4g} exceeds the run's target {dp.target_epsilon:g}")
     return problems, eps
 
 
@@ -240,7 +270,7 @@ def check(f: QuoteFindings, m: Manifest, policy: Policy, config_bytes: bytes | N
         return
     shown = (f"(ε, δ) = ({eps:.4g}, {dp.delta:.3g}) as run: DP-SGD, Poisson sampling q={dp.sample_rate:.4g} "
              f"of N={dp.rows} rows, clipping C={dp.max_grad_norm:g}, noise σ={dp.noise_multiplier:.4g}, {dp.steps} "
-             f"steps, {dp.accountant} accountant, opacus {dp.library.opacus}")
+             f"steps, {dp.accountant} accountant, opacus {dp.library.opacus} recorded ε {dp.epsilon:.4g}")
     f.add(CHECK, "fail" if problems else "pass", "; ".join([*problems, shown]))
     if not bounded:
         return

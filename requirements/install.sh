@@ -1,11 +1,12 @@
 #!/bin/sh
-# The one dependency installer: the README's two set-up commands, .ci/run and the Dockerfile all run this script.
+# The one dependency installer: the README's set-up commands, .ci/run and the Dockerfile all run this script.
 #
 #   sh requirements/install.sh VENV LOCK [--editable]
 #
 # VENV       a virtual environment (python3 -m venv; the image's venv also sees the base image's torch stack)
-# LOCK       requirements/cpu.lock, test.lock or gpu.lock, installed with --require-hashes: pip refuses any
-#            file whose SHA-256 is not in the lock and any dependency the lock does not pin
+# LOCK       requirements/verify.lock (the verifier alone: no torch), cpu.lock, test.lock or gpu.lock, installed
+#            with --require-hashes: pip refuses any file whose SHA-256 is not in the lock and any dependency the
+#            lock does not pin
 # --editable install cvm-tune itself in development mode (README, CI); the image installs a copy of the tree
 #
 # cvm-tune itself has no hash in a lock (it is the source tree being built); its code hash is in every manifest

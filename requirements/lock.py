@@ -5,7 +5,7 @@ Every installer of cvm-tune (the README's commands, ``.ci/run`` and the Dockerfi
 ``requirements/install.sh``, which installs a ``.lock`` with ``pip --require-hashes``: pip refuses any file whose
 SHA-256 is not listed, and any dependency that is not pinned. This script writes those hashes.
 
-    .venv/bin/python requirements/lock.py                # rewrite every stale lock (cpu, test, gpu)
+    .venv/bin/python requirements/lock.py                # rewrite every stale lock (verify, cpu, test, gpu)
     .venv/bin/python requirements/lock.py cpu test       # just these
     .venv/bin/python requirements/lock.py --resolve gpu  # re-resolve gpu.txt from pyproject's [gpu] extra, then lock
     .venv/bin/python requirements/lock.py --check-image /usr/bin/python3.12   # the image's install, without docker
@@ -60,13 +60,15 @@ from packaging.version import Version
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-NAMES = ("pip", "cpu", "test", "gpu")
+NAMES = ("pip", "verify", "cpu", "test", "gpu")
 INDEX = "https://pypi.org/simple"
 PYTHONS = ((3, 11), (3, 12))
 PLATFORMS = [f"manylinux_2_{m}_x86_64" for m in range(39, 4, -1)] + [
     "manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64"]
-# What `--resolve NAME` asks pip for (the pins file is passed as constraints, so existing pins stay).
-RESOLVE = {"cpu": ["torch==2.13.0", "."], "test": ["torch==2.13.0", ".[test]"], "gpu": ["torch==2.13.0", ".[gpu]"]}
+# What `--resolve NAME` asks pip for (the pins file is passed as constraints, so existing pins stay). verify: the
+# verifier alone (pyproject's dependencies); the others add the training stack (the [train] extra).
+RESOLVE = {"verify": ["."], "cpu": ["torch==2.13.0", ".[train]"], "test": ["torch==2.13.0", ".[train,test]"],
+           "gpu": ["torch==2.13.0", ".[gpu]"]}
 # torch's CUDA stack: the GPU image takes these from its base image (see the Dockerfile).
 LOCAL_ONLY = {"torch"}
 BASE_PROVIDED = re.compile(r"^(torchvision|torchaudio|triton|nvidia-.*|cuda-.*)$")

@@ -266,7 +266,7 @@ def test_compose_hash_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 # ---------------------------------------------------------------- locks and the install script
-@pytest.mark.parametrize("name", ["cpu", "test", "gpu"])
+@pytest.mark.parametrize("name", ["verify", "cpu", "test", "gpu"])
 def test_lock_is_up_to_date_with_its_pins(name: str) -> None:
     sys.path.insert(0, str(REPO / "requirements"))
     try:
@@ -282,6 +282,21 @@ def test_lock_is_up_to_date_with_its_pins(name: str) -> None:
     for entry in re.split(r"\n(?=[A-Za-z])", text.split("\n", 3)[3]):
         if "==" in entry:
             assert re.search(r"--hash=sha256:[0-9a-f]{64}", entry), f"no hash for {entry.splitlines()[0]}"
+
+
+def test_the_verifier_pins_are_the_versions_every_lock_installs() -> None:
+    """verify.lock (the verifier alone) holds no training package and nothing CI does not test: each of its pins is
+    the version cpu.txt and gpu.txt pin."""
+    sys.path.insert(0, str(REPO / "requirements"))
+    try:
+        import lock
+    finally:
+        sys.path.remove(str(REPO / "requirements"))
+    verify = dict(lock.parse_pins(REPO / "requirements" / "verify.txt")[1])
+    assert not {"torch", "transformers", "peft", "trl", "opacus", "flwr", "datasets"} & set(verify)
+    for other in ("cpu", "gpu"):
+        pins = dict(lock.parse_pins(REPO / "requirements" / f"{other}.txt")[1])
+        assert {p: pins.get(p) for p in verify} == verify, other
 
 
 def test_this_environment_is_the_cpu_lock() -> None:
