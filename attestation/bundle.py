@@ -34,7 +34,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from attestation.gpu import FILE as GPU_EVIDENCE
 from attestation.gpu import GpuInfo
-from attestation.privacy import PrivacyInfo
 
 MANIFEST_SCHEMA = "cvm-tune/manifest/v1"
 REPORT_DATA_TAG = b"cvm-tune-manifest-v1"
@@ -208,7 +207,7 @@ class AuditInfo(_Closed):
 
 
 class BuildInfo(_Closed):
-    """The image and dependency lock of the run (``app.build_info``); absent outside a container."""
+    """The image and dependency lock of the run (``app.run.build_info``); absent outside a container."""
 
     image: str | None  # the cvm-tune service's image in the measured app-compose.json
     image_digest: Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")] | None
@@ -272,6 +271,34 @@ class SigningInfo(_Closed):
         if v[0] != "adapter" or len(set(v)) != len(v):
             raise ValueError("signed must start with 'adapter' and name each directory once")
         return v
+
+
+class PrivacyLibraries(_Closed):
+    opacus: str
+    torch: str
+
+
+class PrivacyInfo(_Closed):
+    """DP-SGD as run (``training.privacy``): the mechanism's parameters and the (epsilon, delta) it spent.
+
+    ``rows`` is N after deduplication and the token policy (= ``dataset.rows``); ``sample_rate`` =
+    ``expected_batch_size / rows``; ``steps`` = ``training.global_step``; the verifier checks all three.
+    """
+
+    mechanism: Literal["dp-sgd"]
+    sampling: Literal["poisson"]
+    library: PrivacyLibraries
+    max_grad_norm: float = Field(gt=0)
+    noise_multiplier: float = Field(gt=0)
+    noise_derived: bool
+    sample_rate: float = Field(gt=0, le=1)
+    expected_batch_size: int = Field(ge=1)
+    rows: int = Field(ge=2)
+    steps: int = Field(ge=0)
+    accountant: Literal["rdp", "prv"]
+    epsilon: float = Field(ge=0)
+    delta: float = Field(gt=0, lt=1)
+    target_epsilon: float = Field(gt=0)
 
 
 class Manifest(_Closed):

@@ -260,10 +260,3 @@ def env_entries(svc: dict[str, Any]) -> dict[str, str | None]:
         name, sep, value = str(item).partition("=")
         out[name] = value if sep else None
     return out
-
-
-def audit(app_compose: dict[str, Any]) -> list[str]:
-    """What must change before this app-compose can be trusted with a dataset key (``attestation.compose_audit``)."""
-    from attestation.compose_audit import audit as run_audit
-
-    return run_audit(app_compose)

@@ -27,19 +27,16 @@ with it: 10**7 steps would need terabytes) fail the check instead of exhausting 
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from attestation.bundle import Manifest, PrivacyInfo
 from attestation.epsilon import PRV_ABS_TOL, PRV_REL_TOL, pld_epsilon, prv_half_width, rdp_epsilon
 from attestation.safe_yaml import parse_json
 from attestation.verdict import QuoteFindings
 
 if TYPE_CHECKING:
-    from attestation.bundle import Manifest
     from attestation.policy import Policy
 
 CHECK = "privacy.dp"
@@ -52,37 +49,6 @@ PRV_MAX_POINTS = 1 << 22  # prv mesh points: about 700 MB and 10 s on a CPU
 MAX_ROWS = 10**12
 MAX_BATCH = 1 << 32  # per_device_batch_size x gradient_accumulation_steps, each at most 65536
 
-
-class _Closed(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class PrivacyLibraries(_Closed):
-    opacus: str
-    torch: str
-
-
-class PrivacyInfo(_Closed):
-    """DP-SGD as run (``training.privacy``): the mechanism's parameters and the (epsilon, delta) it spent.
-
-    ``rows`` is N after deduplication and the token policy (= ``dataset.rows``); ``sample_rate`` =
-    ``expected_batch_size / rows``; ``steps`` = ``training.global_step``; the verifier checks all three.
-    """
-
-    mechanism: Literal["dp-sgd"]
-    sampling: Literal["poisson"]
-    library: PrivacyLibraries
-    max_grad_norm: float = Field(gt=0)
-    noise_multiplier: float = Field(gt=0)
-    noise_derived: bool
-    sample_rate: float = Field(gt=0, le=1)
-    expected_batch_size: int = Field(ge=1)
-    rows: int = Field(ge=2)
-    steps: int = Field(ge=0)
-    accountant: Literal["rdp", "prv"]
-    epsilon: float = Field(ge=0)
-    delta: float = Field(gt=0, lt=1)
-    target_epsilon: float = Field(gt=0)
 
 
 def _number(value: object, low: float, high: float) -> bool:

@@ -56,7 +56,7 @@ def _row(name: str, project: dict, bound: dict, *, unit: str) -> dict:
 
 def _make_bundle(tmp: Path) -> tuple[Path, Path]:
     from app.config import Config, OutputSettings, TrainingSettings
-    from app.pipeline import run_once
+    from app.run.pipeline import run_once
 
     res = run_once(Config(output=OutputSettings(dir=tmp), training=TrainingSettings(max_steps=2, save_steps=2)))
     return res.bundle_dir, res.policy_file

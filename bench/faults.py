@@ -37,9 +37,9 @@ KILL_POINTS = {
     "mid-seal (between blob writes)": ("app.training.checkpoints", "_seal_file", (2, 40)),
     "sealed, LATEST not yet moved": ("app.training.checkpoints", "atomic_write_bytes", (1, 6)),
     "mid audit append": ("app.audit", "fsync_dir", (1, 8)),
-    "mid export staging": ("app.report", "write", (1, 1)),
-    "export staged, self-verification running": ("app.publish", "publish_gate", (1, 1)),
-    "bundle published, run state not yet updated": ("app.pipeline", "write_state", (2, 2)),
+    "mid export staging": ("app.export.report", "write", (1, 1)),
+    "export staged, self-verification running": ("app.export.stage", "publish_gate", (1, 1)),
+    "bundle published, run state not yet updated": ("app.run.pipeline", "write_state", (2, 2)),
 }
 _INJECT = """
 import importlib, os, signal, sys

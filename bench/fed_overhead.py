@@ -37,7 +37,7 @@ from app.federated.client_app import reply_content
 from app.federated.round_export import Aggregator, RoundRecord, export_round
 from app.federated.round_input import RoundInput
 from app.federated.strategy import make_strategy
-from app.pipeline import RunHooks, run_once
+from app.run.pipeline import RunHooks, run_once
 from app.tee import open_guest_agent
 
 SAMPLE = Path(__file__).resolve().parent.parent / "app" / "data" / "sample.jsonl"

@@ -29,7 +29,7 @@ Measured per run, steady state = the steps after ``--warmup``:
   load          seconds to load the model and attach LoRA
 
 Output: ``<out>/gpu-train-<gpu>-<date>.json`` and ``.md`` (dry run: ``gpu-train-dry-run.*``) with the GPU
-name, its CC mode (``app.gpu`` evidence), the imported library versions of each backend, and the
+name, its CC mode (``app.run.gpu`` evidence), the imported library versions of each backend, and the
 Unsloth/HF ratios at each batch size against the targets (>= 1.8x tokens/s and <= 0.6x peak memory at
 batch 8; MFU >= 45% at 6N).
 
@@ -265,7 +265,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def _gpu_context() -> dict[str, Any]:
-    from app.gpu import collect
+    from app.run.gpu import collect
 
     info = collect("0" * 64, attest_timeout_s=1).info
     return {"name": info.devices[0].name if info.devices else None, "count": len(info.devices),

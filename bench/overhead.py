@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from app.config import Config, OutputSettings, TrainingSettings
-from app.pipeline import run_once
+from app.run.pipeline import run_once
 
 PHASES = ("agent", "key", "decrypt_validate", "base_model", "hashing", "audit", "gpu_evidence", "train", "export",
           "quote", "collateral", "self_verify")

@@ -123,7 +123,7 @@ def png_row(n: int = 30) -> dict[str, Any]:
     """The loss.png row (module docstring)."""
     import subprocess
 
-    from app.report import loss_png
+    from app.export.report import loss_png
 
     losses = [[i, 3.0 / i] for i in range(1, 31)]
 

@@ -1,6 +1,20 @@
-"""The shape of the code base: no module-level import cycle, no library module over ~400 lines.
+"""The shape of the code base: folders by concern whose imports point one way, no import cycle (not even through
+an import inside a function), no library module over ~400 lines.
 
-Both are read from the source with ``ast`` (nothing is imported), so the test is fast and says which modules to look at.
+All of it is read from the source with ``ast`` (nothing is imported), so the test is fast and says which modules to
+look at. The layers, lowest first (docs/development.md has the map):
+
+    attestation            the verifier: imports nothing of app
+    app (base)             app/*.py and app/config/, app/simulator/: errors, files, settings, guest agent, audit
+    app.dataset
+    app.training
+    app.export             the export bundle: manifest, model directories, card, signature, report, Hub
+    app.run                one run, top to bottom: pipeline and its stages
+    app.federated, app.service
+    app.deploy
+    app.cli                the commands
+
+A module may import its own folder and any lower layer, never a higher one or a sibling folder of its own layer.
 """
 from __future__ import annotations
 
@@ -23,11 +37,40 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
-    """Modules of ``known`` that ``name`` imports at module level (not inside functions or TYPE_CHECKING)."""
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("attestation",),
+    ("app", "app.config", "app.simulator"),  # the base: one layer, its modules may import each other
+    ("app.dataset",),
+    ("app.training",),
+    ("app.export",),
+    ("app.run",),
+    ("app.federated", "app.service"),
+    ("app.deploy",),
+    ("app.cli",),
+    ("app.__main__",),  # `python -m app`: the commands
+)
+
+
+BASE = 1  # LAYERS index of the base
+
+
+def _folder(module: str) -> str:
+    """The layer folder a module belongs to: the longest name in LAYERS that it is or lies under."""
+    names = [f for layer in LAYERS for f in layer if module == f or module.startswith(f + ".")]
+    return max(names, key=len)
+
+
+def _layer(folder: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if folder in layer)
+
+
+def _imports(name: str, path: Path, known: dict[str, Path], *, nested: bool = False) -> set[str]:
+    """Modules of ``known`` that ``name`` imports at module level; with ``nested``, also inside functions and
+    ``if TYPE_CHECKING`` blocks (every import, wherever it is written)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
+    tree = ast.parse(path.read_text())
+    for node in (ast.walk(tree) if nested else tree.body):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -81,6 +124,32 @@ def test_no_module_level_import_cycle() -> None:
     known = _modules()
     graph = {name: _imports(name, path, known) for name, path in known.items()}
     assert _cycles(graph) == []
+
+
+def test_no_import_cycle_even_through_imports_inside_functions() -> None:
+    known = _modules()
+    graph = {name: _imports(name, path, known, nested=True) for name, path in known.items()}
+    # a package's __init__ importing its own submodules is how a package is built, not a cycle between concerns
+    graph = {n: {d for d in deps if not (d.startswith(n + ".") and known[n].name == "__init__.py")} for n, deps in graph.items()}
+    assert _cycles(graph) == []
+
+
+def test_imports_point_one_way_between_folders() -> None:
+    known = _modules()
+    wrong = []
+    for name, path in known.items():
+        here = _folder(name)
+        for dep in _imports(name, path, known, nested=True):
+            there = _folder(dep)
+            if there != here and (_layer(there) > _layer(here) or (_layer(there) == _layer(here) != BASE)):
+                wrong.append(f"{name} -> {dep}")
+    assert wrong == []
+
+
+def test_the_layer_rule_can_fail() -> None:
+    assert _folder("app.run.pipeline") == "app.run" and _folder("app.errors") == "app"
+    assert _folder("app.config.base") == "app.config" and _folder("attestation.bundle") == "attestation"
+    assert _layer(_folder("app.cli.verify")) > _layer(_folder("app.run.pipeline")) > _layer(_folder("app.export.stage"))
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:

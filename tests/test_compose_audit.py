@@ -13,7 +13,7 @@ from attestation import compose as C
 from attestation import compose_yaml as Y
 from attestation.compose_audit import audit, canonical, compose_problems, exposes
 
-from app.deploy import render_deployment
+from app.deploy.app_compose import render_deployment
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"

@@ -26,8 +26,8 @@ from app.errors import (
     InputsUnchanged,
     TrainingError,
 )
-from app.pipeline import RunHooks, run_once
-from app.scheduler import Service
+from app.run.pipeline import RunHooks, run_once
+from app.service.scheduler import Service
 from tests.owner_fixtures import KEY, encrypt_to, jsonl, owner_key
 
 SAMPLE = [json.loads(line) for line in (Path(__file__).resolve().parent.parent / "app" / "data" / "sample.jsonl")

@@ -23,14 +23,15 @@ import pytest
 import yaml
 
 from attestation import compose as C
+from attestation.compose_audit import audit as compose_audit
 from attestation.bundle import BuildInfo, Manifest
 from attestation.bundle_verify import _build
 from attestation.policy import simulator_policy
 from attestation.verify import QuoteFindings
 
-from app.build_info import lock_mismatches, lock_pins
+from app.run.build_info import lock_mismatches, lock_pins
 from app.config import load_config
-from app.deploy import check_env, encrypt_env, render_deployment, verify_public_key
+from app.deploy.app_compose import check_env, encrypt_env, render_deployment, verify_public_key
 from app.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -186,7 +187,7 @@ def test_app_compose_for_the_template_is_what_dstack_expects() -> None:
     assert doc["public_logs"] is False and doc["public_sysinfo"] is False and doc["kms_enabled"] is True
     assert doc["allowed_envs"] == ["CVM_TUNE_ALERT_WEBHOOK"], "pass-through variables, nothing else"
     assert C.images(doc) == {"cvm-tune": TEST_IMAGE, "bundles": TEST_IMAGE}
-    assert C.audit(doc) == [] and dep.compose_hash == hashlib.sha256(dep.app_compose).hexdigest()
+    assert compose_audit(doc) == [] and dep.compose_hash == hashlib.sha256(dep.app_compose).hexdigest()
     assert dep.app_id is None, "with KMS the app id is the deployment's, not the file's"
     assert _deployment(kms_enabled=False).app_id == _deployment(kms_enabled=False).compose_hash[:40]
 
@@ -445,7 +446,7 @@ def test_bundle_server_serves_only_with_the_token(container_run: dict[str, Any],
 
     from attestation import verify_bundle
 
-    from app.bundles import BundleServer, fetch, list_runs
+    from app.service.bundles import BundleServer, fetch, list_runs
     from app.errors import StateError
     from app.simulator import GuestAgentSimulator
 
@@ -474,7 +475,7 @@ def test_bundle_server_serves_only_with_the_token(container_run: dict[str, Any],
 
 
 def test_bundle_token_file_is_private_and_never_overwritten(tmp_path: Path) -> None:
-    from app.bundles import new_token, read_token
+    from app.service.bundles import new_token, read_token
 
     digest = new_token(tmp_path / "t")
     assert stat.S_IMODE((tmp_path / "t").stat().st_mode) == 0o600

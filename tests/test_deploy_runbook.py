@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.cli import main
-from app.deploy_plan import needs
+from app.deploy.plan import needs
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY_MD = REPO / "docs" / "deploy.md"

@@ -26,8 +26,9 @@ RAY_PROCESSES = ("raylet", "gcs_server", "plasma_store", "default_worker", "ray:
 
 @contextlib.contextmanager
 def _registered() -> Iterator[None]:
-    """``app.cli`` with the ``federated`` command, whether or not ``app/cli.py`` registers it yet."""
-    from app import cli, cli_federated
+    """``app.cli`` with the ``federated`` command, whether or not ``app/cli/__init__.py`` registers it yet."""
+    from app import cli
+    from app.cli import federated as cli_federated
 
     if "federated" in cli._COMMANDS:
         yield

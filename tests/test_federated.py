@@ -430,7 +430,7 @@ def test_fedprox_adds_the_proximal_term_to_the_training_loss() -> None:
     adapter after the warm start); frozen weights do not count."""
     import torch
 
-    from app.federated.prox import add_proximal_term
+    from app.training.prox import add_proximal_term
 
     class Trainer:
         def __init__(self) -> None:
@@ -465,7 +465,7 @@ def test_client_run_for_a_fedprox_round_records_it_in_the_manifest(tmp_path: Pat
 
     from app.config import load_config
     from app.federated.round_input import RoundInput
-    from app.pipeline import RunHooks, run_once
+    from app.run.pipeline import RunHooks, run_once
 
     cfg = load_config(_client_config(tmp_path, 0, "clinic-a"))
     ri = RoundInput(1, "cd" * 32, None, None, 0.25)

@@ -143,7 +143,7 @@ def test_hf_backend_on_gpu_real_cuda_oom_backs_off(small_model: Path, tmp_path: 
 
 
 def test_gpu_evidence_on_this_machine() -> None:
-    from app.gpu import collect
+    from app.run.gpu import collect
 
     info = collect("0" * 64).info
     assert info.present and info.nvidia_smi == "ok" and info.devices

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from app import gpu as collect_mod
+from app.run import gpu as collect_mod
 from app.cli import main
 from app.errors import TeeError
 from attestation import gpu as G
@@ -342,7 +342,7 @@ def test_bundles_from_before_gpu_evidence_are_a_skip_not_a_failure(tmp_path: Pat
 
 def test_attested_mode_demands_nvidias_report_required_rests_on_nvidia_smi() -> None:
     from app.errors import TeeError
-    from app.gpu import require_confidential
+    from app.run.gpu import require_confidential
 
     smi_only = G.summarize(_evidence(_h100()))
     require_confidential(smi_only)  # required: nvidia-smi's CC flag is enough (and the detail says it is unsigned)

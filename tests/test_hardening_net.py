@@ -105,7 +105,7 @@ def test_the_bundle_token_never_follows_a_redirect(serve: Callable[[Route], Serv
     elsewhere = serve(lambda h, _s: _json(h, []))
     redirector = serve(lambda h, _s: _send(h, 302, Location=elsewhere.url + h.path))
     with pytest.raises(StateError, match="redirected"):
-        from app.bundles import list_runs
+        from app.service.bundles import list_runs
 
         list_runs(redirector.url, TOKEN)
     code, err = _cli(capsys, "bundles", "fetch", redirector.url, "run-1", "--token-file", str(_token_file(tmp_path)),
@@ -163,7 +163,7 @@ def test_the_bundle_client_refuses_malformed_answers_and_writes_nothing(
 
 def test_an_endless_answer_is_read_only_up_to_the_bound(serve: Callable[[Route], Server], tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    from app.bundles import MAX_ANSWER_BYTES
+    from app.service.bundles import MAX_ANSWER_BYTES
 
     def endless(h: BaseHTTPRequestHandler, stop: threading.Event) -> None:
         h.send_response(200)
@@ -318,7 +318,7 @@ def test_a_full_disk_while_downloading_is_a_state_error_and_leaves_no_partial_fi
 
 def test_the_bundle_client_retries_a_busy_server_then_fetches(serve: Callable[[Route], Server],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    import app.bundles as bundles
+    import app.service.bundles as bundles
 
     monkeypatch.setattr(bundles, "BACKOFF_S", 0.01)
     answers = iter([(503, b"busy"), (429, b"slow down")])

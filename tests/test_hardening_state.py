@@ -19,7 +19,7 @@ import yaml
 from app.cli import main
 from app.config import Config, load_config
 from app.errors import ConfigError, PromotionStateError
-from app.pipeline import RunHooks, run_once
+from app.run.pipeline import RunHooks, run_once
 from tests.owner_fixtures import KEY, encrypt_to, jsonl, owner_key
 
 SAMPLE = [json.loads(line) for line in (Path(__file__).resolve().parent.parent / "app" / "data" / "sample.jsonl")
@@ -107,7 +107,7 @@ def test_a_run_that_died_after_its_start_keeps_its_reservation_in_the_chain(dp_v
     never recorded privacy.spent."""
     from attestation.audit import make_entry
 
-    from app.privacy_budget import trusted_spend
+    from app.run.privacy_budget import trusted_spend
 
     out = dp_volume["root"] / "out"
     start = next(json.loads(line) for line in (out / "state" / "audit.jsonl").read_text().splitlines()

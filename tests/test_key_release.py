@@ -33,7 +33,7 @@ from app.errors import (
     KeyReleasePendingError,
     KeyReleaseRefusedError,
 )
-from app.pipeline import run_once
+from app.run.pipeline import run_once
 from app.simulator import GuestAgentSimulator, SimulatorServer, SimulatorSettings
 from app.tee import open_guest_agent
 from attestation import DEFAULT_POLICY

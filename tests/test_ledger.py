@@ -20,7 +20,7 @@ import yaml
 
 from app.cli import main
 from app.errors import StateError
-from app.run_state import choose_run, pick_run
+from app.run.state import choose_run, pick_run
 from app.state import RunDB, run_list
 from app.state_migrations import SCHEMA_VERSION
 
@@ -306,7 +306,7 @@ class _Clock:
 
 def test_the_service_records_a_slot_run_exported_before_its_row(tmp_path: Path) -> None:
     from app.config import Config
-    from app.scheduler import Service
+    from app.service.scheduler import Service
 
     out = _volume(tmp_path)
     cfg = Config.model_validate({"output": {"dir": str(out)}, "alerts": {"webhook_url_env": "CVM_TUNE_TEST_NO_WEBHOOK"}})

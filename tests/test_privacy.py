@@ -15,8 +15,8 @@ import yaml
 
 from app.config import PrivacySettings, TrainingSettings, load_config
 from app.errors import ConfigError, PrivacyBudgetError
-from app.privacy_budget import FILE as BUDGET_FILE
-from app.privacy_budget import reserve
+from app.run.privacy_budget import FILE as BUDGET_FILE
+from app.run.privacy_budget import reserve
 
 SAMPLE = Path(__file__).resolve().parent.parent / "app" / "data" / "sample.jsonl"
 FP = "ab" * 32
@@ -398,7 +398,7 @@ def test_service_does_not_retry_a_night_refused_by_the_lifetime_budget(tmp_path:
 
     from app import alerts
     from app.config import Config
-    from app.scheduler import Service
+    from app.service.scheduler import Service
 
     sent: list[dict[str, Any]] = []
     monkeypatch.setattr(alerts, "send", lambda settings, event, output: sent.append(dict(event)) or True)

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from app.cli import main
 from app.config import TeeSettings
 from app.errors import KeySourceError
-from app.signing import derive_key, public_key_pem, sign_dir
+from app.export.signing import derive_key, public_key_pem, sign_dir
 from app.tee import open_guest_agent
 from attestation.model_sig import run_key_path
 
@@ -299,7 +299,7 @@ def test_publish_uploads_the_staged_repo_with_huggingface_hub(run: dict, tmp_pat
 
     import huggingface_hub.constants
 
-    from app import hub
+    from app.export import hub
     from app.errors import ExportError
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # loopback only: the fake Hub below
@@ -331,7 +331,7 @@ def test_cvm_self_verification_covers_the_model_signature(run: dict, tmp_path: P
     import time
 
     from app.errors import ExportError
-    from app.publish import publish_gate
+    from app.export.stage import publish_gate
     from attestation import DEFAULT_POLICY, verify_bundle
     from attestation.bundle_verify import INTEGRITY_CHECKS
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from app.report import loss_png
+from app.export.report import loss_png
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,5 +24,5 @@ def test_png_is_deterministic_and_fixed_size() -> None:
 
 
 def test_importing_the_report_module_loads_no_matplotlib() -> None:
-    code = "import sys, app.report; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
+    code = "import sys, app.export.report; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={"PYTHONPATH": str(REPO)})

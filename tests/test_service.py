@@ -19,7 +19,7 @@ import pytest
 from app import alerts
 from app.config import AlertSettings, Config
 from app.errors import DataError, StateError
-from app.scheduler import DailySchedule, Service, Slot, health, serve
+from app.service.scheduler import DailySchedule, Service, Slot, health, serve
 from app.state import Locked, RunDB, run_lock
 from app.training import TrainingStopped
 
@@ -446,7 +446,7 @@ def test_disk_full_during_export_fails_cleanly(tmp_path: Path, monkeypatch: pyte
     """Case 35 (export side): ENOSPC while staging the bundle -> exit 7, no bundle, no temp dir, checkpoints kept."""
     import errno
 
-    from app import report
+    from app.export import report
     from app.cli import main
     from app.training.checkpoints import latest_name
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from app.config import load_config
-from app.pipeline import run_once
+from app.run.pipeline import run_once
 from app.state import RunDB, run_lock
 from app.training.checkpoints import latest_name
 

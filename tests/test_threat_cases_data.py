@@ -43,7 +43,7 @@ from app.errors import (
     WrongKeyError,
     ZeroTrainableTokensError,
 )
-from app.pipeline import run_once
+from app.run.pipeline import run_once
 from app.simulator import GuestAgentSimulator
 from attestation.dataset_sig import TRAILER_LEN, public_key_bytes
 from tests.owner_fixtures import (
@@ -341,7 +341,7 @@ _NO_WRITE_CHILD = textwrap.dedent("""
     tempfile.tempdir = "/tmp"  # gettempdir() would probe by writing a file
     from app.config import Config
     from app.errors import CvmTuneError
-    from app.pipeline import run_once
+    from app.run.pipeline import run_once
     cfg = Config.model_validate(json.loads(sys.argv[1]))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
     resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # from here on no file may grow by one byte

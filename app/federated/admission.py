@@ -39,7 +39,7 @@ from attestation.round_bundle import client_privacy, quote_identity
 from attestation.safe_yaml import parse_json
 
 from app.errors import CvmTuneError
-from app.federated.settings import CLIENT_NAME, FederationSettings
+from app.config.federation import CLIENT_NAME, FederationSettings
 from app.federated.transport import decode_arrays, diff_arrays, load_adapter, to_record, unpack_bundle
 
 log = logging.getLogger("cvm-tune.federated")

@@ -1,7 +1,7 @@
 """A data owner's CVM: a Flower ``ClientApp`` (Message API) that trains one round with the cvm-tune pipeline.
 
 For each ``train`` message it takes the round number, the aggregator's nonce and the global adapter (an empty
-``ArrayRecord`` in a round that starts from the base model), runs :func:`app.pipeline.run_once` with a warm start
+``ArrayRecord`` in a round that starts from the base model), runs :func:`app.run.pipeline.run_once` with a warm start
 from that adapter, and replies with the exported bundle's adapter weights (``arrays``), its trainable-token count
 (``metrics``, a claim the aggregator replaces by its own reading of the verified manifest) and the whole bundle as
 tar bytes with the client's name (``bundle``). The dataset never leaves the CVM: only the bundle does.
@@ -63,7 +63,7 @@ def train_round(msg: Message, config_path: Path) -> Message:
         CvmTuneError: the round message is malformed, or the run failed (Flower returns it to the aggregator as
             an error reply, which it records as the rejection reason).
     """
-    from app.pipeline import RunHooks, run_once
+    from app.run.pipeline import RunHooks, run_once
 
     cfg = load_config(config_path)
     name = cfg.federation.client_name

@@ -23,7 +23,7 @@ from attestation.hashing import sha256_hex
 from app.errors import ConfigError, RoundFailedError
 from app.federated.admission import WEIGHT_KEY, Admission, Admitted, Rejected, RoundTerms
 from app.federated.round_export import Aggregator, RoundRecord, export_round, head_files
-from app.federated.settings import FederationSettings
+from app.config.federation import FederationSettings
 from app.federated.transport import arrays_to_safetensors, pack_bundle
 
 log = logging.getLogger("cvm-tune.federated")

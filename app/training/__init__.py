@@ -89,7 +89,7 @@ class TrainRequest:
             LoRA initialisation (continual retraining); a resumed checkpoint's weights still win.
         privacy: The DP-SGD plan (``app.training.privacy.plan``); ``None`` trains without DP.
         proximal: FedProx: add ``proximal / 2 * ||w - w0||^2`` over the LoRA weights to the loss, ``w0`` being the
-            weights training starts from (the federated round's global adapter): ``app.federated.prox``.
+            weights training starts from (the federated round's global adapter): ``app.training.prox``.
         tokenized: The token ids of ``rows``, aligned (``app.training.tokens.tokenize_rows``): the ``hf`` backend
             hands them to TRL, which then does not tokenize the rows again. ``None``: TRL tokenizes ``rows``.
     """

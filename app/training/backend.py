@@ -231,7 +231,7 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
         except Exception as exc:
             raise TrainingError(f"training setup failed: {first_line(exc)}") from exc
         if req.proximal:
-            from app.federated.prox import add_proximal_term
+            from app.training.prox import add_proximal_term
 
             add_proximal_term(trainer, req.proximal)
         for cb in (PrinterCallback, ProgressCallback):  # they print metrics to stdout/stderr

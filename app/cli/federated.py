@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from app.cli_args import bounded_int
+from app.cli.args import bounded_int
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:

@@ -13,6 +13,7 @@ from app.errors import ConfigError
 
 def _compose_hash(args: argparse.Namespace) -> int:
     from attestation import compose as C
+    from attestation.compose_audit import audit as compose_audit
     from attestation.inputs import read_bounded
     from attestation.safe_yaml import MAX_JSON_BYTES
 
@@ -28,7 +29,7 @@ def _compose_hash(args: argparse.Namespace) -> int:
     form, mr_config_id = C.expected_mr_config_id(doc, digest, app_id)
     out = {"compose_hash": digest, "app_id": app_id, "mr_config_id": mr_config_id, "mr_config_id_form": form,
            "kms_enabled": bool(doc.get("kms_enabled")),
-           "images": C.images(doc) if doc.get("runner") == "docker-compose" else {}, "problems": C.audit(doc)}
+           "images": C.images(doc) if doc.get("runner") == "docker-compose" else {}, "problems": compose_audit(doc)}
     if args.save is not None:  # only an app-compose.json that could be read and audited is saved
         from app.fsutil import atomic_write_bytes
 
@@ -50,7 +51,7 @@ def _compose_hash(args: argparse.Namespace) -> int:
 def _app_compose(args: argparse.Namespace) -> int:
     from attestation.compose import AppComposeSettings
 
-    from app.deploy import bundles_token_sha256, describe, render_deployment
+    from app.deploy.app_compose import bundles_token_sha256, describe, render_deployment
 
     try:
         template = args.compose.read_text()
@@ -71,7 +72,7 @@ def _app_compose(args: argparse.Namespace) -> int:
 
 
 def _deploy_plan(args: argparse.Namespace) -> int:
-    from app.deploy_plan import plan
+    from app.deploy.plan import plan
 
     p = plan(args.target, model_gb=args.model_gb, output_gb=args.output_gb, gpus=args.gpus, vcpu=args.vcpu,
              memory=args.memory, disk=args.disk, name=args.name, deploy_dir=args.deploy_dir, env_file=args.env_file,
@@ -87,7 +88,7 @@ def _env(args: argparse.Namespace) -> int:
     from attestation.compose import MAX_APP_COMPOSE, ComposeError, load
     from attestation.inputs import read_bounded
 
-    from app.deploy import check_env, encrypt_env, read_env_file, verify_public_key
+    from app.deploy.app_compose import check_env, encrypt_env, read_env_file, verify_public_key
 
     if args.env_file is not None:
         values = read_env_file(args.env_file)
@@ -121,7 +122,7 @@ def _env(args: argparse.Namespace) -> int:
 
 
 def _bundles(args: argparse.Namespace) -> int:
-    from app import bundles
+    from app.service import bundles
 
     if args.bundles_command == "token":
         digest = bundles.new_token(args.file)

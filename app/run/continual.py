@@ -37,7 +37,7 @@ from attestation.safe_yaml import parse_json
 from app.config import Config
 from app.errors import InputsUnchanged, PromotionStateError, StateError, TrainingError
 from app.fsutil import atomic_write_bytes
-from app.run_state import RUN_ID
+from app.run.state import RUN_ID
 
 PROMOTED = "PROMOTED"
 CANDIDATE = "CANDIDATE"

@@ -1,5 +1,5 @@
-"""``cvm-tune`` command line. The only module that prints (with ``app.cli_owner``, the data owner's commands, and
-``app.cli_federated``, the federated simulation).
+"""``cvm-tune`` command line. The only module that prints (with ``app.cli.owner``, the data owner's commands, and
+``app.cli.federated``, the federated simulation).
 
 Exit codes (also in docs/exit-codes.md):
   0  success / bundle or quote accepted
@@ -24,8 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import app
-from app import cli_federated, cli_owner
-from app.cli_args import bounded_int
+from app.cli import federated as cli_federated
+from app.cli import owner as cli_owner
+from app.cli.args import bounded_int
 from app.errors import CvmTuneError
 
 EXIT_REJECTED = 1
@@ -294,12 +295,12 @@ def _silence_stdout() -> None:
 
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    **{name: _lazy("app.cli_service", fn) for name, fn in (
+    **{name: _lazy("app.cli.service", fn) for name, fn in (
         ("run", "_run"), ("serve", "_serve"), ("status", "_status"), ("simulator", "_simulator"), ("schema", "_schema"),
         ("validate-config", "_validate_config"))},
-    **{name: _lazy("app.cli_verify", fn) for name, fn in (
+    **{name: _lazy("app.cli.verify", fn) for name, fn in (
         ("verify", "_verify"), ("publish", "_publish"), ("verify-quote", "_verify_quote"), ("collateral", "_collateral"))},
-    **{name: _lazy("app.cli_deploy", fn) for name, fn in (
+    **{name: _lazy("app.cli.deploy", fn) for name, fn in (
         ("compose-hash", "_compose_hash"), ("app-compose", "_app_compose"), ("deploy-plan", "_deploy_plan"), ("env", "_env"),
         ("bundles", "_bundles"))},
     **cli_owner.COMMANDS,

@@ -1,9 +1,9 @@
 """One attested training run, top to bottom: decrypt -> validate -> train -> export -> attest.
 
 ``run_once(cfg, progress=print)`` is the whole job: a list of named stages, each a function with typed inputs and
-outputs (the input stages in :mod:`app.input_stages`, the rest below), in the order they run (agent -> key -> dataset -> base model -> token budget -> run identity
--> audit start -> GPU evidence -> train -> export, quote and self-verification in :mod:`app.publish`). The nightly
-service (``app.scheduler``) calls it with a slot-derived ``run_id`` and :class:`RunHooks` (stop requests, step
+outputs (the input stages in :mod:`app.run.stages`, the rest below), in the order they run (agent -> key -> dataset -> base model -> token budget -> run identity
+-> audit start -> GPU evidence -> train -> export, quote and self-verification in :mod:`app.export.stage`). The nightly
+service (``app.service.scheduler``) calls it with a slot-derived ``run_id`` and :class:`RunHooks` (stop requests, step
 progress); a run that fails after ``run.start`` records ``run.abort`` in the audit.
 Fail-closed rules: no quote, no export; the dataset is fully authenticated before training; a bundle appears
 under ``exports/`` only when complete and only if it passes its own verification.
@@ -24,14 +24,17 @@ from attestation import Verdict
 from attestation.gpu import describe as describe_gpu
 from attestation.hashing import sha256_file, sha256_hex
 
-from app import alerts, continual, export, privacy_run, publish
-from app import gpu as gpu_evidence
+from app import alerts, export
+from app.run import continual
+from app.run import privacy
+from app.export import stage as export_stage
+from app.run import gpu as gpu_evidence
 from app.audit import AuditLog, AuditRecorder
 from app.config import Config
 from app.dataset.versions import record_version
 from app.errors import ConfigError, CvmTuneError, InputsUnchanged, StateError
 from app.fsutil import remove_stale_temps
-from app.input_stages import (
+from app.run.stages import (
     Agent,
     BaseModel,
     Dataset,
@@ -44,11 +47,11 @@ from app.input_stages import (
     source_stage,
     token_stage,
 )
-from app.run_inputs import scratch_dir
-from app.run_state import RUN_ID, choose_run, record_export, record_promotion, record_start, resume_changes
+from app.run.inputs import scratch_dir
+from app.run.state import RUN_ID, choose_run, record_export, record_promotion, record_start, resume_changes
 from app.state import check_output_dir
 
-SIMULATOR_POLICY_FILE = publish.SIMULATOR_POLICY_FILE
+SIMULATOR_POLICY_FILE = export_stage.SIMULATOR_POLICY_FILE
 
 
 @dataclass
@@ -152,12 +155,12 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             base = base_model_stage(cfg, out, progress)  # 5. local base model, hashed, checked against the pin
         with timer.phase("decrypt_validate"):
             token_stage(cfg, ds, base, progress)  # 6. too-long policy, rows without a trainable token
-            dp = privacy_run.plan_stage(cfg, len(ds.rows), progress)  # DP-SGD: refused up front if it cannot fit
+            dp = privacy.plan_stage(cfg, len(ds.rows), progress)  # DP-SGD: refused up front if it cannot fit
         with timer.phase("parent"):
             parent = parent_stage(cfg, out, ag, ds, base, hooks, progress)  # 7. warm start? (or nothing new: skip)
         with timer.phase("hashing"):
             run = identity_stage(cfg, out, ds, base, parent, run_id, hooks.federation)  # 8. resume the newest, or start
-            privacy_run.reserve_stage(cfg, out, ds.info, run.run_id, dp)  # DP-SGD: the dataset version's lifetime cap
+            privacy.reserve_stage(cfg, out, ds.info, run.run_id, dp)  # DP-SGD: the dataset version's lifetime cap
         with timer.phase("audit"):
             audit = audit_stage(cfg, out, ag, ds, base, parent, run, progress, dp)  # 9. run.start commits to the inputs
         done: list[bool] = []  # set once the bundle is published
@@ -169,10 +172,10 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         with timer.phase("audit"):
             audit.recorder.record(run.run_id, "train.done", {"global_step": result.global_step, "adapter_sha256": {
                 f"adapter/{p.name}": sha256_file(p) for p in sorted(result.adapter_dir.iterdir())}})
-            privacy_run.spent_stage(audit.recorder, out, ds.info, run.run_id, result, progress)  # privacy.spent
+            privacy.spent_stage(audit.recorder, out, ds.info, run.run_id, result, progress)  # privacy.spent
         with timer.phase("evaluate"):
             evaluation = gate_stage(cfg, ds, base, parent, result, progress)  # 11. promotion gate (eval rows)
-        published = publish.export_bundle(publish.ExportInputs(  # 11. stage, quote, self-verify, publish
+        published = export_stage.export_bundle(export_stage.ExportInputs(  # 11. stage, quote, self-verify, publish
             cfg=cfg, out=out, run_id=run.run_id, started_at=run.started_at, code_sha=run.code_sha,
             config_bytes=run.config_bytes, agent=ag.agent, ident=ag.ident, simulated=ag.simulated,
             compose_bytes=ag.compose_bytes, build=ag.build, dataset=ds.info, rows_report=ds.rows_report,
@@ -220,8 +223,8 @@ def parent_stage(cfg: Config, out: Path, ag: Agent, ds: Dataset, base: BaseModel
     parent = None
     if bundle is not None:
         parent = continual.load_parent(bundle)
-        verdicts, _ = publish.self_verify(bundle, out, ag.agent, ag.simulated)
-        continual.check_parent(parent, cfg, base.tree, publish.gate_failures(verdicts, ag.simulated))
+        verdicts, _ = export_stage.self_verify(bundle, out, ag.agent, ag.simulated)
+        continual.check_parent(parent, cfg, base.tree, export_stage.gate_failures(verdicts, ag.simulated))
         if pending:  # moved by a run that died before recording it: the record, now that the bundle verified
             AuditRecorder(log, ag.agent, require_emit=cfg.tee.emit_events == "required").record(
                 parent.run_id, continual.PROMOTE, continual.promotion_data(bundle))
@@ -265,7 +268,7 @@ def audit_stage(cfg: Config, out: Path, ag: Agent, ds: Dataset, base: BaseModel,
         "dataset_id": ds.info["dataset_id"], "dataset_version": ds.info["dataset_version"],
         "dataset_encrypted_sha256": ds.info["encrypted_sha256"], "dataset_plaintext_sha256": ds.info["plaintext_sha256"],
         "base_model_tree_sha256": base.tree, "code_source_sha256": run.code_sha,
-        "parent_manifest_sha256": parent.manifest_sha256 if parent else None, **privacy_run.commitment(dp)}
+        "parent_manifest_sha256": parent.manifest_sha256 if parent else None, **privacy.commitment(dp)}
     if run.resuming:
         changed = resume_changes(log, run.run_id, commitment)
         recorder.record(run.run_id, "run.resume", {"fingerprint": run.fingerprint, **commitment})

@@ -23,7 +23,7 @@ def _stop_on_sigterm() -> list[str]:
 
 def _run(args: argparse.Namespace) -> int:
     from app.config import load_config
-    from app.pipeline import RunHooks, run_once
+    from app.run.pipeline import RunHooks, run_once
     from app.state import Locked, run_lock
     from app.training import TrainingStopped
 
@@ -56,7 +56,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from app.config import load_config
-    from app.scheduler import serve
+    from app.service.scheduler import serve
 
     cfg = load_config(args.config)
     outcome = serve(cfg, once=args.once, progress=lambda m: print(m, flush=True))
@@ -66,11 +66,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from app.config import load_config
-    from app.status import render_status
+    from app.service.status import render_status
 
     cfg = load_config(args.config)
     if args.health:
-        from app.scheduler import health
+        from app.service.scheduler import health
 
         ok, why = health(cfg)
         print(why)

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from app.config import Config
-from app.privacy_budget import chain_entries, privacy_lines, trusted_spend
-from app.privacy_budget import summary as privacy_summary
-from app.scheduler import DailySchedule
+from app.run.privacy_budget import chain_entries, privacy_lines, trusted_spend
+from app.run.privacy_budget import summary as privacy_summary
+from app.service.scheduler import DailySchedule
 from app.state import RunDB, iso, read_heartbeat
 
 STATUS_SCHEMA = "cvm-tune/status/v1"

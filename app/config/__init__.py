@@ -15,8 +15,8 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from app.config_base import HEX64, _Closed
-from app.config_training import (
+from app.config.base import HEX64, _Closed
+from app.config.training import (
     EvaluationSettings,
     GpuTrainingSettings,
     LoraSettings,
@@ -25,11 +25,11 @@ from app.config_training import (
     TrainingSettings,
 )
 from app.errors import ConfigError
-from app.federated.settings import FederationSettings
+from app.config.federation import FederationSettings
 from attestation.http_edge import check_url as _edge_check_url
 from attestation.safe_yaml import parse_yaml
 
-__all__ = [  # with the training and evaluation sections of app.config_training
+__all__ = [  # with the training and evaluation sections of app.config.training
     "AlertSettings", "BaseModelSettings", "Config", "DatasetSettings", "DownloadSettings", "EvaluationSettings",
     "ExportSettings", "FederationSettings", "GpuTrainingSettings", "KeySettings", "LoraSettings", "LossWatchdogSettings",
     "OutputSettings", "PrivacySettings", "ScheduleSettings", "StateSettings", "TeeSettings", "TrainingSettings",

@@ -33,9 +33,7 @@ def _verify(args: argparse.Namespace) -> int:
     from attestation.round_verify import is_round_bundle
 
     if is_round_bundle(args.bundle) and not (args.base_model or args.dataset):  # a federated round (docs/federated.md)
-        from app.federated.verify_cli import verify_round_cli
-
-        return verify_round_cli(args, policy, now, coll)
+        return _verify_round(args, policy, now, coll)
     verdict = verify_bundle(args.bundle, policy=policy, now=now, collateral=coll,
                             base_model_dir=args.base_model, dataset_file=args.dataset)
     if args.parent is None:
@@ -75,7 +73,7 @@ def _print_with_parent(verdict: Verdict, parent: Verdict, problems: list[str], *
     return 0 if ok else EXIT_REJECTED
 
 
-SIMULATOR_POLICY_FILE = "simulator-test-policy.yaml"  # app.publish writes it next to exports/ on a simulator run
+SIMULATOR_POLICY_FILE = "simulator-test-policy.yaml"  # app.export.stage writes it next to exports/ on a simulator run
 
 
 def _simulator_hint(verdicts: list[tuple[Path, Verdict]]) -> None:
@@ -140,7 +138,7 @@ def _publish(args: argparse.Namespace) -> int:
 
     from attestation import load_policy, verify_bundle
 
-    from app import hub
+    from app.export import hub
 
     repo = hub.check_repo_id(args.repo)
     policy = load_policy(args.policy)
@@ -221,3 +219,16 @@ def _collateral(args: argparse.Namespace) -> int:
           f"{tcb.get('tcbEvaluationDataNumber')}")
     return 0
 
+
+def _verify_round(args: argparse.Namespace, policy: Any, now: int, collateral: Any) -> int:
+    """Verify ``args.bundle`` (and with ``--parent``, the previous round and the link); 0 accepted, 1 rejected."""
+    from attestation.round_verify import check_round_link, verify_round
+
+    verdict = verify_round(args.bundle, policy=policy, now=now, collateral=collateral)
+    if args.parent is None:
+        return _print_verdict(verdict, as_json=args.json)
+    parent = verify_round(args.parent, policy=policy, now=now)
+    return _print_with_parent(verdict, parent, check_round_link(args.bundle, args.parent), as_json=args.json,
+                              names=("round", "previous", f"previous round {args.parent}", "link"),
+                              linked="this round continued the previous one (manifest hash, round number, global "
+                              "adapter)")

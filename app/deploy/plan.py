@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Literal
 
 from attestation import compose as C
+from attestation.compose_audit import audit as compose_audit
 
-from app.deploy import check_env, read_env_file
+from app.deploy.app_compose import check_env, read_env_file
 from app.errors import ConfigError
 
 IMAGE_GB, SYSTEM_GB = 20, 10
@@ -92,7 +93,7 @@ def _check_inputs(app_compose: Path, env_file: Path) -> list[str]:
     if not app_compose.is_file():
         raise ConfigError(f"cannot read {app_compose}: no such file", fix="run cvm-tune app-compose first")
     doc = C.load(read_bounded(app_compose, C.MAX_APP_COMPOSE, C.ComposeError, "app-compose.json"))
-    if problems := C.audit(doc):
+    if problems := compose_audit(doc):
         raise ConfigError(f"{app_compose} fails its audit: " + "; ".join(problems), fix="regenerate it with cvm-tune app-compose")
     allowed = doc.get("allowed_envs") or []
     if not isinstance(allowed, list) or not all(isinstance(n, str) for n in allowed):

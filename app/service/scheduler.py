@@ -256,7 +256,7 @@ class Service:
         return outcome
 
     def _record_outcome(self, bundle: Path) -> str | None:
-        from app.continual import init_mode, record_outcome
+        from app.run.continual import init_mode, record_outcome
 
         try:
             return record_outcome(self.out, bundle, lineage=init_mode(self.cfg, service=True) == "previous")[1]
@@ -315,7 +315,7 @@ class Service:
 
     def _run_pipeline(self, *, run_id: str, slot: Slot, should_stop: Callable[[], str | None],
                       on_step: Callable[[int], None]) -> Any:
-        from app.pipeline import RunHooks, run_once
+        from app.run.pipeline import RunHooks, run_once
 
         hooks = RunHooks(should_stop=should_stop, on_step=on_step, slot=iso(slot.at), service=True)
         return run_once(self.cfg, progress=self.progress, run_id=run_id, hooks=hooks)

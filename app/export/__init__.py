@@ -19,7 +19,7 @@ from attestation import model_sig
 from attestation.hashing import files_digest, sha256_file
 
 import app
-from app import signing
+from app.export import signing
 from app.errors import ExportError
 
 LIBRARIES = ("torch", "transformers", "peft", "trl", "datasets", "accelerate", "dstack-sdk", "dcap-qvl", "cryptography")

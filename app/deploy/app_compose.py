@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attestation import compose as C
+from attestation.compose_audit import audit as compose_audit
 
-from app.bundles import TOKEN_ENV, read_token, token_sha256
+from app.service.bundles import TOKEN_ENV, read_token, token_sha256
 from app.errors import ConfigError
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # dstack-util/src/parse_env_file.rs
@@ -80,7 +81,7 @@ def render_deployment(template: str, image: str, settings: C.AppComposeSettings,
     settings = C.AppComposeSettings(**{**settings.__dict__, "allowed_envs": allowed})
     raw = C.render(text, settings, style=style)
     doc = C.load(raw)
-    if problems := C.audit(doc):
+    if problems := compose_audit(doc):
         raise ConfigError("the app-compose would fail its audit: " + "; ".join(problems),
                           fix="fix docker-compose.yaml (see docs/deploy.md)")
     digest = C.compose_hash(raw)

@@ -1,6 +1,6 @@
 """The base of every configuration section: closed (unknown keys refused), frozen, no inf/nan, no booleans for numbers.
 
-Kept apart from :mod:`app.config` so that section models defined elsewhere (e.g. ``app.federated.settings``) share it
+Kept apart from :mod:`app.config` so that section models defined elsewhere (e.g. ``app.config.federation``) share it
 without importing the whole configuration.
 """
 

@@ -24,12 +24,13 @@ from attestation.hashing import files_digest, sha256_file
 from attestation.policy import policy_file_text, simulator_policy
 
 import app
-from app import export, report
+from app import export
+from app.export import report
 from app.audit import AuditLog, AuditRecorder, utc_now
 from app.config import Config
 from app.errors import ExportError
 from app.fsutil import atomic_write_bytes, staged_dir
-from app.model_card import card_inputs, model_card
+from app.export.card import card_inputs, model_card
 from app.tee import GuestAgent, Identity
 
 SIMULATOR_POLICY_FILE = "simulator-test-policy.yaml"
@@ -59,11 +60,11 @@ class ExportInputs:
     base_tree: str
     base_files: dict[str, str]
     train: Any  # app.training.TrainResult
-    gpu: Any  # app.gpu evidence
+    gpu: Any  # app.run.gpu evidence
     log: AuditLog
     recorder: AuditRecorder
     slot: str | None
-    lineage: dict[str, str] | None = None  # the promoted bundle this run continued from (app.continual)
+    lineage: dict[str, str] | None = None  # the promoted bundle this run continued from (app.run.continual)
     evaluation: dict[str, Any] | None = None  # the promotion gate's scores and decision
     federation: dict[str, Any] | None = None  # the federated round this run trained for (app.federated)
 

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from app.config_base import HEX64, _Closed
+from app.config.base import HEX64, _Closed
 
 CLIENT_NAME = r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,99}$"
 

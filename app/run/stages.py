@@ -1,5 +1,5 @@
 """The input stages of a run: the guest agent, tonight's dataset version and its key, the decrypted rows, the base
-model and the token budget (:mod:`app.pipeline` runs them in this order, then trains, exports and attests).
+model and the token budget (:mod:`app.run.pipeline` runs them in this order, then trains, exports and attests).
 
 Each stage is a function with typed inputs and outputs; nothing here writes plaintext to disk.
 """
@@ -17,7 +17,7 @@ from attestation.hashing import sha256_hex, tree_digest
 
 from app import alerts
 from app.audit import AuditLog
-from app.build_info import build_info
+from app.run.build_info import build_info
 from app.config import Config
 from app.dataset import DerivedKeySource, KeySource, open_encrypted, parse_jsonl
 from app.dataset.key_request import ReleasedKeySource
@@ -25,7 +25,7 @@ from app.dataset.rows import split_eval_rows
 from app.dataset.sources import Located, download, locate
 from app.dataset.versions import check_version, rebuild_if_missing
 from app.errors import BaseModelError, DataError, EmptyDatasetError, KeyReleasePendingError, TeeError
-from app.run_inputs import base_model, dataset_file, key_source, open_dataset
+from app.run.inputs import base_model, dataset_file, key_source, open_dataset
 from app.tee import GuestAgent, Identity, open_guest_agent
 
 Progress = Callable[[str], None]

@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from attestation.privacy import NOISE_MAX, NOISE_MIN, PRV_MAX_STEPS
 
-from app.config_base import _Closed
+from app.config.base import _Closed
 
 
 class LoraSettings(_Closed):

@@ -3,7 +3,7 @@
 1. :func:`plan_stage`, once the training rows are known and before anything is written: the DP-SGD plan (noise
    multiplier derived or checked, delta below 1/N); a run that cannot fit its budget is refused (exit 2).
 2. :func:`reserve_stage`, once the run id is known: the lifetime budget of the dataset version is checked and the
-   planned epsilon reserved (``app.privacy_budget``).
+   planned epsilon reserved (``app.run.privacy_budget``).
 3. :func:`spent_stage`, after training: the ``privacy.spent`` audit entry (the manifest's ``privacy`` block) and
    the ledger's record of what the run actually spent.
 """
@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app import alerts, privacy_budget
+from app import alerts
+from app.run import privacy_budget
 from app.audit import AuditLog, AuditRecorder
 from app.errors import PrivacyLedgerError
 

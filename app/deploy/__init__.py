@@ -1,0 +1,1 @@
+"""Deployment to dstack: the measured app-compose and the machine plan."""

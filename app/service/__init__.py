@@ -1,0 +1,1 @@
+"""The nightly service around runs: scheduler, status, the state database, the bundles server."""
