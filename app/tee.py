@@ -145,6 +145,19 @@ class GuestAgent:
 
         return fetch_collateral(quote, pccs_url=pccs_url, timeout=timeout_s, retries=2, deadline_s=timeout_s)
 
+    def bundle_collateral(self, quote: bytes, *, mode: str, pccs_url: str, timeout_s: float) -> tuple[str | None, str]:
+        """``(collateral, why it is missing)`` for an export or round bundle: ``tee.collateral: none`` asks for none,
+        a failed fetch is returned with its reason (never raised: the bundle is still exported, and says so)."""
+        from attestation.errors import CollateralError
+
+        if mode == "none":
+            return None, "tee.collateral is 'none'"
+        try:
+            collateral = self.collateral(quote, pccs_url=pccs_url, timeout_s=timeout_s)
+        except CollateralError as exc:
+            return None, f"fetching it from {pccs_url} failed: {exc.message}"
+        return collateral, "" if collateral is not None else "the guest agent returned none"
+
 
 def _error_text(exc: httpx.HTTPStatusError) -> str:
     try:

@@ -239,3 +239,24 @@ def test_the_guest_agents_collateral_goes_through_the_edge_and_a_failure_is_rais
     with pytest.raises(PccsError, match="answered HTTP 503"):
         agent.collateral(QUOTE.read_bytes(), pccs_url=pccs.url, timeout_s=3)
     assert time.monotonic() - started < 6
+
+
+def test_a_bundle_without_collateral_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The export and round bundles get (collateral, why missing): a failed fetch is a reason, never swallowed."""
+    from app.tee import GuestAgent
+    from attestation.errors import CollateralError
+
+    agent = GuestAgent.__new__(GuestAgent)  # no guest agent needed: only the collateral fetch is exercised
+    calls: list[str] = []
+
+    def failing(self: GuestAgent, quote: bytes, *, pccs_url: str, timeout_s: float) -> str:
+        calls.append(pccs_url)
+        raise CollateralError("PCCS answered 503 three times")
+
+    monkeypatch.setattr(GuestAgent, "collateral", failing)
+    assert agent.bundle_collateral(b"q", mode="none", pccs_url="https://pccs.example", timeout_s=1) == (
+        None, "tee.collateral is 'none'") and calls == []
+    coll, why = agent.bundle_collateral(b"q", mode="auto", pccs_url="https://pccs.example", timeout_s=1)
+    assert coll is None and why == "fetching it from https://pccs.example failed: PCCS answered 503 three times"
+    monkeypatch.setattr(GuestAgent, "collateral", lambda self, quote, **_k: "{}")
+    assert agent.bundle_collateral(b"q", mode="auto", pccs_url="https://pccs.example", timeout_s=1) == ("{}", "")

@@ -19,7 +19,6 @@ from typing import Any
 from attestation import DEFAULT_POLICY, Verdict, verify_bundle
 from attestation import bundle as B
 from attestation.bundle_verify import INTEGRITY_CHECKS
-from attestation.errors import CollateralError
 from attestation.hashing import files_digest, sha256_file
 from attestation.policy import policy_file_text, simulator_policy
 
@@ -116,14 +115,8 @@ def export_bundle(x: ExportInputs, *, phase: Phase, timings: dict[str, float],
         (stage / B.QUOTE_HEX).write_text(quote.hex() + "\n")
         (stage / B.EVENT_LOG).write_text(event_log)
         with phase("collateral"):
-            collateral, missing = None, "tee.collateral is 'none'"
-            if x.cfg.tee.collateral != "none":
-                try:
-                    collateral = x.agent.collateral(quote, pccs_url=x.cfg.tee.pccs_url, timeout_s=x.cfg.tee.timeout_s)
-                except CollateralError as exc:
-                    missing = f"fetching it from {x.cfg.tee.pccs_url} failed: {exc.message}"
-                else:
-                    missing = "the guest agent returned none"
+            collateral, missing = x.agent.bundle_collateral(quote, mode=x.cfg.tee.collateral, pccs_url=x.cfg.tee.pccs_url,
+                                                            timeout_s=x.cfg.tee.timeout_s)
         if collateral is not None:
             (stage / B.COLLATERAL).write_text(collateral)
         else:

@@ -16,7 +16,6 @@ from attestation import DEFAULT_POLICY
 from attestation import bundle as B
 from attestation import round_bundle as R
 from attestation.bundle_verify import INTEGRITY_CHECKS
-from attestation.errors import CollateralError
 from attestation.hashing import sha256_file, sha256_hex
 from attestation.policy import Policy, simulator_policy
 from attestation.round_verify import verify_round
@@ -84,14 +83,8 @@ def export_round(out: Path, agg: Aggregator, rec: RoundRecord, aggregate: Any, a
             (stage / B.QUOTE_BIN).write_bytes(quote)
             (stage / B.QUOTE_HEX).write_text(quote.hex() + "\n")
             (stage / B.EVENT_LOG).write_text(event_log)
-            coll, missing = None, "tee.collateral is 'none'"
-            if agg.collateral != "none":
-                try:
-                    coll = agg.agent.collateral(quote, pccs_url=agg.pccs_url, timeout_s=agg.timeout_s)
-                except CollateralError as exc:
-                    missing = f"fetching it from {agg.pccs_url} failed: {exc.message}"
-                else:
-                    missing = "the guest agent returned none"
+            coll, missing = agg.agent.bundle_collateral(quote, mode=agg.collateral, pccs_url=agg.pccs_url,
+                                                        timeout_s=agg.timeout_s)
             if coll is not None:
                 (stage / B.COLLATERAL).write_text(coll)
             else:
