@@ -22,7 +22,12 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
     out = Path(cfg.output.dir).resolve()
     now = now or datetime.now(timezone.utc)
     db = RunDB.existing(out)
-    rows = db.recent(limit) if db is not None else []
+    try:  # closed before anything else is read: a status leaves no database side files behind
+        rows = db.recent(limit) if db is not None else []
+        adhoc = adhoc_runs(db, {r.id for r in rows}, limit)
+    finally:
+        if db is not None:
+            db.close()
     beat = read_heartbeat(out)
     budget = privacy_summary(out / "state", trusted_spend(chain_entries(out / "state" / "audit.jsonl"),
                                                         out / "exports"))
@@ -31,7 +36,7 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
         return json.dumps({"schema": STATUS_SCHEMA, "output": str(out), "heartbeat": beat,
                            "next_slot": {"run_id": nxt.run_id, "at": iso(nxt.at)},
                            "runs": [r.__dict__ for r in rows], "adapters": adapters(out),
-                           "adhoc_runs": adhoc_runs(db, {r.id for r in rows}, limit), "privacy_budget": budget},
+                           "adhoc_runs": adhoc, "privacy_budget": budget},
                           indent=2, sort_keys=True)
     lines = [f"cvm-tune service on {out}  (schedule {cfg.schedule.time} {cfg.schedule.timezone})"]
     if beat is None:
@@ -62,7 +67,6 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
         table.append((r.id, r.slot_time.replace("T", " ").rstrip("Z"), r.status, str(r.attempts),
                       (r.finished_at or "").replace("T", " ").rstrip("Z"),
                       str(losses[-1][0]) if losses else "", f"{losses[-1][1]:.4f}" if losses else "", tail))
-    adhoc = adhoc_runs(db, {r.id for r in rows}, limit)
     if len(table) == 1 and not adhoc:
         lines.append("no runs yet")
     elif len(table) > 1:
