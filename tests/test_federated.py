@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -111,9 +112,16 @@ def _run_simulation(server_cfg: Path, client_cfgs: list[Path]) -> None:
 
     client = ClientApp()
     client.train()(ReplayingClient(client_cfgs, CLIENTS.index(REPLAYER)))
-    run_simulation(server_app=make_server_app(server_cfg), client_app=client, num_supernodes=len(client_cfgs),
-                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    pythonpath = os.environ.get("PYTHONPATH")  # Flower's ray backend sets it to this process's sys.path
+    try:
+        run_simulation(server_app=make_server_app(server_cfg), client_app=client, num_supernodes=len(client_cfgs),
+                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                       "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    finally:  # later tests' subprocesses (a fresh venv among them) must not inherit this venv's site-packages
+        if pythonpath is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = pythonpath
 
 
 @pytest.fixture(scope="module")

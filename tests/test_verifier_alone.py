@@ -8,6 +8,7 @@ name what to install. Plus epsilon recomputed without torch, cross-checked with 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -38,15 +39,21 @@ def verifier(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("verifier-alone")
     tree = _tracked_tree(root / "tree")
     venv = root / ".venv-verify"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    done = subprocess.run(["sh", "requirements/install.sh", str(venv), "requirements/verify.lock"], cwd=tree,
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=_clean_env())
+    done = subprocess.run(["sh", "requirements/install.sh", str(venv), "requirements/verify.lock"], cwd=tree, env=_clean_env(),
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return venv / "bin"
 
 
+def _clean_env() -> dict[str, str]:
+    """A relying party's shell: nothing that points into the dev venv."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
 def _run(exe: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, cwd=exe.parent.parent)
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, cwd=exe.parent.parent,
+                          env=_clean_env())
 
 
 def test_the_verifier_venv_has_no_training_stack(verifier: Path) -> None:
@@ -79,7 +86,7 @@ def test_verify_quote_and_round_bundles_need_no_training_stack(verifier: Path, t
     (round_dir / "round-manifest.json").write_text("{}")
     rejected = _run(verifier / "cvm-tune", "verify", str(round_dir), "--policy", str(POLICY), "--now", NOW)
     assert rejected.returncode in (1, 2) and "internal error" not in rejected.stderr, rejected.stderr
-    probe = "import attestation.round_verify, app.federated.verify_cli, numpy, safetensors.numpy, dp_accounting"
+    probe = "import attestation.round_verify, app.cli.verify, numpy, safetensors.numpy, dp_accounting"
     assert _run(verifier / "python", "-c", probe).returncode == 0
 
 

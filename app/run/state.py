@@ -24,11 +24,18 @@ RUN_ID = re.compile(B.RUN_ID_PATTERN)
 
 
 def choose_run(out: Path, fingerprint: str, requested: str | None) -> tuple[str, bool, str]:
-    """(run_id, resuming, started_at): :func:`pick_run` on the volume's run database (a resumed run keeps its start)."""
-    with _ledger(out) as db:
+    """(run_id, resuming, started_at): :func:`pick_run` on the volume's run database (a resumed run keeps its start).
+    A volume without a database yet has nothing to resume, and nothing is written to it here: the run's first write
+    comes after its inputs were decrypted and validated."""
+    db = RunDB.existing(out)
+    if db is None:
+        return requested or new_run_id(), False, utc_now()
+    try:
         run_id, resuming = pick_run(db, fingerprint, requested)
         run = db.run(run_id) if resuming else None
         return run_id, resuming, run.started_at if run is not None else utc_now()
+    finally:
+        db.close()
 
 
 def record_start(out: Path, run_id: str, *, fingerprint: str, started_at: str) -> None:
@@ -81,8 +88,12 @@ def pick_run(db: RunDB, fingerprint: str, requested: str | None) -> tuple[str, b
     if newest and newest[0].status == "running" and newest[0].fingerprint == fingerprint \
             and not _exported(db, newest[0]):
         return newest[0].id, True
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return f"run-{stamp}-{secrets.token_hex(2)}", False
+    return new_run_id(), False
+
+
+def new_run_id() -> str:
+    """``run-<UTC time>-<4 hex>``."""
+    return f"run-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}-{secrets.token_hex(2)}"
 
 
 def _exported(db: RunDB, run: RunRecord) -> bool:
