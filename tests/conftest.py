@@ -4,14 +4,17 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import ssl  # noqa: E402
 import tempfile  # noqa: E402
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
 from app.simulator import GuestAgentSimulator, SimulatorServer  # noqa: E402
 from app.simulator.server import MAX_SOCKET_PATH  # noqa: E402
+from tests.loopback_http import Route  # noqa: E402
+from tests.loopback_http import Server as LoopbackServer  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -60,3 +63,17 @@ def demo_bundle(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     cfg.write_text(yaml.safe_dump({"output": {"dir": str(root / "out")}, "training": {"max_steps": 2, "save_steps": 2}}))
     assert main(["run", "--config", str(cfg)]) == 0
     return next((root / "out" / "exports").iterdir()), root / "out" / "simulator-test-policy.yaml"
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., LoopbackServer]]:
+    """``serve(route, tls=None)`` starts a :class:`tests.loopback_http.Server`; all are stopped after the test."""
+    servers: list[LoopbackServer] = []
+
+    def start(route: Route, tls: ssl.SSLContext | None = None) -> LoopbackServer:
+        servers.append(LoopbackServer(route, tls))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()

@@ -5,13 +5,12 @@ the test; every request loop is bounded."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -19,66 +18,12 @@ import pytest
 import yaml
 
 from app.errors import ConfigError, DataError, StateError
+from tests.loopback_http import Route, Server, send
 from tests.netguard import guard
 
 TOKEN = "t0ken-for-tests"
-Route = Callable[[BaseHTTPRequestHandler, threading.Event], None]
-
-
-class Server:
-    """A loopback HTTP server whose every GET is answered by ``route``; it records (path, Authorization)."""
-
-    def __init__(self, route: Route) -> None:
-        self.route, self.seen, self.stop = route, [], threading.Event()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self) -> None:  # noqa: N802
-                server.seen.append((self.path, self.headers.get("Authorization")))
-                with contextlib.suppress(OSError):
-                    server.route(self, server.stop)
-
-            do_POST = do_GET  # noqa: N815 (an alert webhook)
-
-            def log_message(self, *_a: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[[Route], Server]]:
-    servers: list[Server] = []
-
-    def start(route: Route) -> Server:
-        servers.append(Server(route))
-        return servers[-1]
-
-    yield start
-    for s in servers:
-        s.close()
-
-
-def _send(h: BaseHTTPRequestHandler, status: int, body: bytes = b"", **headers: str) -> None:
-    h.send_response(status)
-    for k, v in {"Content-Length": str(len(body)), **headers}.items():
-        h.send_header(k.replace("_", "-"), v)
-    h.end_headers()
-    h.wfile.write(body)
-
-
 def _json(h: BaseHTTPRequestHandler, doc: Any) -> None:
-    _send(h, 200, json.dumps(doc).encode(), Content_Type="application/json")
+    send(h, 200, json.dumps(doc).encode(), Content_Type="application/json")
 
 
 def _token_file(tmp_path: Path) -> Path:
@@ -103,7 +48,7 @@ def test_the_bundle_token_never_follows_a_redirect(serve: Callable[[Route], Serv
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """A 302 to another origin: refused, and the other origin sees no request at all (so never the token)."""
     elsewhere = serve(lambda h, _s: _json(h, []))
-    redirector = serve(lambda h, _s: _send(h, 302, Location=elsewhere.url + h.path))
+    redirector = serve(lambda h, _s: send(h, 302, Location=elsewhere.url + h.path))
     with pytest.raises(StateError, match="redirected"):
         from app.service.bundles import list_runs
 
@@ -145,11 +90,11 @@ def test_the_bundle_client_refuses_malformed_answers_and_writes_nothing(
         runs: bytes | None, listing: bytes | None, want: str) -> None:
     def route(h: BaseHTTPRequestHandler, _s: threading.Event) -> None:
         if h.path == "/v1/runs":
-            _send(h, 200, runs or b"[]")
+            send(h, 200, runs or b"[]")
         elif h.path == "/v1/bundles/run-1":
-            _send(h, 200, listing or b"{}")
+            send(h, 200, listing or b"{}")
         else:
-            _send(h, 200, b"0123456789")  # every file: 10 bytes
+            send(h, 200, b"0123456789")  # every file: 10 bytes
 
     server = serve(route)
     token, out = str(_token_file(tmp_path)), tmp_path / "out"
@@ -189,10 +134,10 @@ def test_a_bundle_is_fetched_whole_and_a_bad_token_file_is_an_input_error(serve:
 
     def route(h: BaseHTTPRequestHandler, _s: threading.Event) -> None:
         if h.headers.get("Authorization") != f"Bearer {TOKEN}":
-            return _send(h, 401)
+            return send(h, 401)
         if h.path == "/v1/bundles/run-1":
             return _json(h, {"run_id": "run-1", "files": {k: len(v) for k, v in files.items()}})
-        _send(h, 200, files[h.path.removeprefix("/v1/bundles/run-1/").replace("%2F", "/")])
+        send(h, 200, files[h.path.removeprefix("/v1/bundles/run-1/").replace("%2F", "/")])
 
     server = serve(route)
     code, _ = _cli(capsys, "bundles", "fetch", server.url, "run-1", "--token-file", str(_token_file(tmp_path)),
@@ -249,7 +194,7 @@ def _download(url: str, inbox: Path, **kw: Any) -> Path:
 
 
 def test_a_redirect_to_plain_http_elsewhere_is_not_followed(serve: Callable[[Route], Server], tmp_path: Path) -> None:
-    server = serve(lambda h, _s: _send(h, 302, Location="http://example.com/tickets.cvmds"))
+    server = serve(lambda h, _s: send(h, 302, Location="http://example.com/tickets.cvmds"))
     with guard(allow_loopback=True) as attempts, pytest.raises(DataError, match="plain http is allowed only on loopback"):
         _download(server.url + "/current.cvmds", tmp_path / "inbox")
     assert attempts == [] and len(server.seen) == 1
@@ -302,7 +247,7 @@ def test_a_full_disk_while_downloading_is_a_state_error_and_leaves_no_partial_fi
     from app.dataset.sources import PART, PART_META
 
     body = b"z" * 200_000
-    server = serve(lambda h, _s: _send(h, 200, body, ETag='"v1"'))
+    server = serve(lambda h, _s: send(h, 200, body, ETag='"v1"'))
     inbox = tmp_path / "inbox"
     inbox.mkdir()
     (inbox / PART).symlink_to("/dev/full")  # every write to the partial download fails with ENOSPC
@@ -322,10 +267,10 @@ def test_the_bundle_client_retries_a_busy_server_then_fetches(serve: Callable[[R
 
     monkeypatch.setattr(bundles, "BACKOFF_S", 0.01)
     answers = iter([(503, b"busy"), (429, b"slow down")])
-    server = serve(lambda h, _s: _send(h, *next(answers, (200, b'[{"run_id": "run-1"}]')), Retry_After="0"))
+    server = serve(lambda h, _s: send(h, *next(answers, (200, b'[{"run_id": "run-1"}]')), Retry_After="0"))
     assert [r["run_id"] for r in bundles.list_runs(server.url, TOKEN)] == ["run-1"]
-    assert len(server.seen) == 3 and {auth for _p, auth in server.seen} == {f"Bearer {TOKEN}"}
-    down = serve(lambda h, _s: _send(h, 503, b"busy"))
+    assert len(server.seen) == 3 and {h.get("Authorization") for _m, _p, h in server.seen} == {f"Bearer {TOKEN}"}
+    down = serve(lambda h, _s: send(h, 503, b"busy"))
     with pytest.raises(StateError, match=r"HTTP 503 \(after 3 attempts\)"):
         bundles.list_runs(down.url, TOKEN)
     assert len(down.seen) == bundles.RETRIES + 1
@@ -336,8 +281,8 @@ def test_an_alert_is_never_redirected_nor_sent_over_plain_http_elsewhere(serve: 
     from app import alerts
     from app.config import AlertSettings
 
-    elsewhere = serve(lambda h, _s: _send(h, 200))
-    redirector = serve(lambda h, _s: _send(h, 307, Location=elsewhere.url + "/hook"))
+    elsewhere = serve(lambda h, _s: send(h, 200))
+    redirector = serve(lambda h, _s: send(h, 307, Location=elsewhere.url + "/hook"))
     settings = AlertSettings(retries=2)
     assert not alerts.send(settings, {"event": "failed"}, output=tmp_path, env={"CVM_TUNE_ALERT_WEBHOOK":
                                                                                 redirector.url + "/hook"})
@@ -350,7 +295,7 @@ def test_an_alert_is_never_redirected_nor_sent_over_plain_http_elsewhere(serve: 
 
 def test_the_dataset_download_honours_retry_after_within_its_cap(serve: Callable[[Route], Server],
                                                                  tmp_path: Path) -> None:
-    server = serve(lambda h, _s: _send(h, 503, b"busy", Retry_After="86400"))
+    server = serve(lambda h, _s: send(h, 503, b"busy", Retry_After="86400"))
     waits: list[float] = []
     with pytest.raises(DataError, match=r"after 3 attempt\(s\): HTTP 503"):
         _download(server.url + "/current.cvmds", tmp_path / "inbox", retries=2, backoff_s=1.0, sleep=waits.append)

@@ -10,8 +10,8 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -30,66 +30,8 @@ from attestation.http_edge import (
     parse_retry_after,
     retry,
 )
+from tests.loopback_http import Route, Server, send
 from tests.netguard import guard
-
-Route = Callable[[BaseHTTPRequestHandler, threading.Event], None]
-
-
-class Server:
-    """A loopback HTTP(S) server answering every request with ``route``; records (method, path, headers)."""
-
-    def __init__(self, route: Route, tls: ssl.SSLContext | None = None) -> None:
-        self.route, self.seen, self.stop = route, [], threading.Event()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def _any(self) -> None:
-                server.seen.append((self.command, self.path, dict(self.headers)))
-                with contextlib.suppress(OSError):
-                    server.route(self, server.stop)
-
-            do_GET = do_POST = _any  # noqa: N815
-
-            def log_message(self, *_a: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.httpd.handle_error = lambda *_a: None  # type: ignore[method-assign]  # a refused handshake is expected
-        if tls is not None:
-            self.httpd.socket = tls.wrap_socket(self.httpd.socket, server_side=True)
-        self.port = self.httpd.server_address[1]
-        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture
-def serve() -> Iterator[Callable[..., Server]]:
-    servers: list[Server] = []
-
-    def start(route: Route, tls: ssl.SSLContext | None = None) -> Server:
-        servers.append(Server(route, tls))
-        return servers[-1]
-
-    yield start
-    for s in servers:
-        s.close()
-
-
-def _send(h: BaseHTTPRequestHandler, status: int, body: bytes = b"", **headers: str) -> None:
-    h.send_response(status)
-    for k, v in {"Content-Length": str(len(body)), **headers}.items():
-        h.send_header(k.replace("_", "-"), v)
-    h.end_headers()
-    h.wfile.write(body)
-
 
 def loopback(url: str) -> urllib.parse.SplitResult:
     return check_url(url, "the test URL")
@@ -173,11 +115,11 @@ def test_a_wait_past_the_deadline_is_not_started() -> None:
 
 
 def test_a_busy_server_is_transient_with_its_retry_after(serve: Callable[..., Server]) -> None:
-    busy = serve(lambda h, _s: _send(h, 503, b"busy", Retry_After="2"))
+    busy = serve(lambda h, _s: send(h, 503, b"busy", Retry_After="2"))
     with pytest.raises(Transient) as info:
         _get(busy.url + "/x")
     assert info.value.status == 503 and info.value.retry_after == 2.0
-    down = serve(lambda h, _s: _send(h, 404))
+    down = serve(lambda h, _s: send(h, 404))
     assert _get(down.url + "/x")[0] == 404  # an answer, not a failure: the caller decides; never retried
 
 
@@ -217,8 +159,8 @@ def test_a_dripping_server_is_cut_off_at_the_deadline(serve: Callable[..., Serve
 
 
 def test_no_redirect_is_followed_unless_allowed_and_each_target_is_checked(serve: Callable[..., Server]) -> None:
-    elsewhere = serve(lambda h, _s: _send(h, 200, b"elsewhere"))
-    redirector = serve(lambda h, _s: _send(h, 302, Location=elsewhere.url + "/moved"))
+    elsewhere = serve(lambda h, _s: send(h, 200, b"elsewhere"))
+    redirector = serve(lambda h, _s: send(h, 302, Location=elsewhere.url + "/moved"))
     with pytest.raises(Redirected) as info:
         _get(redirector.url + "/x", headers={"Authorization": "Bearer secret"})
     assert info.value.status == 302 and info.value.location == elsewhere.url + "/moved"
@@ -237,7 +179,7 @@ def test_no_redirect_is_followed_unless_allowed_and_each_target_is_checked(serve
     assert (status, body) == (200, b"elsewhere")
     assert [(m, p) for m, p, _h in elsewhere.seen] == [("GET", "/moved")]
     assert "Authorization" not in elsewhere.seen[0][2]  # dropped when the origin changed
-    loop = serve(lambda h, _s: _send(h, 302, Location="/again"))
+    loop = serve(lambda h, _s: send(h, 302, Location="/again"))
     with pytest.raises(Redirected, match="more than 2 redirects"):
         _get(loop.url + "/x", redirects=2)
     assert len(loop.seen) == 3
@@ -261,7 +203,7 @@ def test_bodies_are_bounded(serve: Callable[..., Server]) -> None:
 
 
 def test_an_encoded_body_is_refused(serve: Callable[..., Server]) -> None:
-    server = serve(lambda h, _s: _send(h, 200, b"\x1f\x8b...", Content_Encoding="gzip"))
+    server = serve(lambda h, _s: send(h, 200, b"\x1f\x8b...", Content_Encoding="gzip"))
     with pytest.raises(EdgeError, match="'gzip'-encoded body"):
         _get(server.url + "/x")
     assert server.seen[0][2]["Accept-Encoding"] == "identity"
@@ -323,7 +265,7 @@ def test_proxies_and_netrc_from_the_environment_are_ignored(serve: Callable[...,
         netrc.write_text("machine 127.0.0.1 login alice password s3cret\n")
         netrc.chmod(0o600)
         monkeypatch.setenv("NETRC", str(netrc))
-        target = serve(lambda h, _s: _send(h, 200, b"direct"))
+        target = serve(lambda h, _s: send(h, 200, b"direct"))
         # control: a plain requests call does follow the environment here, so the check below means something
         assert requests.get(target.url + "/x", timeout=5).status_code == 502 and proxy.connections == 1
         assert _get(target.url + "/x")[:2] == (200, b"direct")
@@ -364,7 +306,7 @@ def _self_signed(tmp_path: Path) -> tuple[ssl.SSLContext, Path]:
 def test_tls_is_verified_and_a_ca_bundle_from_the_environment_is_ignored(
         serve: Callable[..., Server], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ctx, pem = _self_signed(tmp_path)
-    server = serve(lambda h, _s: _send(h, 200, b"secret"), tls=ctx)
+    server = serve(lambda h, _s: send(h, 200, b"secret"), tls=ctx)
     monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(pem))
     monkeypatch.setenv("CURL_CA_BUNDLE", str(pem))
     started = time.monotonic()
