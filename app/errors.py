@@ -68,6 +68,10 @@ class RowError(DataError):
     """A JSONL row is malformed or has the wrong schema (message names file and line, never content)."""
 
 
+class TableError(DataError):
+    """A Parquet or Arrow dataset cannot be read (truncated, corrupt) or has columns rows cannot use."""
+
+
 class EmptyDatasetError(DataError):
     """No trainable rows are left."""
 
@@ -130,6 +134,21 @@ class KeyGrantError(KeySourceError):
     """The owner's key grant is malformed, not for this request, not signed by the pinned owner, or does not open."""
 
     default_fix = "ask the data owner for a new grant for the current key request (cvm-tune dataset release)"
+
+
+class NotARecipientError(KeySourceError):
+    """Confidential weights: none of the age identities given is a recipient of the bundle's weight files."""
+
+    default_fix = "pass the age identity file (age-keygen) of a recipient the dataset's owner or export.recipients named"
+
+
+class CiphertextRejected(CvmTuneError):
+    """Confidential weights: a weight file is not the ciphertext its manifest binds (altered or truncated), or it
+    decrypts to other bytes than the manifest's plaintext hash. Nothing was written."""
+
+    exit_code = 1
+    category = "rejected"
+    default_fix = "fetch the bundle again (cvm-tune bundles fetch) and run `cvm-tune verify` on it"
 
 
 class KeyReleaseRefusedError(CvmTuneError):

@@ -17,6 +17,10 @@ it once. A database newer than :data:`SCHEMA_VERSION` is refused before anything
   bundle. The files stay where they are, unread from then on: the import is part of the database transaction and
   the files are its input, so a failed or interrupted migration has nothing on disk to undo and the files remain
   the record of what was imported.
+* **2 → 3** ``m003_api``: the training API's records (``app.api``): ``api_models`` (one row per trained model: its
+  owner's key hash, LoRA configuration, op-chain head and op count), ``api_futures`` (every accepted operation: its
+  owner, session, model, kind, status and, once done, the result bytes and their content type) and
+  ``api_checkpoints`` (every saved state: its ``tinker://`` path, files and export bundle).
 """
 
 from __future__ import annotations
@@ -66,6 +70,22 @@ def m002_run_ledger(conn: sqlite3.Connection, out: Path) -> None:
                      " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                      (run["run_id"], run["status"], run["fingerprint"], run["started_at"], run["bundle"],
                       run["promoted"], run["run_id"] if run["run_id"] in slots else None, seq))
+
+
+@migration
+def m003_api(conn: sqlite3.Connection, out: Path) -> None:
+    """The training API's models, futures and checkpoints (new tables; nothing existing changes)."""
+    conn.execute("CREATE TABLE api_models (id TEXT PRIMARY KEY, owner TEXT NOT NULL, session_id TEXT NOT NULL,"
+                 " base_model TEXT NOT NULL, lora TEXT NOT NULL, dp TEXT, op_head TEXT NOT NULL, ops INTEGER NOT NULL,"
+                 " created_at TEXT NOT NULL)")
+    conn.execute("CREATE TABLE api_futures (id TEXT PRIMARY KEY, owner TEXT NOT NULL, session_id TEXT NOT NULL,"
+                 " model_id TEXT, kind TEXT NOT NULL, status TEXT NOT NULL CHECK (status IN ('pending','done','failed')),"
+                 " content_type TEXT, result BLOB, created_at TEXT NOT NULL, finished_at TEXT)")
+    conn.execute("CREATE INDEX api_futures_pending ON api_futures (status, session_id)")
+    conn.execute("CREATE TABLE api_checkpoints (path TEXT PRIMARY KEY, owner TEXT NOT NULL, model_id TEXT NOT NULL,"
+                 " kind TEXT NOT NULL CHECK (kind IN ('training','sampler')), name TEXT NOT NULL, dir TEXT NOT NULL,"
+                 " bundle TEXT, op_head TEXT NOT NULL, ops INTEGER NOT NULL, lora TEXT NOT NULL,"
+                 " created_at TEXT NOT NULL)")
 
 
 SCHEMA_VERSION = len(MIGRATIONS)

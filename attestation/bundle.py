@@ -32,6 +32,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from attestation.confidential import ConfidentialityInfo
 from attestation.gpu import FILE as GPU_EVIDENCE
 from attestation.gpu import GpuInfo
 
@@ -145,6 +146,10 @@ class DatasetInfo(_Closed):
     commitment: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the owner-signed statement")
     # Counted row-policy decisions (duplicates, too long, no trainable token): counts only, never content.
     validation: dict[str, int] | None = None
+    # The plaintext's format and the SHA-256 of its validated rows as canonical JSONL (the same for a Parquet, Arrow
+    # or JSONL file of the same rows). Absent in bundles made before tables were accepted.
+    plaintext_format: Literal["jsonl", "parquet", "arrow"] | None = None
+    rows_sha256: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
 
 
 class TeeInfo(_Closed):
@@ -186,6 +191,14 @@ class BatchInfo(_Closed):
     adjustments: list[BatchAdjustment]
 
 
+class DpoInfo(_Closed):
+    """Preference training (``training.objective: dpo``): the reference is the base model (adapter disabled)."""
+
+    beta: float = Field(gt=0)
+    loss_type: Literal["sigmoid", "hinge", "ipo"]
+    reference: Literal["base model (adapter disabled)"]
+
+
 class TrainingInfo(_Closed):
     seed: int
     global_step: int
@@ -196,6 +209,9 @@ class TrainingInfo(_Closed):
     effective_batch_size: int
     batch: BatchInfo | None = None
     eval_losses: list[tuple[int, float]] | None = None
+    # The training objective and, for dpo, its settings; absent in bundles made before DPO (they are sft).
+    objective: Literal["sft", "dpo"] = "sft"
+    dpo: DpoInfo | None = None
 
 
 class AuditInfo(_Closed):
@@ -228,10 +244,13 @@ class LineageInfo(_Closed):
 class EvaluationInfo(_Closed):
     """The promotion gate: candidate and parent scored on the owner's eval rows, and the decision."""
 
-    metric: Literal["loss"]
+    metric: Literal["loss", "dpo_loss"]  # dpo_loss: the mean DPO loss against the base model (objective dpo)
     rows: int = Field(ge=1)
     candidate_loss: float
     parent_loss: float
+    # dpo_loss only: share of eval pairs whose chosen answer the model prefers over the rejected one (vs the base)
+    candidate_accuracy: float | None = Field(None, ge=0, le=1)
+    parent_accuracy: float | None = Field(None, ge=0, le=1)
     parent: str  # "run <id>" or "the base model"
     max_regression: float = Field(ge=0)
     promote: bool
@@ -301,6 +320,23 @@ class PrivacyInfo(_Closed):
     target_epsilon: float = Field(gt=0)
 
 
+class OpChainInfo(_Closed):
+    """A training-API checkpoint (``cvm-tune api serve``): the head of the SHA-256 chain over every
+    forward_backward and optim_step applied to the model, in order (``attestation.op_chain``), the LoRA and the
+    last Adam parameters. ``cvm-tune verify BUNDLE --ops OPS.jsonl`` recomputes the head from the client's record."""
+
+    schema_: Literal["cvm-tune/op-chain/v1"] = Field("cvm-tune/op-chain/v1", alias="schema")
+    head: Hex64 = _H64
+    ops: int = Field(ge=0)
+    optimizer_steps: int = Field(ge=0)
+    checkpoint: str
+    lora: dict[str, int | bool | None]
+    adam_params: dict[str, float] | None = None
+    # DP-SGD (opt-in per model): noise_multiplier, max_grad_norm, dataset_size, batch_size, sample_rate, delta,
+    # accountant, steps and the epsilon spent (each optim_step's is also in the chain). None: trained without DP.
+    dp: dict[str, float | int | str] | None = None
+
+
 class Manifest(_Closed):
     """The provenance manifest (schema ``cvm-tune/manifest/v1``)."""
 
@@ -323,3 +359,5 @@ class Manifest(_Closed):
     signing: SigningInfo | None = None  # absent only in bundles from before model signatures
     privacy: PrivacyInfo | None = None  # absent: trained without differential privacy
     federation: FederationInfo | None = None  # None: not trained for a federated round
+    op_chain: OpChainInfo | None = None  # None: not a training-API checkpoint
+    confidentiality: ConfidentialityInfo | None = None  # None: weights in plaintext (attestation.confidential)

@@ -34,7 +34,7 @@ from pydantic import ValidationError
 
 from attestation import bundle as B
 from attestation import compose as C
-from attestation import input_checks, model_sig, privacy
+from attestation import confidential_verify, input_checks, privacy
 from attestation.audit import AuditEntry, AuditFormatError, chain_problems, parse_entry, parse_lines
 from attestation.dcap import Collateral, parse_collateral
 from attestation.errors import AttestationError, BundleError
@@ -54,6 +54,7 @@ INTEGRITY_CHECKS = frozenset({
     "bundle.files", "manifest.schema", "manifest.files", "quote.parse", "quote.hex", "quote.padding", "report_data",
     "event_log.parse", "event_log.replay", "event_log.boot", "compose.hash", "tee.app_id", "audit.chain",
     "audit.rtmr3", "base_model.tree", "gpu.evidence", "evaluation.decision", "model.signature", "privacy.dp",
+    "confidential.outputs", "confidential.plaintext",
 })
 
 
@@ -65,6 +66,7 @@ def verify_bundle(
     collateral: Collateral | None = None,
     base_model_dir: Path | None = None,
     dataset_file: Path | None = None,
+    identities: list | None = None,  # age identities (attestation.confidential.load_identities): decrypt the weights
 ) -> Verdict:
     """Verify ``bundle_dir`` under ``policy`` at unix time ``now``.
 
@@ -102,7 +104,7 @@ def verify_bundle(
         _audit(f, entries, config_bytes, manifest, policy)
         _gpu(f, root, manifest, events, entries)
         input_checks.evaluation(f, manifest, config_bytes)
-        model_sig.check(f, root, manifest)
+        confidential_verify.check(f, root, manifest, identities, dataset_file)  # B16 (+ C1, C2 when encrypted)
         privacy.check(f, manifest, policy, config_bytes)
         input_checks.inputs(f, manifest, base_model_dir, dataset_file)
     return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
@@ -314,7 +316,8 @@ def _entry_contents(entries: list[AuditEntry], m: B.Manifest, config_bytes: byte
     }
     training_sha = B.training_config_sha256(config_bytes) if config_bytes is not None else None
     last = {
-        "train.done": {"global_step": m.training.global_step, "adapter_sha256": {k: m.files[k] for k in B.ADAPTER_FILES}},
+        "train.done": {"global_step": m.training.global_step,  # encrypted weights: train.done names the plaintext
+                       "adapter_sha256": {k: confidential_verify.trained_hash(m, k) for k in B.ADAPTER_FILES}},
         "export": {"artifacts_sha256": files_digest({k: m.files[k] for k in B.ARTIFACT_FILES})},
         "privacy.spent": m.privacy.model_dump(mode="json") if m.privacy is not None else {"mechanism": None},
     }

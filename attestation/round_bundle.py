@@ -14,6 +14,14 @@ The aggregator of a federated round writes ``rounds/<federation>/round-<NNNN>/``
 
 **report_data** = ``SHA-512(b"cvm-tune-round-v1:" || round-manifest.json bytes)`` (a tag of its own, so a round
 manifest can never pass for a client manifest or the other way round).
+
+**Secure aggregation** (``federation.secure_aggregation``): before round 1 the aggregator attests its age recipient in
+``aggregator-key.json`` (:class:`AggregatorKey`; report_data = ``SHA-512(b"cvm-tune-aggregator-key-v1:" || bytes)``)
+and sends it, with its quote, event log, app-compose and collateral, in every train message; a client checks it and
+encrypts its bundle's weights to that recipient too. The round manifest then names ``aggregator_recipient`` and a
+``confidentiality`` block: the global adapter file is age ciphertext to the admitted clients' CVM keys and the
+aggregator's, ``global_adapter_sha256`` is the SHA-256 of its plaintext (what the next round's clients record), and
+the client bundles hold their adapters only as ciphertext (``attestation.confidential``).
 """
 
 from __future__ import annotations
@@ -24,8 +32,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from attestation.bundle import RUN_ID_PATTERN, CodeInfo, TeeInfo
+from attestation.confidential import RECIPIENT
 
 ROUND_SCHEMA = "cvm-tune/round-manifest/v1"
+KEY_SCHEMA = "cvm-tune/aggregator-key/v1"
+KEY_REPORT_DATA_TAG = b"cvm-tune-aggregator-key-v1"
+KEY_DOC = "aggregator-key.json"
 ROUND_REPORT_DATA_TAG = b"cvm-tune-round-v1"
 ROUND_MANIFEST = "round-manifest.json"
 GLOBAL_ADAPTER = "adapter/adapter_model.safetensors"
@@ -63,8 +75,34 @@ def round_report_data(manifest_bytes: bytes) -> bytes:
     return hashlib.sha512(ROUND_REPORT_DATA_TAG + b":" + manifest_bytes).digest()
 
 
+def key_report_data(doc_bytes: bytes) -> bytes:
+    """The 64-byte report_data that binds the aggregator's quote to these exact aggregator-key.json bytes."""
+    return hashlib.sha512(KEY_REPORT_DATA_TAG + b":" + doc_bytes).digest()
+
+
 class _Closed(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AggregatorKey(_Closed):
+    """``aggregator-key.json``: the age recipient of the aggregator CVM's key (GetKey ``cvm-tune/outputs/v1``),
+    bound by the aggregator's quote; clients encrypt their updates to it."""
+
+    schema_: Literal["cvm-tune/aggregator-key/v1"] = Field(KEY_SCHEMA, alias="schema")
+    federation_id: str = Field(pattern=rf"^{RUN_ID_PATTERN}$")
+    recipient: str = Field(pattern=rf"^{RECIPIENT}$")
+    created_at: str
+    tee: TeeInfo
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class RoundConfidentiality(_Closed):
+    """Secure aggregation: who can read the global adapter file, and the SHA-256 of its plaintext."""
+
+    scheme: Literal["age-v1/x25519"] = "age-v1/x25519"
+    recipients: tuple[str, ...] = Field(min_length=1)  # the admitted clients' CVM keys and the aggregator's, sorted
+    plaintext_sha256: str = Field(pattern=_H64)
 
 
 class StrategyInfo(_Closed):
@@ -109,10 +147,12 @@ class RoundManifest(_Closed):
     strategy: StrategyInfo
     min_clients: int = Field(ge=1)
     global_adapter_in_sha256: str | None = Field(None, pattern=_H64)  # what the clients started from
-    global_adapter_sha256: str = Field(pattern=_H64)  # the aggregate: sha256 of adapter/adapter_model.safetensors
+    global_adapter_sha256: str = Field(pattern=_H64)  # the aggregate: sha256 of its safetensors (plaintext) bytes
     previous_round_sha256: str | None = Field(None, pattern=_H64)  # sha256 of the previous round-manifest.json
     admitted: list[AdmittedClient] = Field(min_length=1)
     rejected: list[RejectedClient]
     files: dict[str, str]  # app-compose.json and the global adapter -> sha256
+    aggregator_recipient: str | None = Field(None, pattern=rf"^{RECIPIENT}$")  # secure aggregation: updates go to it
+    confidentiality: RoundConfidentiality | None = None  # secure aggregation: the global adapter is ciphertext
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)

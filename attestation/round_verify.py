@@ -15,6 +15,8 @@ Steps (after ``attestation.verify``'s quote steps on the aggregator's quote):
                          (epsilon, delta) = its manifest's ``privacy``
  R9 ``round.aggregate``  FedAvg/FedProx: the global adapter is recomputed from the client adapters (weighted mean);
                          FedYogi: skipped (server optimizer state is not in the bundle; the quote attests it)
+ R10 ``round.confidential`` secure aggregation: updates encrypted to the aggregator, the global adapter to the admitted
+                         clients' CVM keys; R9 then only with identities that decrypt them (``attestation.round_confidential``)
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pydantic import ValidationError
 
 from attestation import bundle as B
 from attestation import round_bundle as R
+from attestation import round_confidential
 from attestation.bundle_verify import (
     _bundle_collateral,
     _compose_and_app_id,
@@ -54,10 +57,12 @@ def is_round_bundle(path: Path) -> bool:
     return (Path(path) / R.ROUND_MANIFEST).is_file()
 
 
-def verify_round(round_dir: Path, *, policy: Policy, now: int, collateral: Collateral | None = None) -> Verdict:
+def verify_round(round_dir: Path, *, policy: Policy, now: int, collateral: Collateral | None = None,
+                 identities: list | None = None) -> Verdict:
     """Verify ``round_dir`` and the client bundles it holds under ``policy`` at unix time ``now``.
 
     One policy covers the aggregator and the clients: list both roles' compose-hashes in ``compose_hashes``.
+    ``identities`` (age identities): with secure aggregation, recompute the aggregate if they decrypt every update.
 
     Raises:
         BundleError: the directory does not exist or holds no round-manifest.json.
@@ -73,7 +78,8 @@ def verify_round(round_dir: Path, *, policy: Policy, now: int, collateral: Colla
         _file_hashes(f, root, m)
         clients = _clients(f, root, m, policy, now)
         _terms_and_weights(f, m, clients)
-        _aggregate(f, root, m)
+        round_confidential.check(f, m, clients)  # R10: secure aggregation
+        _aggregate(f, root, m, identities)
     return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
 
 
@@ -147,7 +153,9 @@ def _file_hashes(f: QuoteFindings, root: Path, m: R.RoundManifest) -> None:
     bad = file_problems(root, m.files)
     if set(m.files) != {B.APP_COMPOSE, R.GLOBAL_ADAPTER}:
         bad.append("the manifest's files are not app-compose.json and the global adapter")
-    if m.files.get(R.GLOBAL_ADAPTER) != m.global_adapter_sha256:
+    if m.confidentiality is not None:  # secure aggregation: the file is ciphertext, the hash names the plaintext
+        bad += round_confidential.global_problems(root, m)
+    elif m.files.get(R.GLOBAL_ADAPTER) != m.global_adapter_sha256:
         bad.append("global_adapter_sha256 is not the global adapter file's hash")
     f.add("round.file_hashes", "fail" if bad else "pass", "; ".join(bad) or f"{len(m.files)} file hashes match")
 
@@ -208,21 +216,23 @@ def _terms_and_weights(f: QuoteFindings, m: R.RoundManifest, clients: dict[str, 
           f"weights = trainable tokens / {total}")
 
 
-def _aggregate(f: QuoteFindings, root: Path, m: R.RoundManifest) -> None:
+def _aggregate(f: QuoteFindings, root: Path, m: R.RoundManifest, identities: list | None = None) -> None:
     if m.strategy.name not in R.RECOMPUTABLE:
         f.add("round.aggregate", "skip", f"{m.strategy.name} keeps server-side optimizer state: the aggregate is "
               "attested by the aggregator's quote, not recomputed")
         return
     import numpy as np
-    from safetensors.numpy import load_file
 
     try:
+        loaded = round_confidential.load_plain(root, m, identities)  # decrypted in memory when the round is secure
+        if isinstance(loaded, str):
+            f.add("round.aggregate", "skip", loaded)
+            return
         total = None
-        for a in m.admitted:  # the aggregator's order and float32 arithmetic
-            tensors = load_file(str(root / R.CLIENTS_DIR / a.client / B.ADAPTER_FILES[1]))
+        for a, tensors in zip(m.admitted, loaded[0]):  # the aggregator's order and float32 arithmetic
             scaled = {k: v * a.weight for k, v in tensors.items()}
             total = scaled if total is None else {k: total[k] + scaled[k] for k in total}
-        result = load_file(str(root / R.GLOBAL_ADAPTER))
+        result = loaded[1]
     except Exception as exc:  # noqa: BLE001 - SafetensorError, KeyError, a shape or dtype mismatch: not recomputable
         f.add("round.aggregate", "fail", f"cannot recompute the aggregate: {type(exc).__name__}: {str(exc)[:100]}")
         return

@@ -10,7 +10,7 @@ look at. The layers, lowest first (docs/development.md has the map):
     app.training
     app.export             the export bundle: manifest, model directories, card, signature, report, Hub
     app.run                one run, top to bottom: pipeline and its stages
-    app.federated, app.service
+    app.federated, app.service, app.api   (app.api: the training API)
     app.deploy
     app.cli                the commands
 
@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("app.training",),
     ("app.export",),
     ("app.run",),
-    ("app.federated", "app.service"),
+    ("app.federated", "app.service", "app.api"),
     ("app.deploy",),
     ("app.cli",),
     ("app.__main__",),  # `python -m app`: the commands

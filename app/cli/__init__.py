@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import app
+from app.cli import adapter as cli_adapter
+from app.cli import api as cli_api
 from app.cli import federated as cli_federated
 from app.cli import owner as cli_owner
 from app.cli.args import bounded_int
@@ -34,7 +36,8 @@ EXIT_INTERNAL = 70
 EXIT_BROKEN_PIPE = 141  # as a shell reports a process killed by SIGPIPE
 # Import names of pyproject's [train] and [gpu] extras: requirements/verify.lock installs none of them.
 TRAINING_STACK = frozenset({"dstack_sdk", "eth_keys", "torch", "transformers", "peft", "trl", "datasets", "accelerate",
-                            "opacus", "schedule", "pytz", "matplotlib", "huggingface_hub", "flwr", "unsloth",
+                            "opacus", "schedule", "pytz", "matplotlib", "huggingface_hub", "flwr", "pyarrow", "tinker",
+                            "fastapi", "uvicorn", "unsloth",
                             "unsloth_zoo"})
 MAX_UNIX_SECONDS = 253402300799  # 9999-12-31T23:59:59Z: the latest time a certificate or collateral date can name
 
@@ -86,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--collateral", type=Path, metavar="FILE", help="use this collateral JSON instead of the bundle's")
     v.add_argument("--base-model", type=Path, metavar="DIR", help="also check a local copy of the base model against the manifest")
     v.add_argument("--dataset", type=Path, metavar="FILE", help="also check the encrypted dataset file against the manifest")
+    v.add_argument("--ops", type=Path, metavar="OPS.jsonl", help="also recompute a training-API checkpoint's op chain "
+                   "from the client's record of its ops (one JSON op a line; docs/api.md); a mismatch rejects (exit 1)")
 
     pu = sub.add_parser("publish", help="upload a verified bundle to the Hugging Face Hub (network)",
                         description="Verify BUNDLE under the policy, then upload it as a Hub model repository: the PEFT "
@@ -143,6 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("config", type=Path, metavar="FILE")
     cli_owner.add_parsers(sub)
     cli_federated.add_parsers(sub)
+    cli_api.add_parsers(sub)
+    cli_adapter.add_parsers(sub)  # adapter decrypt; verify --identity
     return p
 
 
@@ -305,4 +312,6 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
         ("bundles", "_bundles"))},
     **cli_owner.COMMANDS,
     **cli_federated.COMMANDS,
+    **cli_api.COMMANDS,
+    **cli_adapter.COMMANDS,
 }

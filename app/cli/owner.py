@@ -24,12 +24,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     kn.add_argument("-o", "--out", type=Path, required=True, metavar="PREFIX", help="path prefix of the two files (never overwritten)")
 
     d = sub.add_parser("dataset", help="data owner: encrypt, inspect, release the key to an attested CVM",
-                       description="The data owner's side: encrypt and sign a JSONL dataset, inspect an encrypted "
+                       description="The data owner's side: encrypt and sign a dataset (JSONL, Parquet or Arrow), inspect an encrypted "
                        "file, release its key to a CVM whose quote passes your policy.")
     dsub = d.add_subparsers(dest="dataset_command", required=True, metavar="ACTION")
-    e = dsub.add_parser("encrypt", help="encrypt and sign a JSONL file (format version 2)",
-                        description="Stream-encrypt IN.jsonl (bounded memory) and sign it with the owner key.")
-    e.add_argument("input", type=Path, metavar="IN.jsonl")
+    e = dsub.add_parser("encrypt", help="encrypt and sign a JSONL, Parquet or Arrow file (format version 2)",
+                        description="Stream-encrypt IN (bounded memory) and sign it with the owner key. IN is JSONL, "
+                        "or a table (.parquet; Arrow IPC .arrow/.feather/.ipc) whose rows are validated first.")
+    e.add_argument("input", type=Path, metavar="IN", help="IN.jsonl, IN.parquet, IN.arrow or IN.feather")
     e.add_argument("-o", "--out", type=Path, required=True, metavar="OUT", help="encrypted file to create (replaced atomically)")
     e.add_argument("--owner-key", type=Path, required=True, metavar="KEY", help="owner private key (PREFIX.key)")
     e.add_argument("--key-file", type=Path, required=True, metavar="FILE",
@@ -39,6 +40,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="version (stored in the clear, signed); the CVM refuses versions older than the last it trained on")
     e.add_argument("--chunk-size", type=int, default=1 << 20, metavar="N", help="plaintext bytes per chunk (default 1 MiB)")
     e.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE", help="clear-text header metadata (repeatable)")
+    e.add_argument("--recipient", action="append", default=[], metavar="age1…",
+                   help="age X25519 recipient (repeatable): every weight file trained on this dataset is exported only "
+                   "as age ciphertext to these recipients and the CVM's own key (signed into the header)")
 
     i = dsub.add_parser("inspect", help="show an encrypted file's header, size and signer (no key, no plaintext)")
     i.add_argument("file", type=Path, metavar="FILE")
@@ -93,23 +97,56 @@ def _encrypt(args: argparse.Namespace) -> int:
         if not sep:
             raise ConfigError(f"--meta {item!r} is not KEY=VALUE", fix="pass metadata as --meta KEY=VALUE (repeatable)")
         meta[name] = value
+    if args.recipient:
+        from attestation.confidential import DATASET_META_KEY, parse_recipients
+
+        try:
+            meta[DATASET_META_KEY] = " ".join(parse_recipients(args.recipient))
+        except ValueError as exc:
+            raise ConfigError(f"--recipient: {exc}",
+                              fix="pass the public key printed by `age-keygen -y KEY` (age1…)") from None
     owner = load_owner_key(args.owner_key)
     if not args.input.is_file():
-        raise ConfigError(f"{args.input} is not a file", fix="pass the plaintext JSONL file")
+        raise ConfigError(f"{args.input} is not a file", fix="pass the plaintext JSONL, Parquet or Arrow file")
+    content_type, checked = _check_table(args.input)  # tables: every row validated before anything is written
     key, created = _dataset_key(args.key_file)
     res = encrypt_file(args.input, args.out, key, dataset_id=args.dataset_id, dataset_version=args.dataset_version,
-                       chunk_size=args.chunk_size, metadata=meta or None, owner_key=owner)
+                       chunk_size=args.chunk_size, metadata=meta or None, owner_key=owner, content_type=content_type)
+    if checked is not None:
+        print(checked)
     if created:
         print(f"new dataset key: {args.key_file} (0600; needed to release the key to a CVM)")
     print(f"encrypted: {args.out} ({res.ciphertext_size} bytes, {res.chunks} chunks, format version {res.header.format_version})")
     print(f"dataset {args.dataset_id!r} v{args.dataset_version}; ciphertext sha256 {res.ciphertext_sha256}")
     if res.signature is not None:
         print(f"signed by owner key {res.signature.owner_key_id}; commitment {res.signature.commitment}")
+    if res.header.recipients:
+        print(f"weights trained on it are exported only as age ciphertext to {len(res.header.recipients)} recipient(s) "
+              "and the CVM's own key")
     return 0
 
 
+def _check_table(path: Path) -> tuple[str, str | None]:
+    """The content type of ``path`` by its suffix; a Parquet / Arrow table is read and every row validated (the rules
+    the CVM applies), returning a line to print. Raises TableError / RowError / EmptyDatasetError (exit 3)."""
+    from app.dataset import tabular
+    from app.dataset.format import CONTENT_TYPE
+    from app.errors import DataError
+
+    content_type = tabular.SUFFIXES.get(path.suffix.lower())
+    if content_type is None:
+        return CONTENT_TYPE, None
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror}", fix="check the path") from exc
+    rows, rep = tabular.rows_of_table(tabular.read_table(data, content_type, source=path.name), source=path.name)
+    kinds = ", ".join(f"{k} {v}" for k, v in rep.by_kind.items() if v)
+    return content_type, f"format: {tabular.format_name(content_type)}; {len(rows)} rows validated ({kinds})"
+
+
 def _inspect(args: argparse.Namespace) -> int:
-    from app.dataset import read_header
+    from app.dataset import read_header, tabular
     from app.dataset.owner import load_public_key
     from app.errors import DatasetSignatureError, DataError
     from app.fsutil import open_regular
@@ -123,7 +160,8 @@ def _inspect(args: argparse.Namespace) -> int:
         raise DataError(f"cannot read {args.file}: {exc.strerror}", fix="check the path") from exc
     info: dict = {"file": str(args.file), "size": size, "format_version": header.format_version,
                   "dataset_id": header.dataset_id, "dataset_version": header.dataset_version,
-                  "chunk_size": header.chunk_size, "content_type": header.content_type, "metadata": header.metadata,
+                  "chunk_size": header.chunk_size, "content_type": header.content_type,
+                  "plaintext_format": tabular.format_name(header.content_type), "metadata": header.metadata,
                   "signed": header.format_version == 2}
     if header.format_version == 2:
         try:

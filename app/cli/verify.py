@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.cli import EXIT_REJECTED, _silence_stdout
 from app.errors import ConfigError
+from attestation.safe_yaml import parse_json
 
 if TYPE_CHECKING:
     from attestation import Verdict
@@ -22,6 +23,8 @@ def _verify(args: argparse.Namespace) -> int:
     if (args.bundle is None) == (args.chain is None):
         raise ConfigError("verify takes a BUNDLE or --chain EXPORTS_DIR (one of them)",
                           fix="cvm-tune verify exports/RUN_ID, or cvm-tune verify --chain exports/")
+    if args.ops is not None and (args.chain is not None or args.parent is not None):
+        raise ConfigError("--ops checks one training-API checkpoint", fix="drop --chain/--parent when passing --ops")
     if args.chain is not None and (args.parent or args.collateral or args.base_model or args.dataset):
         raise ConfigError("--chain verifies whole bundles: --parent, --collateral, --base-model and --dataset apply "
                           "to one BUNDLE", fix="drop them, or verify one bundle at a time")
@@ -33,11 +36,22 @@ def _verify(args: argparse.Namespace) -> int:
     from attestation.round_verify import is_round_bundle
 
     if is_round_bundle(args.bundle) and not (args.base_model or args.dataset):  # a federated round (docs/federated.md)
+        if args.ops is not None:
+            raise ConfigError("--ops checks a training-API checkpoint, not a federated round bundle",
+                              fix="drop --ops, or pass the checkpoint's bundle")
         return _verify_round(args, policy, now, coll)
+    from app.cli.adapter import identities
+    from app.cli.api import check_ops
+
     verdict = verify_bundle(args.bundle, policy=policy, now=now, collateral=coll,
-                            base_model_dir=args.base_model, dataset_file=args.dataset)
+                            base_model_dir=args.base_model, dataset_file=args.dataset,
+                            identities=identities(args.identity))
     if args.parent is None:
         code = _print_verdict(verdict, as_json=args.json)
+        if args.ops is not None and not check_ops(args.bundle, args.ops, quiet=args.json):
+            code = 1  # the client's record of its ops does not hash to the bundle's op chain
+        if not args.json and verdict.accepted:
+            _print_objective(args.bundle)
         if args.policy is None:
             _simulator_hint([(args.bundle, verdict)])
         return code
@@ -50,6 +64,19 @@ def _verify(args: argparse.Namespace) -> int:
     if args.policy is None:
         _simulator_hint([(args.bundle, verdict), (args.parent, parent)])
     return code
+
+
+def _print_objective(bundle: Path) -> None:
+    """The training objective the manifest records (bundles made before DPO record none: sft)."""
+    try:
+        training = parse_json((Path(bundle) / "manifest.json").read_bytes(), "manifest.json", ValueError)["training"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # an unreadable manifest is already a failed check above
+    dpo = training.get("dpo") if isinstance(training, dict) else None
+    if isinstance(dpo, dict):
+        print(f"objective: dpo (beta {dpo.get('beta')}, loss {dpo.get('loss_type')}, reference: {dpo.get('reference')})")
+    else:
+        print(f"objective: {training.get('objective', 'sft') if isinstance(training, dict) else 'sft'}")
 
 
 def _print_with_parent(verdict: Verdict, parent: Verdict, problems: list[str], *, as_json: bool,
@@ -224,7 +251,10 @@ def _verify_round(args: argparse.Namespace, policy: Any, now: int, collateral: A
     """Verify ``args.bundle`` (and with ``--parent``, the previous round and the link); 0 accepted, 1 rejected."""
     from attestation.round_verify import check_round_link, verify_round
 
-    verdict = verify_round(args.bundle, policy=policy, now=now, collateral=collateral)
+    from app.cli.adapter import identities
+
+    verdict = verify_round(args.bundle, policy=policy, now=now, collateral=collateral,
+                           identities=identities(args.identity))  # secure aggregation: recompute if they decrypt
     if args.parent is None:
         return _print_verdict(verdict, as_json=args.json)
     parent = verify_round(args.parent, policy=policy, now=now)

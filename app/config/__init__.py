@@ -9,6 +9,7 @@ dataset on a mounted volume and a pinned base model. ``cvm-tune schema`` prints 
 from __future__ import annotations
 
 import json
+import re
 import urllib.parse
 from pathlib import Path
 from typing import Literal
@@ -26,6 +27,7 @@ from app.config.training import (
 )
 from app.errors import ConfigError
 from app.config.federation import FederationSettings
+from app.config.api import ApiSettings
 from attestation.http_edge import check_url as _edge_check_url
 from attestation.safe_yaml import parse_yaml
 
@@ -306,6 +308,17 @@ class ExportSettings(_Closed):
                          "safetensors) under merged/, hashed and signed like the adapter. Large: the full model size.")
     merged_max_shard_size: str = Field("4GB", pattern=r"^[1-9][0-9]{0,5}(KB|MB|GB)$", description="Largest merged "
                                        "safetensors shard (transformers' max_shard_size, e.g. 4GB or 500MB).")
+    recipients: tuple[str, ...] = Field((), max_length=16, description="age X25519 recipients (age1…) the weight "
+                                        "files are encrypted to, in addition to those the dataset's owner named in its "
+                                        "signed header (which cannot be removed) and the CVM's own key. Empty, with a "
+                                        "dataset that names none: the weights are exported in plaintext.")
+
+    @field_validator("recipients")
+    @classmethod
+    def _age_recipients(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if bad := [r for r in v if not re.fullmatch(r"age1[02-9ac-hj-np-z]{58}", r)]:
+            raise ValueError(f"{bad[0][:70]!r} is not an age X25519 recipient (age1…, 62 characters)")
+        return tuple(sorted(set(v)))
 
 
 class Config(_Closed):
@@ -323,6 +336,7 @@ class Config(_Closed):
     alerts: AlertSettings = AlertSettings()
     state: StateSettings = StateSettings()
     federation: FederationSettings = FederationSettings()
+    api: ApiSettings = ApiSettings()
 
     def canonical_json(self) -> bytes:
         """The bytes hashed into the manifest and written to the bundle's ``config.json``."""

@@ -73,6 +73,10 @@ class FederationSettings(_Closed):
                                                    "rejected. Required to run a federation.")
     clients: dict[str, FederationClient] = Field({}, description="Aggregator: the admitted clients by name, each "
                                                  "with its owners' keys. Required to run a federation.")
+    secure_aggregation: bool = Field(False, description="Aggregator: clients encrypt their updates (age) to this "
+                                     "CVM's key, attested by its quote before round 1; the aggregator decrypts them in "
+                                     "memory, and the round bundle holds no plaintext update: the global adapter is "
+                                     "encrypted to the admitted clients' CVM keys and sent to them only as ciphertext.")
 
     @field_validator("client_compose_hashes", "aggregator_compose_hashes")
     @classmethod

@@ -98,9 +98,24 @@ class PrivacySettings(_Closed):
     )
 
 
+class DpoSettings(_Closed):
+    """Preference training (``training.objective: dpo``): TRL's DPOTrainer on the LoRA model, the base model with the
+    adapter disabled as the reference (docs/dpo.md)."""
+
+    beta: float = Field(0.1, gt=0.0, le=100.0, description="Strength of the pull towards the reference (the base "
+                        "model): higher keeps the adapter closer to it.")
+    loss_type: Literal["sigmoid", "hinge", "ipo"] = Field(
+        "sigmoid", description="sigmoid: the DPO loss -log sigmoid(beta x margin). hinge: max(0, 1 - beta x margin) "
+        "(SLiC). ipo: (margin per token - 1 / (2 beta))^2 (IPO).")
+
+
 class TrainingSettings(_Closed):
     """Optimisation settings shared by both backends."""
 
+    objective: Literal["sft", "dpo"] = Field(
+        "sft", description="sft: supervised fine-tuning on text or chat rows. dpo: preference training (DPO) on "
+        "prompt / chosen / rejected rows (training.dpo).",
+    )
     backend: Literal["auto", "hf", "unsloth"] = Field(
         "auto", description="auto: Unsloth when it imports and a CUDA GPU is present, else transformers+PEFT+TRL."
     )
@@ -134,6 +149,7 @@ class TrainingSettings(_Closed):
     loss_watchdog: LossWatchdogSettings = LossWatchdogSettings()
     gpu: GpuTrainingSettings = GpuTrainingSettings()
     privacy: PrivacySettings = PrivacySettings()
+    dpo: DpoSettings = DpoSettings()
 
     @field_validator("cpu_threads", mode="before")
     @classmethod
@@ -152,6 +168,16 @@ class TrainingSettings(_Closed):
             raise ValueError("training.gpu.gradient_checkpointing 'unsloth' needs the Unsloth backend")
         if self.backend == "unsloth" and g.devices > 1:
             raise ValueError("training.gpu.devices > 1 runs the hf backend only")
+        if self.objective == "dpo":
+            dpo = {"training.privacy.mode dp-sgd (the DP-SGD path clips per-example SFT losses; DPO's paired loss "
+                   "with its reference pass is not accounted: train DPO without DP, or use objective sft)":
+                   self.privacy.mode == "dp-sgd",
+                   "training.assistant_only_loss (DPO trains on the chosen and rejected answers only already)":
+                   self.assistant_only_loss,
+                   f"training.gpu.batching '{g.batching}' (padded only)": g.batching != "padded"}
+            bad = [name for name, hit in dpo.items() if hit]
+            if bad:
+                raise ValueError(f"training.objective dpo does not support {'; '.join(bad)}")
         if self.privacy.mode == "dp-sgd":
             dp = {f"training.max_steps above {PRV_MAX_STEPS} with training.privacy.accountant 'prv' (its memory grows "
                   "with the steps: use rdp)": self.privacy.accountant == "prv" and self.max_steps > PRV_MAX_STEPS,"training.backend 'unsloth' (Opacus cannot hook Unsloth's fused LoRA kernels: use auto or hf)":
@@ -175,7 +201,9 @@ class EvaluationSettings(_Closed):
         "off",
         description="off: every exported adapter is promoted. loss: evaluate the candidate and its parent (the promoted "
         "adapter, or the base model for a first run) on the dataset's eval rows (rows with \"split\": \"eval\") and "
-        "promote only if the candidate's mean loss is at most the parent's times (1 + max_regression).",
+        "promote only if the candidate's mean loss is at most the parent's times (1 + max_regression). With "
+        "training.objective dpo the loss is the mean DPO loss against the base model (preference accuracy is recorded "
+        "too).",
     )
     max_regression: float = Field(0.0, ge=0.0, le=10.0, description="Relative eval-loss increase still promoted "
                                   "(0.0: the candidate must not be worse).")

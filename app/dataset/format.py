@@ -1,6 +1,7 @@
 """# cvm-tune encrypted dataset, format versions 1 and 2
 
-A dataset file is a streaming authenticated encryption of one JSONL plaintext. The data owner
+A dataset file is a streaming authenticated encryption of one JSONL plaintext (or of a Parquet or Arrow IPC
+file, as its `content_type` says: :mod:`app.dataset.tabular`). The data owner
 encrypts it outside the CVM; cvm-tune decrypts it **in memory, chunk by chunk**, and no plaintext
 is ever written to disk. The design follows age's STREAM construction (counter nonce with a
 last-chunk flag) with AES-256-GCM, HKDF-SHA256 and HMAC-SHA256 from pyca/cryptography.
@@ -62,7 +63,7 @@ object (one byte string per header), duplicate keys, `NaN`/`Infinity` and floats
 | `alg`             | string | exactly `"AES-256-GCM/HKDF-SHA256/STREAM-v1"` |
 | `chunk_size`      | int    | `4096 … 16777216` (default 1048576) |
 | `salt`            | string | 64 lowercase hex characters |
-| `content_type`    | string | `"application/jsonl"` (a dataset) or `"application/octet-stream"` (a sealed checkpoint file, `app.training.checkpoints`); readers name the one they expect |
+| `content_type`    | string | `"application/jsonl"` (a dataset), `"application/vnd.apache.parquet"` or `"application/vnd.apache.arrow.file"` (a dataset table, `app.dataset.tabular`), or `"application/octet-stream"` (a sealed checkpoint file, `app.training.checkpoints`); readers name the ones they expect |
 | `dataset_id`      | string | 1–256 characters, no control characters (U+0000–U+001F) |
 | `dataset_version` | int    | `0 … 2^53-1` |
 | `metadata`        | object | optional; ≤ 64 entries; keys match `[A-Za-z0-9][A-Za-z0-9_.-]{0,63}`; values are strings (≤ 1024 characters, no control characters) or ints (abs ≤ 2^53-1) |
@@ -343,7 +344,7 @@ def encrypt_file(src: Path, dst: Path, key: bytes, **kw: Any) -> EncryptResult:
     return result
 
 
-def open_encrypted(src: BinaryIO, key: bytes, *, content_type: str = CONTENT_TYPE,
+def open_encrypted(src: BinaryIO, key: bytes, *, content_type: str | tuple[str, ...] = CONTENT_TYPE,
                    owner_public_key: bytes | None = None) -> DecryptedStream:
     """Authenticate the header (and, version 2, the owner signature) and return the chunk stream.
 
@@ -351,7 +352,8 @@ def open_encrypted(src: BinaryIO, key: bytes, *, content_type: str = CONTENT_TYP
         src: the encrypted file, positioned at its start; read sequentially, never whole (a
             version-2 file must be seekable: its trailer is read first).
         key: the 32-byte dataset key.
-        content_type: the content type the caller expects (a dataset by default).
+        content_type: the content type the caller expects (a JSONL dataset by default), or a tuple of those it
+            takes.
         owner_public_key: the pinned owner's raw Ed25519 public key. When given, the file must be
             version 2 and signed by exactly this key, checked before the key is used.
 
@@ -396,7 +398,8 @@ def open_encrypted(src: BinaryIO, key: bytes, *, content_type: str = CONTENT_TYP
         _hmac(_derive(key, header.salt, b"header", version), prefix + key_check).verify(header_mac)
     except InvalidSignature:
         raise HeaderIntegrityError("the dataset header was modified (header MAC mismatch)") from None
-    if header.content_type != content_type:
-        raise DatasetFormatError(f"the file holds {header.content_type}, not {content_type}")
+    wanted = (content_type,) if isinstance(content_type, str) else tuple(content_type)
+    if header.content_type not in wanted:
+        raise DatasetFormatError(f"the file holds {header.content_type}, not {' or '.join(wanted)}")
     return DecryptedStream(src, header, AESGCM(_derive(key, header.salt, b"payload", version)), header_mac,
                            prefix + tail, signature)

@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives import hashes, hmac
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from app.errors import CvmTuneError, DatasetFormatError, KeySourceError
+from attestation.confidential import DATASET_META_KEY, parse_recipients
 from attestation.dataset_sig import OwnerSignature
 from attestation.hashing import canonical_json
 
@@ -27,7 +28,8 @@ FORMAT_VERSIONS = (1, 2)
 ALG = "AES-256-GCM/HKDF-SHA256/STREAM-v1"
 CONTENT_TYPE = "application/jsonl"
 BLOB_CONTENT_TYPE = "application/octet-stream"  # sealed checkpoint files (app.training.checkpoints)
-CONTENT_TYPES = (CONTENT_TYPE, BLOB_CONTENT_TYPE)
+TABLE_CONTENT_TYPES = ("application/vnd.apache.parquet", "application/vnd.apache.arrow.file")  # app.dataset.tabular
+CONTENT_TYPES = (CONTENT_TYPE, BLOB_CONTENT_TYPE, *TABLE_CONTENT_TYPES)
 DEFAULT_CHUNK_SIZE = 1 << 20
 MIN_CHUNK_SIZE = 4096
 MAX_CHUNK_SIZE = 16 << 20
@@ -62,6 +64,11 @@ class DatasetHeader:
     metadata: dict
     raw: bytes  # the exact header JSON bytes as stored in the file
     format_version: int = 1  # the magic's last byte: 1 unsigned, 2 owner-signed
+
+    @property
+    def recipients(self) -> tuple[str, ...]:
+        """The age recipients the owner named (``cvm-tune dataset encrypt --recipient``); () for none."""
+        return tuple(str(self.metadata.get(DATASET_META_KEY, "")).split())
 
 
 @dataclass(frozen=True)
@@ -169,6 +176,13 @@ def _header_from_obj(obj: Any, raw: bytes, err: type[CvmTuneError]) -> DatasetHe
             raise err("header metadata keys must match [A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
         if not (_text(v, 1024, 0) or _int(v, -_MAX_INT, _MAX_INT)):
             raise err("header metadata values must be strings (<= 1024 characters) or ints")
+    if DATASET_META_KEY in meta:  # the owner's age recipients of every weight file trained on this dataset
+        try:
+            if parse_recipients(str(meta[DATASET_META_KEY])) != tuple(str(meta[DATASET_META_KEY]).split()) or not meta[
+                    DATASET_META_KEY]:
+                raise ValueError("not sorted, unique and space-separated")
+        except ValueError as exc:
+            raise err(f"header metadata {DATASET_META_KEY} must list age X25519 recipients: {exc}") from None
     return DatasetHeader(chunk_size=obj["chunk_size"], salt=bytes.fromhex(obj["salt"]), dataset_id=obj["dataset_id"],
                          dataset_version=obj["dataset_version"], content_type=obj["content_type"],
                          metadata=dict(meta), raw=raw)

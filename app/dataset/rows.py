@@ -7,6 +7,10 @@ A row is one line: a JSON object with exactly one of
   least one ``assistant`` message; every ``content`` a non-blank string; or
 * ``"text"``: a non-blank string.
 
+or, for preference training (``training.objective: dpo``), exactly ``"prompt"``, ``"chosen"`` and
+``"rejected"``: three non-blank strings, or (conversational) a ``prompt`` of messages as above that ends
+with a ``user`` turn and ``chosen`` / ``rejected`` each one ``assistant`` message;
+
 and optionally ``"split"``: ``"train"`` (the default) or ``"eval"`` (held out for the promotion gate).
 
 Lines end in ``\\n`` (a ``\\r`` before it is dropped); blank lines are skipped. The first bad row
@@ -37,6 +41,7 @@ Dedup = Literal["exact", "normalized", "off"]
 
 MAX_DEPTH = 32
 ROLES = ("system", "user", "assistant")
+PREFERENCE = ("prompt", "chosen", "rejected")  # a preference (DPO) row
 SPLITS = ("train", "eval")  # optional "split" key: eval rows are held out for the promotion gate, never trained on
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
@@ -196,7 +201,7 @@ def _take(line: bytes, where: _Where, max_row_bytes: int, rows: list[dict], by_k
             dup_lines.append(where.line)
             return 1
         seen.add(digest)
-    by_kind[kind] += 1
+    by_kind[kind] = by_kind.get(kind, 0) + 1
     rows.append(row)
     kept_at.append(where.line)
     return 1
@@ -279,12 +284,14 @@ def _check_row(row: Any, where: _Where) -> str:
     """Check one parsed row; returns its kind (``messages`` or ``text``)."""
     if not isinstance(row, dict):
         raise RowError(f"{where}: expected a JSON object, got {_type(row)}")
+    if "split" in row and row["split"] not in SPLITS:
+        raise RowError(f"{where}: split: expected \"train\" or \"eval\"")
+    if row.keys() & {"chosen", "rejected"}:  # a preference row (a lone "prompt" is an unexpected key below)
+        return _check_preference(row, where)
     extra = len(row.keys() - {"messages", "text", "split"})
     if extra:
         raise RowError(f"{where}: {extra} unexpected key(s); a row has exactly one of 'messages' or 'text' "
-                       "(and optionally 'split')")
-    if "split" in row and row["split"] not in SPLITS:
-        raise RowError(f"{where}: split: expected \"train\" or \"eval\"")
+                       "(and optionally 'split'), or 'prompt', 'chosen' and 'rejected'")
     if "messages" in row and "text" in row:
         raise RowError(f"{where}: has both 'messages' and 'text'; a row has exactly one")
     if "text" in row:
@@ -296,27 +303,61 @@ def _check_row(row: Any, where: _Where) -> str:
     return "messages"
 
 
-def _check_messages(messages: Any, where: _Where) -> None:
+def _check_preference(row: dict, where: _Where) -> str:
+    """A preference row (DPO): plain strings, or a conversational prompt and one assistant answer each."""
+    extra = len(row.keys() - {*PREFERENCE, "split"})
+    if extra:
+        raise RowError(f"{where}: {extra} unexpected key(s); a preference row has exactly 'prompt', 'chosen' and "
+                       "'rejected' (and optionally 'split')")
+    for key in PREFERENCE:
+        if key not in row:
+            raise RowError(f"{where}: {key}: missing (a preference row has 'prompt', 'chosen' and 'rejected')")
+    if all(isinstance(row[k], str) for k in PREFERENCE):
+        for key in PREFERENCE:
+            _check_text(row[key], where, key)
+        return "preference"
+    if not all(isinstance(row[k], list) for k in PREFERENCE):
+        kinds = ", ".join(f"{k} {_type(row[k])}" for k in PREFERENCE)
+        raise RowError(f"{where}: prompt, chosen and rejected must all be strings or all be message arrays ({kinds})")
+    _check_messages(row["prompt"], where, "prompt", answered=False)
+    for key in ("chosen", "rejected"):
+        answer = row[key]
+        if len(answer) != 1:
+            raise RowError(f"{where}: {key}: expected exactly one assistant message, got {len(answer)} messages")
+        _check_message(answer[0], where, f"{key}[0]")
+        if answer[0]["role"] != "assistant":
+            raise RowError(f"{where}: {key}[0].role: expected 'assistant'")
+    return "preference"
+
+
+def _check_message(msg: Any, where: _Where, path: str) -> None:
+    if not isinstance(msg, dict):
+        raise RowError(f"{where}: {path}: expected an object, got {_type(msg)}")
+    extra = len(msg.keys() - {"role", "content"})
+    if extra:
+        raise RowError(f"{where}: {path}: {extra} unexpected key(s); a message has exactly 'role' and 'content'")
+    for key in ("role", "content"):
+        if key not in msg:
+            raise RowError(f"{where}: {path}.{key}: missing")
+    role = msg["role"]
+    if role not in ROLES:  # the bad value itself is never echoed
+        got = "" if isinstance(role, str) else f", got {_type(role)}"
+        raise RowError(f"{where}: {path}.role: must be one of {', '.join(ROLES)}{got}")
+    _check_text(msg["content"], where, f"{path}.content")
+
+
+def _check_messages(messages: Any, where: _Where, name: str = "messages", *, answered: bool = True) -> None:
+    """A conversation; ``answered``: it has an assistant message (a chat row), else it ends with a user turn (a
+    preference row's prompt)."""
     if not isinstance(messages, list):
-        raise RowError(f"{where}: messages: expected an array, got {_type(messages)}")
+        raise RowError(f"{where}: {name}: expected an array, got {_type(messages)}")
     if not messages:
-        raise RowError(f"{where}: messages: must not be empty")
+        raise RowError(f"{where}: {name}: must not be empty")
     expected, assistants = "user", 0
     for i, msg in enumerate(messages):
-        path = f"messages[{i}]"
-        if not isinstance(msg, dict):
-            raise RowError(f"{where}: {path}: expected an object, got {_type(msg)}")
-        extra = len(msg.keys() - {"role", "content"})
-        if extra:
-            raise RowError(f"{where}: {path}: {extra} unexpected key(s); a message has exactly 'role' and 'content'")
-        for key in ("role", "content"):
-            if key not in msg:
-                raise RowError(f"{where}: {path}.{key}: missing")
+        path = f"{name}[{i}]"
+        _check_message(msg, where, path)
         role = msg["role"]
-        if role not in ROLES:  # the bad value itself is never echoed
-            got = "" if isinstance(role, str) else f", got {_type(role)}"
-            raise RowError(f"{where}: {path}.role: must be one of {', '.join(ROLES)}{got}")
-        _check_text(msg["content"], where, f"{path}.content")
         if role == "system":
             if i != 0:
                 raise RowError(f"{where}: {path}.role: a system message is allowed only first")
@@ -325,8 +366,10 @@ def _check_messages(messages: Any, where: _Where) -> None:
             raise RowError(f"{where}: {path}.role: expected {expected!r} (turns alternate user/assistant, starting with user)")
         assistants += role == "assistant"
         expected = "assistant" if role == "user" else "user"
-    if not assistants:
-        raise RowError(f"{where}: messages: no assistant message")
+    if answered and not assistants:
+        raise RowError(f"{where}: {name}: no assistant message")
+    if not answered and expected != "assistant":
+        raise RowError(f"{where}: {name}: must end with a user message (the answers are chosen and rejected)")
 
 
 def split_eval_rows(rows: list[dict], lines: tuple[int, ...]) -> tuple[list[dict], tuple[int, ...], list[dict]]:

@@ -64,6 +64,7 @@ class ModelDirs:
 
     signing: dict[str, Any]  # manifest ``signing``
     files: dict[str, str]  # manifest ``files`` entries for the tokenizer, merged and signature files
+    confidentiality: dict[str, Any] | None = None  # manifest ``confidentiality`` (app.export.confidential)
 
     @property
     def public_key_pem(self) -> str:

@@ -164,7 +164,10 @@ def card_inputs(cfg: Config, run_id: str, simulated: bool, base_name: str, base_
     hyper = {"LoRA r / alpha / dropout": f"{ts.lora.r} / {ts.lora.alpha} / {ts.lora.dropout}",
              "target modules": ", ".join(ts.lora.target_modules), "learning rate": ts.learning_rate,
              "batch (per device x accumulation)": f"{ts.per_device_batch_size} x {ts.gradient_accumulation_steps}",
-             "max length (tokens)": ts.max_length, "seed": ts.seed}
+             "max length (tokens)": ts.max_length, "seed": ts.seed,
+             "objective": "sft (supervised fine-tuning)" if ts.objective == "sft" else
+             f"dpo (preference training: beta {ts.dpo.beta:g}, loss {ts.dpo.loss_type}, reference: the base model "
+             "with the adapter disabled; losses below are DPO losses)"}
     return CardInputs(
         run_id=run_id, version=app.__version__, simulated=simulated, base_name=base_name, hub_id=cfg.base_model.hub_id,
         revision=cfg.base_model.revision, base_tree=base_tree, license=cfg.export.license, dataset=dataset,

@@ -24,12 +24,13 @@ from attestation.policy import policy_file_text, simulator_policy
 
 import app
 from app import export
-from app.export import report
+from app.export import confidential, report
 from app.audit import AuditLog, AuditRecorder, utc_now
 from app.config import Config
 from app.errors import ExportError
 from app.fsutil import atomic_write_bytes, staged_dir
 from app.export.card import card_inputs, model_card
+from app.training.dpo import settings_block as dpo_settings
 from app.tee import GuestAgent, Identity
 
 SIMULATOR_POLICY_FILE = "simulator-test-policy.yaml"
@@ -66,6 +67,8 @@ class ExportInputs:
     lineage: dict[str, str] | None = None  # the promoted bundle this run continued from (app.run.continual)
     evaluation: dict[str, Any] | None = None  # the promotion gate's scores and decision
     federation: dict[str, Any] | None = None  # the federated round this run trained for (app.federated)
+    op_chain: dict[str, Any] | None = None  # a training-API checkpoint's op chain (app.api.bundle)
+    confidential: Any = None  # app.export.confidential.Plan: weights encrypted to recipients (None: plaintext)
 
 
 @dataclass(frozen=True)
@@ -88,14 +91,18 @@ def export_bundle(x: ExportInputs, *, phase: Phase, timings: dict[str, float],
     final = x.out / "exports" / x.run_id
     ts, result = x.cfg.training, x.train
     with phase("export"), _disk_errors(f"writing the export bundle {final}"), staged_dir(final) as stage:
-        (stage / "adapter").mkdir()
-        for p in result.adapter_dir.iterdir():
-            shutil.copyfile(p, stage / "adapter" / p.name)
+        if x.confidential is None:
+            (stage / "adapter").mkdir()
+            for p in result.adapter_dir.iterdir():
+                shutil.copyfile(p, stage / "adapter" / p.name)
         (stage / B.CONFIG).write_bytes(x.config_bytes)
         (stage / B.APP_COMPOSE).write_bytes(x.compose_bytes)
         (stage / B.GPU_EVIDENCE).write_bytes(x.gpu.data)
-        model_dirs = finish_model_dirs(x, stage)  # tokenizer, merged/, model.sig
-        (stage / B.MODEL_CARD).write_bytes(model_card(card_inputs_for(x, model_dirs)))
+        model_dirs = (finish_model_dirs(x, stage) if x.confidential is None  # tokenizer, merged/, model.sig
+                      else confidential.model_dirs(x.confidential, stage, result.adapter_dir,  # built in RAM, encrypted
+                                                   lambda plain: finish_model_dirs(x, plain)))
+        (stage / B.MODEL_CARD).write_bytes(model_card(card_inputs_for(x, model_dirs)) + confidential.card_section(
+            model_dirs.confidentiality))
         effective_batch = result.batch.get("effective", ts.per_device_batch_size * ts.gradient_accumulation_steps)
         run_report = report.build(run_id=x.run_id, slot=x.slot, timings=timings, train=result,
                                   effective_batch_size=effective_batch, rows=x.rows_report,
@@ -125,7 +132,8 @@ def export_bundle(x: ExportInputs, *, phase: Phase, timings: dict[str, float],
                      "FILE` fetches it)")
         # Check our own work the way a relying party will, before anything is published.
         with phase("self_verify"):
-            verdicts, policy_file = self_verify(stage, x.out, x.agent, x.simulated)
+            verdicts, policy_file = self_verify(stage, x.out, x.agent, x.simulated,
+                                                identities=x.confidential.identities() if x.confidential else None)
         publish_gate(verdicts, x.simulated, x.run_id)
     return Published(final, verdicts, policy_file, run_report, entries[-1].hash)
 
@@ -176,7 +184,7 @@ def _manifest(x: ExportInputs, stage: Path, artifacts: dict[str, str], report_fi
         "training": {"seed": ts.seed, "global_step": r.global_step, "resumed_from_step": r.resumed_from_step,
                      "losses": r.losses, "train_runtime_s": round(r.train_runtime_s, 3), "tokens_seen": r.tokens_seen,
                      "effective_batch_size": effective_batch, "batch": r.batch or None,
-                     "eval_losses": r.eval_losses or None},
+                     "eval_losses": r.eval_losses or None, "objective": ts.objective, "dpo": dpo_settings(ts)},
         "audit": {"head": entries[-1].hash, "start_prev": entries[0].prev, "first_seq": entries[0].seq,
                   "entries": len(entries), "rtmr3": x.recorder.rtmr3 or "unsupported"},
         "files": {**artifacts, B.AUDIT: sha256_file(stage / B.AUDIT), B.GPU_EVIDENCE: x.gpu.info.evidence_sha256,
@@ -188,6 +196,8 @@ def _manifest(x: ExportInputs, stage: Path, artifacts: dict[str, str], report_fi
         "signing": model_dirs.signing,
         "privacy": r.privacy,  # DP-SGD as run (app.training.privacy.outcome); None: trained without DP
         "federation": x.federation,
+        "confidentiality": model_dirs.confidentiality,
+        **({"op_chain": x.op_chain} if x.op_chain is not None else {}),  # training-API checkpoints only
     }
 
 
@@ -201,8 +211,10 @@ def _disk_errors(what: str) -> Iterator[None]:
                           fix="free space on the output volume and run again; no partial bundle was kept") from exc
 
 
-def self_verify(bundle: Path, out: Path, agent: GuestAgent, simulated: bool) -> tuple[list[tuple[str, Verdict]], Path | None]:
-    """Verify a bundle under the default policy and, for the simulator, its test-CA policy (listed first)."""
+def self_verify(bundle: Path, out: Path, agent: GuestAgent, simulated: bool,
+                identities: list[Any] | None = None) -> tuple[list[tuple[str, Verdict]], Path | None]:
+    """Verify a bundle under the default policy and, for the simulator, its test-CA policy (listed first); with
+    ``identities`` (the CVM's age key), also the plaintext of encrypted weights and their signature."""
     now = int(time.time())
     verdicts = []
     policy_file = None
@@ -210,8 +222,8 @@ def self_verify(bundle: Path, out: Path, agent: GuestAgent, simulated: bool) -> 
         policy = simulator_policy(agent.simulator_root_der())
         policy_file = out / SIMULATOR_POLICY_FILE
         atomic_write_bytes(policy_file, policy_file_text(policy).encode())
-        verdicts.append((str(policy_file), verify_bundle(bundle, policy=policy, now=now)))
-    verdicts.append(("default", verify_bundle(bundle, policy=DEFAULT_POLICY, now=now)))
+        verdicts.append((str(policy_file), verify_bundle(bundle, policy=policy, now=now, identities=identities)))
+    verdicts.append(("default", verify_bundle(bundle, policy=DEFAULT_POLICY, now=now, identities=identities)))
     return verdicts, policy_file
 
 

@@ -12,7 +12,9 @@ In order (the first failure is the recorded reason):
 5. its dataset was signed by one of that client's owner keys;
 6. its manifest's ``federation`` block names this round, this round's nonce, the global adapter the round sent and
    the FedProx ``mu`` (a bundle replayed from another round, or trained from another adapter, fails here);
-7. the adapter weights in the reply are exactly the bundle's ``adapter/adapter_model.safetensors``.
+7. the adapter weights in the reply are exactly the bundle's ``adapter/adapter_model.safetensors``; with secure
+   aggregation (``app.federated.secure``) the reply carries no weights at all, and the bundle's adapter, encrypted to
+   the aggregator's attested key, is decrypted in memory and must be the plaintext its manifest binds.
 
 Any failure while checking one reply, expected or not, rejects that reply with a recorded reason: one client can
 never fail the round for the others. The weight a client gets is the trainable-token count from its verified
@@ -59,6 +61,7 @@ class Admitted:
     trainable_tokens: int
     arrays: Any  # flwr.app.ArrayRecord: the verified bundle's adapter tensors (equal to those the client sent)
     privacy: tuple[float | None, float | None] = (None, None)  # (epsilon, delta) of the client's DP-SGD
+    cvm_recipient: str | None = None  # the client CVM's age key (confidential bundle): reads the next global adapter
 
 
 @dataclass(frozen=True)
@@ -85,8 +88,9 @@ class _Reject(Exception):
 class Admission:
     """Checks replies against the federation's settings and client policy; unpacks bundles under ``workdir``."""
 
-    def __init__(self, settings: FederationSettings, policy: Policy, workdir: Path) -> None:
+    def __init__(self, settings: FederationSettings, policy: Policy, workdir: Path, secure: Any = None) -> None:
         self.settings, self.policy, self.workdir = settings, policy, workdir
+        self.secure = secure  # app.federated.secure.SecureKey: updates arrive encrypted to it
 
     def check(self, msg: Any, terms: RoundTerms, admitted: set[str]) -> Admitted | Rejected:
         """Admit or reject one reply (``admitted``: client names already admitted this round). Never raises for
@@ -95,7 +99,7 @@ class Admission:
         try:
             if msg.has_error():
                 raise _Reject(f"the client failed: {str(msg.error.reason)[:200]}")
-            name, tar, sent = _reply_parts(msg.content)
+            name, tar, sent = _reply_parts(msg.content, secure=self.secure is not None)
             if name not in self.settings.clients:
                 raise _Reject(f"client {name!r} is not in federation.clients")
             if name in admitted:
@@ -139,15 +143,21 @@ class Admission:
             raise _Reject(f"its dataset is not signed by an owner key of client {name!r}")
         _check_terms(m.federation, terms)
         adapter = bundle / B.ADAPTER_FILES[1]
-        tensors = load_adapter(adapter)
-        if (diff := diff_arrays(sent, tensors)) is not None:
-            raise _Reject(f"the adapter weights sent do not match the bundle: {diff}")
+        if self.secure is not None:  # decrypted in memory with the aggregator's key; nothing was sent in plaintext
+            from app.federated.secure import decrypt_update
+
+            tensors = load_adapter(decrypt_update(bundle, m, self.secure))
+        else:
+            tensors = load_adapter(adapter)
+            if (diff := diff_arrays(sent, tensors)) is not None:
+                raise _Reject(f"the adapter weights sent do not match the bundle: {diff}")
         tokens = int((m.dataset.validation or {}).get("trainable_tokens", 0))
         if tokens < 1:
             raise _Reject("the manifest records no trainable tokens")
         quote_id = quote_identity((bundle / B.QUOTE_BIN).read_bytes())
         return Admitted(name, node, bundle, m.run_id, sha256_hex(raw), quote_id, sha256_file(adapter), tokens,
-                        to_record(tensors), client_privacy(m))
+                        to_record(tensors), client_privacy(m),
+                        m.confidentiality.cvm_recipient if m.confidentiality else None)
 
 
 def _node_id(msg: Any) -> int:
@@ -157,17 +167,24 @@ def _node_id(msg: Any) -> int:
         return 0
 
 
-def _reply_parts(content: Any) -> tuple[str, bytes, dict[str, Any]]:
-    """The claimed client name, the bundle's tar bytes and the decoded adapter tensors of a reply."""
+def _reply_parts(content: Any, *, secure: bool = False) -> tuple[str, bytes, dict[str, Any]]:
+    """The claimed client name, the bundle's tar bytes and the decoded adapter tensors of a reply (secure
+    aggregation: none; a reply that sends plaintext weights is refused)."""
     meta = content.config_records.get("bundle")
-    if meta is None or len(content.array_records) != 1:
+    arrays = [r for r in content.array_records.values() if len(r)]
+    if secure and arrays:
+        raise _Reject("the reply sends plaintext adapter weights in a secure-aggregation round")
+    if meta is None or (not secure and len(content.array_records) != 1):
         raise _Reject("the reply carries no bundle or adapter weights")
+    if not secure and not arrays:
+        raise _Reject("the reply carries no plaintext weights (the client's weights are encrypted: its dataset names "
+                      "recipients): run the federation with federation.secure_aggregation")
     name, tar = meta.get("client"), meta.get("tar")
     if not isinstance(name, str) or not re.fullmatch(CLIENT_NAME, name):
         raise _Reject("the reply carries no valid client name")
     if not isinstance(tar, bytes):
         raise _Reject(f"the reply's bundle is a {type(tar).__name__}, not tar bytes")
-    return name, tar, decode_arrays(next(iter(content.array_records.values())))
+    return name, tar, {} if secure else decode_arrays(arrays[0])
 
 
 def _attested_name(bundle: Path) -> object:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from attestation.policy import Policy, load_policy, simulator_policy
+from attestation.round_confidential import verify_key_head
 from attestation.round_verify import verify_round_head
 
 from app.config import Config
@@ -52,6 +53,32 @@ def check_global_adapter(cfg: Config, conf: Any, round_: int, global_sha: str | 
         raise TeeError(f"round {round_}: the aggregator's previous round does not verify: "
                        f"{'; '.join(problems[:2]) or 'no round manifest'}",
                        fix="do not train on this global adapter; check the aggregator's deployment")
+
+
+def aggregator_recipient(cfg: Config, conf: Any, round_: int, workdir: Path) -> str | None:
+    """Secure aggregation: the aggregator's age recipient, once its quote over ``aggregator-key.json`` verifies
+    under the client's ``aggregator_policy`` (and its compose-hash is allowed, when the client pins them); None when
+    the aggregator asks for no secure aggregation.
+
+    Raises:
+        TeeError: the key's attestation does not verify.
+    """
+    evidence = conf.get("aggregator-key")
+    if not evidence:
+        return None
+    fix = "do not send an update to this aggregator; check its deployment"
+    if not isinstance(evidence, bytes):
+        raise TeeError(f"round {round_}: the aggregator's key evidence is not tar bytes", fix=fix)
+    verdict, key = verify_key_head(unpack_bundle(evidence, workdir), policy=_policy(cfg), now=int(time.time()))
+    problems = [f"{c.name}: {c.detail}" for c in verdict.failed]
+    fed = cfg.federation
+    if key is not None and fed.aggregator_compose_hashes and key.tee.compose_hash not in fed.aggregator_compose_hashes:
+        problems.append(f"the aggregator's compose-hash {key.tee.compose_hash[:16]}… is not in "
+                        "federation.aggregator_compose_hashes")
+    if problems or key is None:
+        raise TeeError(f"round {round_}: the aggregator's key is not attested: {'; '.join(problems[:2]) or 'no key'}",
+                       fix=fix)
+    return key.recipient
 
 
 def _policy(cfg: Config) -> Policy:

@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 import tempfile
+from contextlib import ExitStack
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,7 +29,9 @@ from attestation.hashing import sha256_hex
 from app.config import load_config
 from app.errors import ConfigError, DataError
 from app.federated.admission import WEIGHT_KEY
-from app.federated.aggregator_check import check_global_adapter
+from app.federated.aggregator_check import aggregator_recipient, check_global_adapter
+from app.federated.secure import GLOBAL_FIELD, decrypt_global
+from app.run.inputs import scratch_dir
 from app.federated.round_input import RoundInput
 from app.federated.transport import arrays_to_safetensors, pack_bundle, safetensors_to_arrays
 
@@ -77,9 +81,14 @@ def train_round(msg: Message, config_path: Path) -> Message:
     arrays = next(iter(msg.content.array_records.values()), ArrayRecord())
     scratch = cfg.output.dir.resolve() / "federated"
     scratch.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"round-{round_}-", dir=scratch) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"round-{round_}-", dir=scratch) as tmp, ExitStack() as stack:
         global_dir, global_sha = None, None
-        if len(arrays):
+        recipient = aggregator_recipient(cfg, conf, round_, Path(tmp) / "aggregator-key")  # secure aggregation
+        if (sealed := conf.get(GLOBAL_FIELD)) is not None:  # the aggregate, encrypted to this CVM's key
+            global_dir, weights = decrypt_global(cfg, sealed, scratch_dir(cfg, cfg.output.dir.resolve()).parent)
+            stack.callback(shutil.rmtree, global_dir, True)  # plaintext only in RAM, removed after the run
+            global_sha = sha256_hex(weights)
+        elif len(arrays):
             weights = arrays_to_safetensors(arrays)
             global_sha = sha256_hex(weights)
             global_dir = Path(tmp)
@@ -87,7 +96,7 @@ def train_round(msg: Message, config_path: Path) -> Message:
         if str(conf.get("global-adapter-sha256", "")) != (global_sha or ""):
             raise DataError("the global adapter received does not hash to the value the aggregator announced")
         check_global_adapter(cfg, conf, round_, global_sha, Path(tmp) / "previous-round")
-        ri = RoundInput(round_, nonce, global_dir, global_sha, float(conf.get("proximal-mu", 0.0)))
+        ri = RoundInput(round_, nonce, global_dir, global_sha, float(conf.get("proximal-mu", 0.0)), recipient)
         result = run_once(cfg, progress=log.info, run_id=f"fed-r{round_}-{nonce[:16]}", hooks=RunHooks(federation=ri))
     return reply_for(msg, name, result.bundle_dir)
 
@@ -101,8 +110,9 @@ def reply_content(client: str, bundle: Path) -> RecordDict:
     """A reply's records: the bundle's adapter as ``arrays``, its token count, the bundle as tar bytes."""
     manifest = json.loads((bundle / B.MANIFEST).read_bytes())
     tokens = int((manifest["dataset"].get("validation") or {}).get("trainable_tokens", 0))
+    sealed = manifest.get("confidentiality") is not None  # encrypted weights: the bundle alone, never plaintext
     return RecordDict({
-        "arrays": safetensors_to_arrays(bundle / B.ADAPTER_FILES[1]),
+        "arrays": ArrayRecord() if sealed else safetensors_to_arrays(bundle / B.ADAPTER_FILES[1]),
         "metrics": MetricRecord({WEIGHT_KEY: tokens}),
         "bundle": ConfigRecord({"client": client, "tar": pack_bundle(bundle)}),
     })

@@ -25,7 +25,9 @@ from app import export
 from app.audit import utc_now
 from app.errors import ExportError
 from app.federated.admission import Admitted, Rejected
+from app.federated.secure import global_recipients
 from app.federated.transport import arrays_to_safetensors
+from attestation import confidential as C
 from app.fsutil import staged_dir
 from app.tee import GuestAgent, Identity
 
@@ -48,6 +50,7 @@ class Aggregator:
     pccs_url: str
     timeout_s: float
     client_policy: Policy
+    secure: Any = None  # app.federated.secure.SecureKey: secure aggregation (the global adapter is ciphertext)
 
 
 @dataclass(frozen=True)
@@ -73,11 +76,12 @@ def export_round(out: Path, agg: Aggregator, rec: RoundRecord, aggregate: Any, a
         with staged_dir(final) as stage:
             (stage / "adapter").mkdir()
             weights = arrays_to_safetensors(aggregate)
-            (stage / R.GLOBAL_ADAPTER).write_bytes(weights)
+            recipients = global_recipients(admitted, agg.secure) if agg.secure else ()
+            (stage / R.GLOBAL_ADAPTER).write_bytes(C.encrypt(weights, recipients) if recipients else weights)
             (stage / B.APP_COMPOSE).write_bytes(agg.ident.app_compose.encode())
             for a in admitted:
                 shutil.copytree(a.bundle, stage / R.CLIENTS_DIR / a.client)
-            manifest = _manifest_bytes(agg, rec, admitted, rejected, stage)
+            manifest = _manifest_bytes(agg, rec, admitted, rejected, stage, sha256_hex(weights), recipients)
             (stage / R.ROUND_MANIFEST).write_bytes(manifest)
             quote, event_log = agg.agent.quote(R.round_report_data(manifest))
             (stage / B.QUOTE_BIN).write_bytes(quote)
@@ -99,7 +103,7 @@ def export_round(out: Path, agg: Aggregator, rec: RoundRecord, aggregate: Any, a
 
 
 def _manifest_bytes(agg: Aggregator, rec: RoundRecord, admitted: list[Admitted], rejected: list[Rejected],
-                    stage: Path) -> bytes:
+                    stage: Path, plaintext_sha256: str, recipients: tuple[str, ...]) -> bytes:
     total = sum(a.trainable_tokens for a in admitted)
     ident = agg.ident
     doc = {
@@ -110,7 +114,7 @@ def _manifest_bytes(agg: Aggregator, rec: RoundRecord, admitted: list[Admitted],
                 "compose_hash": ident.compose_hash, "agent_version": ident.version, "agent_rev": ident.rev},
         "strategy": rec.strategy, "min_clients": rec.min_clients,
         "global_adapter_in_sha256": rec.global_in_sha256,
-        "global_adapter_sha256": sha256_file(stage / R.GLOBAL_ADAPTER),
+        "global_adapter_sha256": plaintext_sha256,  # = the file's hash, unless secure aggregation encrypted it
         "previous_round_sha256": rec.previous_round_sha256,
         "admitted": [{"client": a.client, "run_id": a.run_id, "manifest_sha256": a.manifest_sha256,
                       "quote_sha256": a.quote_sha256, "adapter_sha256": a.adapter_sha256,
@@ -119,6 +123,8 @@ def _manifest_bytes(agg: Aggregator, rec: RoundRecord, admitted: list[Admitted],
         "rejected": [{"client": r.client, "node_id": r.node_id, "reason": r.reason} for r in rejected],
         "files": {B.APP_COMPOSE: sha256_file(stage / B.APP_COMPOSE),
                   R.GLOBAL_ADAPTER: sha256_file(stage / R.GLOBAL_ADAPTER)},
+        **({"aggregator_recipient": agg.secure.recipient, "confidentiality": {
+            "recipients": list(recipients), "plaintext_sha256": plaintext_sha256}} if recipients else {}),
     }
     data = R.RoundManifest.model_validate(doc).model_dump(mode="json", by_alias=True)
     return (json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False) + "\n").encode()
@@ -128,7 +134,8 @@ def _self_verify(stage: Path, agg: Aggregator, round_: int) -> None:
     """The simulator: every check under its test-CA policy; a CVM: every integrity check under the client policy."""
     policy = (simulator_policy(agg.agent.simulator_root_der()) if agg.simulated
               else agg.client_policy or DEFAULT_POLICY)
-    verdict = verify_round(stage, policy=policy, now=int(time.time()))
+    verdict = verify_round(stage, policy=policy, now=int(time.time()),
+                           identities=agg.secure.identities() if agg.secure else None)  # recomputes the aggregate
     failed = [f"{c.name}: {c.detail}" for c in verdict.failed if agg.simulated or c.name in ROUND_INTEGRITY
               or c.name.startswith("client.")]
     if failed:

@@ -18,6 +18,8 @@ class RoundInput:
             ``None``: the round starts from the base model.
         global_adapter_sha256: SHA-256 of those safetensors bytes (``None`` with no global adapter).
         proximal_mu: FedProx: the proximal term's weight (0: plain local training).
+        aggregator_recipient: Secure aggregation: the aggregator CVM's age recipient (checked against its quote);
+            the run's weight files are encrypted to it as well (``app.run.confidential``).
     """
 
     round: int
@@ -25,6 +27,7 @@ class RoundInput:
     global_adapter_dir: Path | None
     global_adapter_sha256: str | None
     proximal_mu: float = 0.0
+    aggregator_recipient: str | None = None
 
     def manifest_block(self) -> dict[str, Any]:
         """The manifest's ``federation`` section (``attestation.bundle.FederationInfo``)."""

@@ -21,6 +21,7 @@ from app.config import Config, load_config
 from app.errors import ConfigError
 from app.federated.admission import Admission
 from app.federated.round_export import Aggregator
+from app.federated.secure import attest_key
 from app.federated.strategy import AttestedStrategy, make_strategy
 from app.federated.transport import safetensors_to_arrays
 from app.tee import open_guest_agent
@@ -61,9 +62,11 @@ def run_federation(grid: Grid, cfg: Config, federation_id: str) -> FederationRes
         else:
             policy = load_policy(None)
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cvm-tune-fed-")))
+        key = attest_key(agent, ident, federation_id, cfg.tee.mode, cfg.tee) if fed.secure_aggregation else None
         aggregator = Aggregator(agent, ident, simulated, cfg.tee.mode, cfg.tee.collateral, cfg.tee.pccs_url,
-                                cfg.tee.timeout_s, policy)
-        strategy = AttestedStrategy(inner, record, Admission(fed, policy, work), aggregator, out, federation_id, fed)
+                                cfg.tee.timeout_s, policy, key)
+        strategy = AttestedStrategy(inner, record, Admission(fed, policy, work, key), aggregator, out, federation_id,
+                                    fed)
         strategy.start(grid=grid, initial_arrays=initial, num_rounds=fed.rounds, timeout=fed.round_timeout_s)
     return FederationResult(strategy.rounds, [(n, r.client, r.reason) for n, r in strategy.rejections])
 

@@ -24,7 +24,9 @@ from app.errors import ConfigError, RoundFailedError
 from app.federated.admission import WEIGHT_KEY, Admission, Admitted, Rejected, RoundTerms
 from app.federated.round_export import Aggregator, RoundRecord, export_round, head_files
 from app.config.federation import FederationSettings
+from app.federated import secure
 from app.federated.transport import arrays_to_safetensors, pack_bundle
+from attestation.round_bundle import GLOBAL_ADAPTER
 
 log = logging.getLogger("cvm-tune.federated")
 
@@ -72,7 +74,14 @@ class AttestedStrategy(Strategy):
         cfg["global-adapter-sha256"] = global_sha or ""
         if self.rounds:  # the attested round that produced this global adapter, for the clients to check
             cfg["previous-round"] = pack_bundle(self.rounds[-1][1], head_files(self.rounds[-1][1]))
-        return self.inner.configure_train(server_round, arrays, cfg, grid)
+        key = self.aggregator.secure
+        if key is None:
+            return self.inner.configure_train(server_round, arrays, cfg, grid)
+        cfg[secure.KEY_FIELD] = key.evidence  # the attested recipient the clients encrypt their updates to
+        if self.rounds and len(arrays):  # an aggregate of client updates: only ever sent as ciphertext
+            cfg[secure.GLOBAL_FIELD] = (self.rounds[-1][1] / GLOBAL_ADAPTER).read_bytes()
+            return secure.strip_arrays(self.inner.configure_train(server_round, arrays, cfg, grid))
+        return self.inner.configure_train(server_round, arrays, cfg, grid)  # base model or the operator's initial
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:

@@ -66,18 +66,19 @@ def decode_arrays(record: Any) -> dict[str, Any]:
     return out
 
 
-def load_adapter(path: Path) -> dict[str, Any]:
-    """The float tensors of a safetensors file.
+def load_adapter(path: Path | bytes) -> dict[str, Any]:
+    """The float tensors of a safetensors file (or of its bytes, decrypted in memory: secure aggregation).
 
     Raises:
         DataError: unreadable or damaged, or a tensor that is not float16/32/64 (bfloat16 has no NumPy type).
     """
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load, load_file
 
+    name = "update" if isinstance(path, bytes) else path.name
     try:
-        tensors = load_file(str(path))
+        tensors = load(path) if isinstance(path, bytes) else load_file(str(path))
     except Exception as exc:  # noqa: BLE001 - SafetensorError, bfloat16 (TypeError), OSError: all unreadable
-        raise DataError(f"the adapter {path.name} is unreadable or holds tensors NumPy cannot represent "
+        raise DataError(f"the adapter {name} is unreadable or holds tensors NumPy cannot represent "
                         f"({type(exc).__name__}: {str(exc)[:100]})",
                         fix="train the federation's adapters in float32 (PEFT's default for LoRA weights)") from None
     if odd := sorted(n for n, a in tensors.items() if a.dtype.name not in _ALLOWED_DTYPES):

@@ -25,6 +25,7 @@ volume after the last promotion, continuing from it, whose gate passed; the call
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,10 +55,11 @@ class Parent:
     manifest_sha256: str
     adapter_sha256: str
     manifest: dict[str, Any]
+    plain_adapter: Path | None = None  # encrypted weights: their decrypted copy in RAM (app.run.confidential)
 
     @property
     def adapter_dir(self) -> Path:
-        return self.bundle / "adapter"
+        return self.plain_adapter or self.bundle / "adapter"
 
     def lineage(self) -> dict[str, str]:
         return {"parent_run_id": self.run_id, "parent_manifest_sha256": self.manifest_sha256,
@@ -240,6 +242,26 @@ def check_unchanged(out: Path, current: dict[str, Any], parent: Parent | None) -
 decide = B.promotion_rule  # the promotion rule, shared with the verifier (which recomputes it)
 
 
+def dpo_gate(base_dir: Path, adapter_dir: Path, parent: Parent | None, eval_rows: list[Any], cfg: Config,
+             progress: Callable[[str], None]) -> dict[str, Any]:
+    """The promotion gate of a DPO run: candidate and parent (the promoted adapter, or the base model) scored by the
+    mean DPO loss against the base model on the owner's preference eval rows; the same rule as for SFT decides on
+    the losses, and the preference accuracies are recorded with them."""
+    from app.training.dpo import eval_scores
+
+    ev = cfg.evaluation
+    cand_loss, cand_acc = eval_scores(base_dir, adapter_dir, eval_rows, cfg.training)
+    par_loss, par_acc = eval_scores(base_dir, parent.adapter_dir if parent else None, eval_rows, cfg.training)
+    promote = decide(cand_loss, par_loss, ev.max_regression)
+    against = f"run {parent.run_id}" if parent else "the base model"
+    progress(f"evaluation: DPO loss {cand_loss:.4f} vs {par_loss:.4f}, preference accuracy {cand_acc:.2f} vs "
+             f"{par_acc:.2f} ({against}) on {len(eval_rows)} eval pairs: "
+             + ("promote" if promote else f"promotion refused (allowed regression {ev.max_regression:g})"))
+    return {"metric": "dpo_loss", "rows": len(eval_rows), "candidate_loss": cand_loss, "parent_loss": par_loss,
+            "candidate_accuracy": cand_acc, "parent_accuracy": par_acc, "parent": against,
+            "max_regression": ev.max_regression, "promote": promote}
+
+
 def record_outcome(out: Path, bundle: Path, *, lineage: bool) -> tuple[bool, str | None]:
     """The promotion decision of an exported bundle; with ``lineage`` (the run continues the promoted chain, i.e.
     ``training.init`` previous) also move ``CANDIDATE`` (always) and ``PROMOTED`` (gate passed or off). Idempotent.
@@ -256,7 +278,8 @@ def record_outcome(out: Path, bundle: Path, *, lineage: bool) -> tuple[bool, str
             set_pointer(out, PROMOTED, run_id)
     if promote:
         return True, None
-    return False, (f"promotion refused: eval loss {ev['candidate_loss']:.4f} > {ev['parent_loss']:.4f} x "
+    metric = "eval DPO loss" if ev.get("metric") == "dpo_loss" else "eval loss"
+    return False, (f"promotion refused: {metric} {ev['candidate_loss']:.4f} > {ev['parent_loss']:.4f} x "
                    f"(1 + {ev['max_regression']:g}) of {ev['parent']}")
 
 

@@ -25,7 +25,7 @@ from attestation.gpu import describe as describe_gpu
 from attestation.hashing import sha256_file, sha256_hex
 
 from app import alerts, export
-from app.run import continual
+from app.run import confidential, continual
 from app.run import privacy
 from app.export import stage as export_stage
 from app.run import gpu as gpu_evidence
@@ -160,6 +160,8 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             parent = parent_stage(cfg, out, ag, ds, base, hooks, progress)  # 7. warm start? (or nothing new: skip)
         with timer.phase("hashing"):
             run = identity_stage(cfg, out, ds, base, parent, run_id, hooks.federation)  # 8. resume the newest, or start
+            conf, parent = confidential.prepare(cfg, ag.agent, ds, run.run_dir, scratch, stack, parent,  # recipients
+                                                hooks.federation)
             privacy.reserve_stage(cfg, out, ds.info, run.run_id, dp)  # DP-SGD: the dataset version's lifetime cap
         with timer.phase("audit"):
             audit = audit_stage(cfg, out, ag, ds, base, parent, run, progress, dp)  # 9. run.start commits to the inputs
@@ -182,7 +184,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             chunks=ds.chunks, base_dir=base.dir, base_name=base.name, base_tree=base.tree, base_files=base.files,
             train=result, gpu=gpu, log=audit.log, recorder=audit.recorder, slot=hooks.slot,
             lineage=parent.lineage() if parent else None, evaluation=evaluation,
-            federation=hooks.federation.manifest_block() if hooks.federation else None),
+            federation=hooks.federation.manifest_block() if hooks.federation else None, confidential=conf),
             phase=timer.phase, timings=timer.t, progress=progress)
         done.append(True)
         record_export(out, run.run_id, bundle=published.bundle)  # the run database: exported, never run again
@@ -334,6 +336,8 @@ def gate_stage(cfg: Config, ds: Dataset, base: BaseModel, parent: continual.Pare
     ev = cfg.evaluation
     if ev.gate == "off":
         return None
+    if cfg.training.objective == "dpo":  # DPO loss and preference accuracy against the base model
+        return continual.dpo_gate(base.dir, result.adapter_dir, parent, ds.eval_rows, cfg, progress)
     candidate = eval_loss(base.dir, result.adapter_dir, ds.eval_rows, cfg.training)
     reference = eval_loss(base.dir, parent.adapter_dir if parent else None, ds.eval_rows, cfg.training)
     promote = continual.decide(candidate, reference, ev.max_regression)

@@ -21,6 +21,9 @@ from app.run.build_info import build_info
 from app.config import Config
 from app.dataset import DerivedKeySource, KeySource, open_encrypted, parse_jsonl
 from app.dataset.key_request import ReleasedKeySource
+from app.dataset import tabular
+from app.dataset.format import CONTENT_TYPE
+from app.dataset.row_sets import check_objective, rows_sha256
 from app.dataset.rows import split_eval_rows
 from app.dataset.sources import Located, download, locate
 from app.dataset.versions import check_version, rebuild_if_missing
@@ -29,6 +32,7 @@ from app.run.inputs import base_model, dataset_file, key_source, open_dataset
 from app.tee import GuestAgent, Identity, open_guest_agent
 
 Progress = Callable[[str], None]
+DATASET_CONTENT_TYPES = (CONTENT_TYPE, *tabular.CONTENT_TYPES)  # JSONL, Parquet, Arrow IPC
 
 
 @dataclass(frozen=True)
@@ -154,10 +158,18 @@ def dataset_stage(cfg: Config, out: Path, keys: Keys, progress: Progress) -> Dat
     owner_pub = bytes.fromhex(dcfg.owner_public_key) if dcfg.owner_public_key else None
     path = keys.located.path if keys.located else dataset_file(cfg, out, keys.dataset, progress)
     with open_dataset(path) as fh:
-        stream = open_encrypted(fh, keys.dataset, owner_public_key=owner_pub)
-        rows, rep = parse_jsonl(stream, source=path.name, max_row_bytes=dcfg.max_row_bytes, dedup=dcfg.dedup,
-                                max_plaintext_bytes=dcfg.max_plaintext_bytes)
+        stream = open_encrypted(fh, keys.dataset, owner_public_key=owner_pub, content_type=DATASET_CONTENT_TYPES)
+        if stream.header.content_type in tabular.CONTENT_TYPES:  # Parquet / Arrow: read from memory, same row rules
+            rows, rep = tabular.parse_table(stream, stream.header.content_type, source=path.name, dedup=dcfg.dedup,
+                                            max_plaintext_bytes=dcfg.max_plaintext_bytes)
+        else:
+            rows, rep = parse_jsonl(stream, source=path.name, max_row_bytes=dcfg.max_row_bytes, dedup=dcfg.dedup,
+                                    max_plaintext_bytes=dcfg.max_plaintext_bytes)
     sig, header = stream.signature, stream.header
+    plain_format = tabular.format_name(header.content_type)
+    check_objective(rows, rep.lines, cfg.training.objective, source=path.name,
+                    unit="line" if plain_format == "jsonl" else "row")
+    rows_digest = rows_sha256(rows)
     if dcfg.dataset_id is not None and header.dataset_id != dcfg.dataset_id:
         raise DataError(f"dataset {path.name} is {header.dataset_id!r}, not dataset.dataset_id {dcfg.dataset_id!r}",
                         fix="point dataset.path at that dataset's versions, or correct dataset.dataset_id")
@@ -174,7 +186,7 @@ def dataset_stage(cfg: Config, out: Path, keys: Keys, progress: Progress) -> Dat
         "format": f"cvm-tune encrypted dataset v{header.format_version}",
         "encrypted_sha256": stream.ciphertext_sha256, "encrypted_size": stream.ciphertext_size,
         "plaintext_sha256": stream.plaintext_sha256, "plaintext_size": stream.plaintext_size,
-        "rows": rep.rows_kept, "key_source": keys.source.describe(),
+        "plaintext_format": plain_format, "rows_sha256": rows_digest, "rows": rep.rows_kept, "key_source": keys.source.describe(),
         "owner_public_key": sig.owner_public_key.hex() if sig else None,
         "owner_key_id": sig.owner_key_id if sig else None, "commitment": sig.commitment if sig else None,
         "validation": {"rows_read": rep.rows_total, "duplicates_dropped": rep.duplicates_dropped,
@@ -184,7 +196,7 @@ def dataset_stage(cfg: Config, out: Path, keys: Keys, progress: Progress) -> Dat
         progress(f"state: dataset-versions.json was missing; rebuilt {rebuilt} dataset version(s) from the audit chain")
     check_version(out / "state", info["dataset_id"], info["dataset_version"], info["plaintext_sha256"])
     signer = f", signed by owner key {sig.owner_key_id[:16]}…" if sig else ", not owner-signed"
-    progress(f"dataset: {path.name} v{info['dataset_version']} decrypted in memory and authenticated "
+    progress(f"dataset: {path.name} v{info['dataset_version']} ({plain_format}) decrypted in memory and authenticated "
              f"({stream.chunks} chunks{signer}), {rep.rows_kept} rows {dict(rep.by_kind)}, "
              f"{rep.duplicates_dropped} duplicates dropped{_lines(rep.duplicate_lines)}")
     return Dataset(path, rows, rep, stream.chunks, info, eval_rows, keys.note)
@@ -207,9 +219,15 @@ def token_stage(cfg: Config, ds: Dataset, base: BaseModel, progress: Progress) -
     """Token budget: the too-long policy and rows without a trainable token, counted before training."""
     from app.training.tokens import tokenize_rows
 
-    ds.rows, ds.tokens, tokens = tokenize_rows(ds.rows, base_model_dir=base.dir, max_length=cfg.training.max_length,
-                                               assistant_only_loss=cfg.training.assistant_only_loss,
-                                               too_long=cfg.dataset.too_long, lines=ds.rows_report.lines)
+    if cfg.training.objective == "dpo":  # TRL's DPOTrainer tokenizes the pairs itself: count and apply the policy
+        from app.training.dpo import token_policy
+
+        ds.rows, tokens = token_policy(ds.rows, base_model_dir=base.dir, max_length=cfg.training.max_length,
+                                       too_long=cfg.dataset.too_long, lines=ds.rows_report.lines)
+    else:
+        ds.rows, ds.tokens, tokens = tokenize_rows(ds.rows, base_model_dir=base.dir, max_length=cfg.training.max_length,
+                                                   assistant_only_loss=cfg.training.assistant_only_loss,
+                                                   too_long=cfg.dataset.too_long, lines=ds.rows_report.lines)
     ds.info["rows"] = tokens.rows_out
     ds.info["validation"].update(tokens.counts())
     progress(f"tokens: {tokens.rows_out} rows, {tokens.trainable_tokens} trainable tokens; {tokens.too_long} longer "

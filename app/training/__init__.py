@@ -63,6 +63,7 @@ class TrainRequest:
         base_model_name: Written as ``base_model_name_or_path`` in adapter_config.json (never a path).
         base_model_revision: Written as ``revision`` in adapter_config.json when set (the base's Hub revision).
         rows: Validated rows, ``{"messages": [{"role", "content"}, ...]}`` or ``{"text": str}``; may be mixed.
+            ``training.objective: dpo``: preference rows ``{"prompt", "chosen", "rejected"}`` (``app.training.dpo``).
         run_dir: Checkpoints go to ``run_dir/"checkpoints"``, the adapter to ``run_dir/"adapter"``.
         settings: Hyper-parameters (``app.config.TrainingSettings``).
         fingerprint: Hex sha256 binding config + dataset + base model; checkpoints with another

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.errors import BaseModelError, CvmTuneError, StateError, TrainingError, disk_error
 
-from . import TrainRequest, TrainResult, privacy, ranks, set_offline_env, threads
+from . import TrainRequest, TrainResult, dpo, privacy, ranks, set_offline_env, threads
 from .batch import BatchPlan, OutOfMemory, guard_eval, initial_plan, is_oom, retry_budget, run_with_backoff, step_watch
 from .batch import summary as batch_summary
 from .callback import callback_class
@@ -216,16 +216,19 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
         except Exception as exc:
             raise BaseModelError(f"cannot load base model from {req.base_model_dir}: {first_line(exc)}",
                                  fix="restore the base model directory (config.json, weights, tokenizer files)") from exc
-        if req.init_adapter is not None:
+        if req.init_adapter is not None and s.objective == "sft":  # dpo: once the trainer wrapped the model (dpo.py)
             from app.training.warm import warm_start
 
             model, peft_config = warm_start(model, peft_config, Path(req.init_adapter))
         if not splits:
-            data = sft_dataset(req.rows, req.tokenized, tok, assistant_only_loss=s.assistant_only_loss, backend=backend)
+            data = dpo.preference_dataset(req.rows) if s.objective == "dpo" else sft_dataset(
+                req.rows, req.tokenized, tok, assistant_only_loss=s.assistant_only_loss, backend=backend)
             splits.extend(split_eval(data, s.eval_fraction, s.seed))
         try:
-            trainer = _make_trainer(req, model, tok, peft_config, splits[0], splits[1], scratch, cuda=cuda,
-                                    backend=backend, plan=p, world=world, sealing=sealing)
+            make, cb = (dpo.make_trainer, {"callbacks": [callback_class()(req, sealing)]}) if s.objective == "dpo" \
+                else (_make_trainer, {"sealing": sealing})
+            trainer = make(req, model, tok, peft_config, splits[0], splits[1], scratch, cuda=cuda, backend=backend,
+                           plan=p, world=world, **cb)
         except CvmTuneError:
             raise
         except Exception as exc:

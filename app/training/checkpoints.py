@@ -60,6 +60,7 @@ CHECKPOINT_SCHEMA = "cvm-tune/checkpoint/v1"
 MANIFEST = "manifest.enc"
 LATEST = "LATEST"
 CHECKPOINT_GETKEY_PATH = "cvm-tune/checkpoints/v1"
+ADAPTER_IN_RAM = "adapter.in-ram"  # run_dir marker: the confidential adapter's RAM directory (adapter_home)
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 REQUIRED_FILES = ("trainer_state.json", "adapter_model.safetensors")
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -309,6 +310,25 @@ def _reason(exc: BaseException) -> str:
     return f"malformed manifest ({type(exc).__name__})"
 
 
+def adapter_home(final: Path) -> Path:
+    """Where the final adapter goes: ``final`` (``run_dir/"adapter"``), or, for a run whose weights are confidential
+    (``app.run.confidential``), the RAM directory named by ``run_dir/ADAPTER_IN_RAM``, which the pipeline writes
+    before training: the plaintext adapter never reaches the output volume (the sealed checkpoints are its durable
+    copy; a resumed run exports it again from the last one).
+
+    Raises:
+        TrainingError: the marker names no existing absolute directory.
+    """
+    marker = final.parent / ADAPTER_IN_RAM
+    if not marker.is_file():
+        return final
+    home = Path(marker.read_text(encoding="utf-8").strip())
+    if not home.is_absolute() or not home.is_dir():
+        raise TrainingError(f"{marker} names no RAM directory for the confidential adapter",
+                            fix="run again: the pipeline recreates it (the sealed checkpoints are kept)")
+    return home / final.name
+
+
 def export_adapter(model: Any, final: Path, base_model_name: str, revision: str | None = None) -> Path:
     """Write exactly the two adapter files to ``final`` atomically (any older adapter is replaced).
 
@@ -320,18 +340,18 @@ def export_adapter(model: Any, final: Path, base_model_name: str, revision: str 
 
     Args:
         model: The trained ``PeftModel``.
-        final: ``run_dir/"adapter"``.
+        final: ``run_dir/"adapter"`` (or its RAM home: :func:`adapter_home`).
         base_model_name: The name recorded for the base model.
         revision: The base model's Hub revision, recorded as ``revision`` when given.
 
     Returns:
-        ``final``.
+        Where the adapter was written (``final``, or its RAM home).
 
     Raises:
         TrainingError: PEFT did not write one of the two files.
         OSError: the run directory cannot be written.
     """
-    final = Path(final)
+    final = adapter_home(Path(final))
     if final.exists():
         shutil.rmtree(final)
     for stale in final.parent.glob(f".tmp-{final.name}-*"):

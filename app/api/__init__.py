@@ -1,0 +1,123 @@
+"""The attested Tinker-compatible training API (``cvm-tune api serve``; docs/api.md).
+
+:func:`open_service` loads the configured base model once, opens the guest agent and the state database and
+returns the :class:`~app.api.service.Service` the routes (:mod:`app.api.server`) call; :func:`serve` runs it with
+uvicorn, with TLS that terminates inside the CVM (:mod:`app.api.tls`); plain HTTP only on loopback with the simulator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+
+from app.config import Config
+from app.errors import ConfigError
+
+Progress = Callable[[str], None]
+
+
+@contextlib.contextmanager
+def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: bool = True) -> Iterator[object]:
+    """The service for ``cfg`` (base model loaded, state database migrated, guest agent open), closed after."""
+    from app.api.bundle import Exporter
+    from app.api.engine import Engine
+    from app.api.service import Service
+    from app.api.store import Store
+    from app.run.stages import agent_stage, base_model_stage
+    from app.training.backend import prepare_backend
+
+    out = cfg.output.dir.resolve()
+    for sub in ("state", "models", "exports", "api"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        ag = agent_stage(cfg, stack, progress)
+        if ag.simulated:  # the simulator's test policy next to exports/, as `cvm-tune run` writes it
+            from attestation.policy import policy_file_text, simulator_policy
+
+            from app.export.stage import SIMULATOR_POLICY_FILE
+            from app.fsutil import atomic_write_bytes
+
+            policy = policy_file_text(simulator_policy(ag.agent.simulator_root_der())).encode()
+            atomic_write_bytes(out / SIMULATOR_POLICY_FILE, policy)
+            progress(f"simulator test policy: {out / SIMULATOR_POLICY_FILE}")
+        prepare_backend(cfg.training)
+        base = base_model_stage(cfg, out, progress)
+        name = cfg.base_model.hub_id or base.name
+        engine = Engine(base.dir)
+        engine.base_name = name
+        stack.callback(engine.stop)
+        store = Store(out)
+        stack.callback(store.close)
+        exporter = Exporter(cfg, out, ag, base) if export else None
+
+        def collateral(quote: bytes) -> str | None:
+            return ag.agent.bundle_collateral(quote, mode=cfg.tee.collateral, pccs_url=cfg.tee.pccs_url,
+                                              timeout_s=cfg.tee.timeout_s)[0]
+
+        yield Service(out=out, engine=engine, store=store, exporter=exporter, base_name=name, limits=cfg.api,
+                      agent=ag, collateral=collateral)
+
+
+def check_listen(listen: str) -> tuple[str, int, bool]:
+    """(host, port, loopback) of ``HOST:PORT``.
+
+    Raises:
+        ConfigError: not HOST:PORT.
+    """
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
+    try:
+        number = int(port)
+        if not host or not 0 <= number <= 65535:
+            raise ValueError(listen)
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        if not host or not port.isdigit():
+            raise ConfigError(f"--listen {listen!r} is not HOST:PORT", fix="e.g. --listen 127.0.0.1:8443") from None
+        loopback = False  # a host name
+    return host, number, loopback
+
+
+def serve(cfg: Config, listen: str, progress: Progress = print, *, plain_http: bool = False) -> None:
+    """Serve until stopped: TLS with the CVM-derived key (:mod:`app.api.tls`), or plain HTTP on loopback with the
+    simulator.
+
+    Raises:
+        ConfigError: plain HTTP asked for off loopback or in a real CVM, bad --listen, or no API key accepted.
+    """
+    import uvicorn
+
+    from app.api.server import accepted_keys, create_app
+    from app.api.tls import tls_identity
+
+    host, port, loopback = check_listen(listen)
+    keys = accepted_keys(cfg.api.key_sha256)
+    if not keys:
+        raise ConfigError("no API key is accepted", fix="set CVM_TUNE_API_KEYS=tml-... or api.key_sha256 in the config")
+    if plain_http and not loopback:
+        raise ConfigError(f"--plain-http on {host}: plain HTTP is served on loopback only", fix="drop --plain-http")
+    with open_service(cfg, progress) as svc, ExitStack() as files:
+        if plain_http and not svc.agent.simulated:  # type: ignore[attr-defined]
+            raise ConfigError("--plain-http in a CVM: the API is served with TLS that terminates inside it",
+                              fix="drop --plain-http; clients check the server with `cvm-tune api attest`")
+        ssl: dict[str, str] = {}
+        if not plain_http:
+            svc.tls = tls_identity(svc.agent.agent, cfg.api.tls_names)  # type: ignore[attr-defined]
+            ssl["ssl_keyfile"], ssl["ssl_certfile"] = files.enter_context(svc.tls.files())  # type: ignore[attr-defined]
+        config = uvicorn.Config(create_app(svc, keys), host=host, port=port, log_level="warning", access_log=False,
+                                **ssl)
+        config.load()  # reads the key and certificate now
+        files.close()  # ... which then leave the disk
+        server = uvicorn.Server(config)
+        original = server.startup
+        scheme = "http" if plain_http else "https"
+
+        async def startup(sockets: object = None) -> None:
+            await original(sockets)
+            bound = server.servers[0].sockets[0].getsockname()[1] if server.servers else port
+            progress(f"listening on {scheme}://{host}:{bound} (base model {svc.base_name})")  # type: ignore[attr-defined]
+
+        server.startup = startup  # type: ignore[method-assign]
+        server.run()

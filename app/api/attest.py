@@ -1,0 +1,137 @@
+"""``cvm-tune api attest URL --policy POLICY --out trust.pem``: check a training API before sending it anything.
+
+1. A fresh 32-byte nonce; ``GET URL/api/v1/cvm_tune/attestation?nonce=HEX`` over the connection whose certificate
+   is then read (not trusted yet: that is what this decides).
+2. The quote under the policy (signature, TCB, RTMR replay with the event log), its report_data =
+   :func:`app.api.tls.report_data` over the nonce and the SHA-256 of the SubjectPublicKeyInfo of the certificate this
+   connection presented (a man in the middle, or a gateway that terminates TLS, presents another key: rejected).
+3. The app-compose hashes to the compose-hash the event log measured.
+4. Writes the certificate to ``--out``: the SDK trusts it with ``SSL_CERT_FILE``.
+
+Plain ``http://`` is accepted on loopback only (the server serves it only with the simulator; it binds no TLS key
+and nothing is written).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import ipaddress
+import json
+import os
+import ssl
+import sys
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from attestation import load_policy
+from attestation.dcap import parse_collateral
+from attestation.inputs import event_log_from_json
+from attestation.verify import quote_verdict
+
+from app.api.tls import SCHEMA, report_data
+from app.errors import ConfigError
+from app.fsutil import atomic_write_bytes
+
+EXIT_REJECTED = 1
+MAX_DOC = 8 << 20
+
+
+def _fetch(url: urllib.parse.SplitResult, nonce: bytes, timeout: float) -> tuple[dict[str, Any], bytes | None]:
+    """The attestation document and the DER certificate the connection presented (None for plain HTTP)."""
+    port = url.port or (443 if url.scheme == "https" else 80)
+    if url.scheme == "https":
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # read, not trusted: the quote decides
+        conn: http.client.HTTPConnection = http.client.HTTPSConnection(url.hostname, port, timeout=timeout, context=ctx)
+    else:
+        conn = http.client.HTTPConnection(url.hostname, port, timeout=timeout)
+    try:
+        conn.request("GET", f"{url.path.rstrip('/')}/api/v1/cvm_tune/attestation?nonce={nonce.hex()}")
+        resp = conn.getresponse()
+        der = conn.sock.getpeercert(binary_form=True) if url.scheme == "https" else None  # type: ignore[union-attr]
+        body = resp.read(MAX_DOC + 1)
+    except (OSError, http.client.HTTPException) as exc:
+        raise ConfigError(f"cannot fetch the attestation from {url.geturl()}: {exc}",
+                          fix="check the URL and that `cvm-tune api serve` runs there") from None
+    finally:
+        conn.close()
+    if resp.status != 200 or len(body) > MAX_DOC:
+        raise ConfigError(f"{url.geturl()} answered HTTP {resp.status} to the attestation request",
+                          fix="point at a cvm-tune training API")
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise ConfigError(f"{url.geturl()} did not answer a {SCHEMA} document", fix="point at a cvm-tune training API")
+    return doc, der
+
+
+def attest(url_text: str, *, policy_file: Path | None, out: Path, timeout: float = 60.0) -> int:
+    """Check the server at ``url_text``; write its certificate to ``out`` when trusted. Returns the exit code.
+
+    Raises:
+        ConfigError: a bad URL, plain HTTP off loopback, or no attestation document (exit 2).
+    """
+    url = urllib.parse.urlsplit(url_text)
+    if url.scheme not in ("https", "http") or not url.hostname:
+        raise ConfigError(f"{url_text!r} is not an https:// URL", fix="e.g. https://127.0.0.1:8443")
+    if url.scheme == "http" and not _loopback(url.hostname):
+        raise ConfigError("plain http:// is accepted on loopback only", fix="use the server's https:// URL")
+    policy = load_policy(policy_file)
+    nonce = os.urandom(32)
+    doc, der = _fetch(url, nonce, timeout)
+    problems: list[str] = []
+    spki = b""
+    cert_pem = None
+    if der is not None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        cert = x509.load_der_x509_certificate(der)
+        spki = hashlib.sha256(cert.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)).digest()
+        cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+        if doc.get("tls_spki_sha256") != spki.hex():
+            problems.append("the certificate this connection presented is not the key the server attests (a man in "
+                            "the middle, or TLS terminated outside the CVM)")
+    if doc.get("nonce") != nonce.hex():
+        problems.append("the document does not echo this request's nonce")
+    try:
+        events = event_log_from_json(doc.get("event_log") or "[]", source="attestation event_log")
+        coll = parse_collateral(doc["collateral"]) if doc.get("collateral") else None
+        verdict = quote_verdict(bytes.fromhex(str(doc.get("quote"))), policy=policy, now=int(time.time()),
+                                collateral=coll, events=events, expected_report_data=report_data(nonce, spki))
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"the attestation document is malformed: {exc}", fix="point at a cvm-tune training API") from None
+    compose = str(doc.get("app_compose") or "").encode()
+    measured = [e.payload.hex() for e in events if e.event == "compose-hash"]
+    if not measured or measured[-1] != hashlib.sha256(compose).hexdigest():
+        problems.append("the app-compose does not hash to the compose-hash the event log measured")
+    print(verdict.summary())
+    for c in verdict.checks:
+        if c.status != "pass":
+            print(f"{c.status.upper()} {c.name}: {c.detail}")
+    for p in problems:
+        print(f"FAIL {p}")
+    if not verdict.accepted or problems:
+        print("NOT trusted: nothing written", file=sys.stderr)
+        return EXIT_REJECTED
+    compose_hash = measured[-1]
+    if cert_pem is None:
+        print(f"trusted (plain HTTP on loopback: no certificate to write); compose-hash {compose_hash[:16]}…")
+        return 0
+    atomic_write_bytes(out, cert_pem)
+    print(f"trusted: compose-hash {compose_hash[:16]}…, TLS key {spki.hex()[:16]}…; wrote {out}")
+    print(f"use it: export SSL_CERT_FILE={out} TINKER_BASE_URL={url_text.rstrip('/')}")
+    return 0
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

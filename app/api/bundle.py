@@ -1,0 +1,117 @@
+"""Every save of the training API is also an export bundle under ``exports/`` that ``cvm-tune verify`` accepts.
+
+The bundle is built by the same export stage as a nightly run (:func:`app.export.stage.export_bundle`: adapter,
+tokenizer, signature, model card, report, audit slice, manifest, quote, self-verification), with what an API model
+has in place of a dataset: the manifest's ``op_chain`` block (head, op count, LoRA and the last Adam parameters)
+and a ``dataset`` entry that names the op chain (``dataset_id`` ``tinker-api``, both dataset hashes = the chain
+head, ``rows`` = the op count). The audit slice commits to them like a run's: ``run.start`` (inputs),
+``gpu.evidence``, ``train.done`` (adapter hashes), ``export``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from attestation.hashing import sha256_file, sha256_hex
+
+from app import export
+from app.audit import AuditLog, AuditRecorder, utc_now
+from app.config import Config
+from app.dataset.rows import RowReport
+from app.export import stage as export_stage
+from app.run import gpu as gpu_evidence
+from app.run.stages import Agent, BaseModel
+from app.training import TrainResult
+
+OP_CHAIN_SCHEMA = "cvm-tune/op-chain/v1"
+
+
+class Exporter:
+    def __init__(self, cfg: Config, out: Path, agent: Agent, base: BaseModel) -> None:
+        self.cfg, self.out, self.ag, self.base = cfg, Path(out), agent, base
+        self.log = AuditLog(self.out / "state" / "audit.jsonl")
+        self.recorder = AuditRecorder(self.log, agent.agent, require_emit=cfg.tee.emit_events == "required")
+
+    def export(self, m: Any, adapter_dir: Path, path: str) -> Path:
+        """Publish ``exports/<run id>`` for model ``m`` saved at ``adapter_dir`` as ``path``; returns the bundle."""
+        run_id = "api-" + re.sub(r"[^A-Za-z0-9._-]", "-", path.removeprefix("tinker://"))[:90] + f"-{int(time.time())}"
+        lora = m.lora
+        ts = self.cfg.training.model_copy(update={"seed": lora.get("seed") or 0, "lora": self.cfg.training.lora.model_copy(
+            update={"r": lora["rank"], "alpha": 32, "dropout": 0.0,
+                    "target_modules": tuple(self._targets(adapter_dir))})})
+        cfg = self.cfg.model_copy(update={"training": ts})
+        config_bytes = cfg.canonical_json()
+        op_chain = {"schema": OP_CHAIN_SCHEMA, "head": m.op_head, "ops": m.ops, "optimizer_steps": m.steps,
+                    "checkpoint": path, "lora": lora, "adam_params": m.last_adam,
+                    **({"dp": dict(m.dp)} if m.dp is not None else {})}
+        dataset = {"dataset_id": "tinker-api", "dataset_version": m.ops, "format": "tinker-ops/v1",
+                   "encrypted_sha256": m.op_head, "encrypted_size": 0, "plaintext_sha256": m.op_head,
+                   "plaintext_size": 0, "rows": m.ops, "key_source": "none", "validation": None}
+        code_sha = export.source_digest()
+        self.recorder.record(run_id, "run.start", {
+            "config_sha256": sha256_hex(config_bytes), "training_config_sha256": sha256_hex(cfg.training_json()),
+            "dataset_id": "tinker-api", "dataset_version": m.ops, "dataset_encrypted_sha256": m.op_head,
+            "dataset_plaintext_sha256": m.op_head, "base_model_tree_sha256": self.base.tree,
+            "code_source_sha256": code_sha, "parent_manifest_sha256": None, "op_chain": op_chain})
+        gpu = gpu_evidence.collect(self.log.head)
+        self.recorder.record(run_id, "gpu.evidence", gpu.audit_data())
+        self.recorder.record(run_id, "train.done", {"global_step": m.steps, "adapter_sha256": {
+            f"adapter/{n}": sha256_file(adapter_dir / n) for n in ("adapter_config.json", "adapter_model.safetensors")}})
+        train = _Adapter(adapter_dir)
+        result = TrainResult(adapter_dir=train.dir, backend="hf", device=str(self._device()), losses=list(m.losses),
+                             global_step=m.steps, resumed_from_step=None, train_runtime_s=0.0,
+                             tokens_seen=m.tokens_seen, library_versions={})
+        inputs = export_stage.ExportInputs(
+            cfg=cfg, out=self.out, run_id=run_id, started_at=utc_now(), code_sha=code_sha, config_bytes=config_bytes,
+            agent=self.ag.agent, ident=self.ag.ident, simulated=self.ag.simulated,
+            compose_bytes=self.ag.compose_bytes, build=self.ag.build, dataset=dataset,
+            rows_report=RowReport(rows_total=m.ops, rows_kept=m.ops, by_kind={"op": m.ops}), chunks=0,
+            base_dir=self.base.dir, base_name=self.base.name, base_tree=self.base.tree, base_files=self.base.files,
+            train=result, gpu=gpu, log=self.log, recorder=self.recorder, slot=None, op_chain=op_chain)
+        try:
+            published = export_stage.export_bundle(inputs, phase=_no_phase, timings={}, progress=lambda _m: None)
+        finally:
+            train.cleanup()
+        return published.bundle
+
+    @staticmethod
+    def _targets(adapter_dir: Path) -> list[str]:
+        import json
+
+        return sorted(json.loads((adapter_dir / "adapter_config.json").read_text())["target_modules"])
+
+    @staticmethod
+    def _device() -> str:
+        import torch
+
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+class _Adapter:
+    """The adapter files alone (the export copies every file of ``adapter_dir``; the optimizer state stays out)."""
+
+    def __init__(self, src: Path) -> None:
+        import shutil
+        import tempfile
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="api-adapter-")
+        self.dir = Path(self._tmp.name)
+        for n in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copyfile(src / n, self.dir / n)
+
+    def cleanup(self) -> None:
+        self._tmp.cleanup()
+
+
+class _no_phase:
+    def __init__(self, _name: str) -> None:
+        pass
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_exc: object) -> None:
+        return None

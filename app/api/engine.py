@@ -1,0 +1,297 @@
+"""The training engine behind the API: the base model loaded once, one LoRA adapter per model, every operation run
+in arrival order on one worker thread (so a model's operations apply in the order they were accepted).
+
+Each model keeps its adapter (PEFT, named ``m<N>``), its Adam optimizer over that adapter's parameters and its op
+chain head (:mod:`attestation.op_chain`): ``forward_backward`` accumulates gradients, ``optim_step`` applies them with
+the request's Adam parameters and clears them. Sampler checkpoints are loaded as adapters of their own, once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from attestation import op_chain
+
+from app.api import dp as dpsgd
+from app.api import losses, sampling, wire
+from app.api.errors import ApiError, BadRequest, NotFound
+
+logger = logging.getLogger(__name__)
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+UNEMBED = ("lm_head",)
+LORA_ALPHA = 32
+MAX_SAMPLERS = 8  # sampler checkpoints kept loaded as adapters
+
+
+@dataclass
+class Model:
+    id: str
+    adapter: str
+    lora: dict[str, Any]
+    optimizer: Any
+    op_head: str = op_chain.GENESIS
+    ops: int = 0
+    steps: int = 0
+    losses: list[tuple[int, float]] = field(default_factory=list)
+    pending_loss: float = 0.0
+    tokens_seen: int = 0
+    last_adam: dict[str, float] | None = None
+    dp: dict[str, Any] | None = None  # app.api.dp settings and spend; None: no DP
+    dp_sums: list[Any] | None = None  # the clipped per-datum gradients summed since the last optim_step
+
+
+class Engine:
+    def __init__(self, base_dir: Path) -> None:
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        self.base_dir = Path(base_dir)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = torch.bfloat16 if self.device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+        base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=dtype).to(self.device)
+        self.vocab = int(base.config.vocab_size)
+        self.arch = str(getattr(base.config, "model_type", "") or "unknown")
+        self.max_context = int(getattr(base.config, "max_position_embeddings", 2048))
+        # A placeholder adapter that stays at zero makes the model a PeftModel once; each API model adds its own.
+        self.model = get_peft_model(base, LoraConfig(r=1, target_modules=["q_proj"], lora_dropout=0.0),
+                                    adapter_name="base")
+        self.models: dict[str, Model] = {}
+        self.samplers: dict[str, str] = {}  # checkpoint dir -> adapter name
+        self._names = itertools.count(1)
+        self._jobs: queue.Queue[tuple[Callable[[], None]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="api-engine", daemon=True)
+        self._thread.start()
+
+    # --- the worker --------------------------------------------------------------------------------
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put((job,))
+
+    def _work(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            try:
+                item[0]()
+            except Exception:  # a job reports its own failure; this only keeps the worker alive
+                logger.exception("engine job failed")
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    # --- models ------------------------------------------------------------------------------------
+
+    def lora_config(self, lora: dict[str, Any]) -> Any:
+        from peft import LoraConfig
+
+        targets = [*(ATTN if lora["train_attn"] else ()), *(MLP if lora["train_mlp"] else ()),
+                   *(UNEMBED if lora["train_unembed"] else ())]
+        present = {n.rsplit(".", 1)[-1] for n, _m in self.model.base_model.model.named_modules()}
+        targets = [t for t in targets if t in present]
+        if not targets:
+            raise BadRequest("the LoRA targets no layer: set at least one of train_attn, train_mlp, train_unembed")
+        return LoraConfig(r=lora["rank"], lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets,
+                          bias="none", task_type="CAUSAL_LM")
+
+    def create(self, model_id: str, lora: dict[str, Any], dp: dict[str, Any] | None = None) -> Model:
+        import torch
+
+        name = f"m{next(self._names)}"
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(lora.get("seed") or 0)
+            self.model.add_adapter(name, self.lora_config(lora))
+        params = self._params(name)
+        m = Model(model_id, name, lora, torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12,
+                                                           weight_decay=0.0), dp=dict(dp) if dp else None)
+        if m.dp:
+            m.dp_sums = [torch.zeros_like(p) for p in params]
+        self.models[model_id] = m
+        return m
+
+    def _params(self, adapter: str) -> list[Any]:
+        return [p for n, p in self.model.named_parameters() if f".{adapter}." in n]
+
+    def get(self, model_id: str) -> Model:
+        m = self.models.get(model_id)
+        if m is None:
+            raise NotFound(f"model {model_id} is not loaded on this server (a restart drops training state: create "
+                           "a training client from its last saved state)")
+        return m
+
+    def _activate(self, adapter: str, train: bool) -> None:
+        self.model.set_adapter(adapter)
+        for p in self._params(adapter):
+            p.requires_grad_(train)
+        self.model.train(train)
+
+    # --- operations --------------------------------------------------------------------------------
+
+    def forward_backward(self, op: wire.Op) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+        import torch
+
+        m = self.get(op.model_id)
+        self._activate(m.adapter, not op.forward_only)
+        private = m.dp is not None and not op.forward_only
+        params = self._params(m.adapter) if private else []
+        outputs, total, weight = [], 0.0, 0.0
+        for d in op.data:
+            ids = torch.tensor([d.tokens], device=self.device)
+            with torch.set_grad_enabled(not op.forward_only):
+                logits = self.model(input_ids=ids).logits[0].float()
+                target = torch.as_tensor(d.inputs["target_tokens"], device=self.device)
+                logp = torch.log_softmax(logits, dim=-1).gather(1, target[:, None])[:, 0]
+                loss = losses.loss(op.loss_fn, logp, d.inputs, op.loss_fn_config)
+                if not op.forward_only:
+                    loss.backward()
+                    if private:
+                        dpsgd.clip_into(params, m.dp_sums, m.dp["max_grad_norm"])  # type: ignore[index,arg-type]
+            total += float(loss.detach())
+            weight += float(d.inputs["weights"].sum()) if "weights" in d.inputs else len(d.tokens)
+            outputs.append({"logprobs": logp.detach().cpu().numpy(),
+                            "elementwise_loss": (-logp.detach().cpu().numpy()
+                                                 * d.inputs.get("weights", np.ones(len(d.tokens), np.float32)))})
+        if not op.forward_only:
+            m.op_head = op_chain.link(m.op_head, op.record())
+            m.ops += 1
+            m.pending_loss += total
+            m.tokens_seen += op.n_tokens
+        return outputs, {"loss:sum": total, "loss:mean": total / max(weight, 1e-9)}
+
+    def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
+        import torch
+
+        m = self.get(model_id)
+        params = self._params(m.adapter)
+        if m.dp is not None:
+            dpsgd.noisy_grads(params, m.dp_sums, m.dp)  # type: ignore[arg-type]
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        if adam["grad_clip_norm"] > 0:
+            torch.nn.utils.clip_grad_norm_(params, adam["grad_clip_norm"])
+        for g in m.optimizer.param_groups:
+            g.update(lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
+                     weight_decay=adam["weight_decay"])
+        m.optimizer.step()
+        m.optimizer.zero_grad(set_to_none=True)
+        m.steps += 1
+        m.losses.append((m.steps, m.pending_loss))
+        m.pending_loss = 0.0
+        m.last_adam = dict(adam)
+        record: dict[str, Any] = {"op": "optim_step", "adam_params": adam}
+        metrics = {"grad_norm": norm, "step": float(m.steps)}
+        if m.dp is not None:
+            record["dp_epsilon"] = metrics["dp_epsilon"] = dpsgd.account(m.dp)
+        m.op_head = op_chain.link(m.op_head, record)
+        m.ops += 1
+        return metrics
+
+    # --- state -------------------------------------------------------------------------------------
+
+    def save(self, m: Model, dest: Path, *, optimizer: bool) -> None:
+        """``dest``: a PEFT adapter repository (adapter_config.json, adapter_model.safetensors) + optimizer.pt."""
+        import torch
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        dest.mkdir(parents=True)
+        sd = get_peft_model_state_dict(self.model, adapter_name=m.adapter)
+        save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(dest / "adapter_model.safetensors"))
+        cfg = self.model.peft_config[m.adapter]
+        cfg.base_model_name_or_path = str(self.base_name)
+        cfg.save_pretrained(str(dest))
+        if optimizer:
+            torch.save(m.optimizer.state_dict(), dest / "optimizer.pt")
+        import json
+
+        (dest / "progress.json").write_text(json.dumps({"steps": m.steps, "tokens_seen": m.tokens_seen,
+                                                        "losses": m.losses}))
+        if m.dp is not None:  # the DP settings and spend: a model loaded from this state continues the accounting
+            (dest / "dp.json").write_text(json.dumps(m.dp, sort_keys=True))
+
+    def load(self, m: Model, src: Path, *, optimizer: bool) -> None:
+        import torch
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(self.model, load_file(str(src / "adapter_model.safetensors"), device=self.device),
+                                  adapter_name=m.adapter)
+        if optimizer:
+            m.optimizer.load_state_dict(torch.load(src / "optimizer.pt", weights_only=True))
+        import json
+
+        if (src / "progress.json").is_file():  # optimizer steps, tokens and losses so far
+            progress = json.loads((src / "progress.json").read_text())
+            m.steps, m.tokens_seen = int(progress["steps"]), int(progress["tokens_seen"])
+            m.losses = [(int(a), float(b)) for a, b in progress["losses"]]
+        saved = saved_dp(src)
+        if (saved is None) != (m.dp is None):
+            raise BadRequest("the saved state and the model differ in DP-SGD (one has it, the other not)")
+        if saved is not None:
+            m.dp = saved  # the accounting continues from the saved state's steps
+            m.dp_sums = [torch.zeros_like(p) for p in self._params(m.adapter)]
+
+    base_name = "base"
+
+    def sample(self, src: Path | None, prompt: list[int], *, num_samples: int, max_tokens: int,
+               temperature: float, top_k: int, top_p: float, seed: int | None, stop: list[int],
+               prompt_logprobs: bool) -> bytes:
+        import torch
+
+        adapter = None
+        if src is not None:
+            adapter = self.samplers.get(str(src))
+            if adapter is None:
+                if len(self.samplers) >= MAX_SAMPLERS:  # evict the oldest sampler adapter
+                    self.model.delete_adapter(self.samplers.pop(next(iter(self.samplers))))
+                adapter = f"s{next(self._names)}"
+                from peft import LoraConfig
+                from safetensors.torch import load_file
+                from peft import set_peft_model_state_dict
+
+                self.model.add_adapter(adapter, LoraConfig.from_pretrained(str(src)))
+                set_peft_model_state_dict(self.model, load_file(str(src / "adapter_model.safetensors")),
+                                          adapter_name=adapter)
+                self.samplers[str(src)] = adapter
+        self._activate(adapter or "base", False)
+        gen = torch.Generator(device="cpu").manual_seed(seed if seed is not None else 0)
+        with torch.no_grad():
+            seqs = [sampling.generate(self.model, prompt, max_tokens=max_tokens, temperature=temperature,
+                                      top_k=top_k, top_p=top_p, stop=stop, generator=gen, device=self.device)
+                    for _ in range(num_samples)]
+            plp = sampling.prompt_logprobs(self.model, prompt, self.device) if prompt_logprobs else None
+        return wire.sample_response(seqs, plp)
+
+
+def saved_dp(src: Path) -> dict[str, Any] | None:
+    """The DP settings and spend a saved state recorded (None: trained without DP)."""
+    import json
+
+    f = Path(src) / "dp.json"
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def run_job(fn: Callable[[], tuple[bool, str, bytes]], finish: Callable[[bool, str, bytes], None]) -> Callable[[], None]:
+    """A worker job: ``fn``'s result, or its refusal (category user) or failure (category server), is recorded."""
+    import json
+
+    def job() -> None:
+        try:
+            ok, ctype, body = fn()
+        except ApiError as exc:
+            ok, ctype, body = False, "application/json", json.dumps({"error": str(exc), "category": "user"}).encode()
+        except Exception as exc:  # an engine failure fails this future only; the server keeps serving
+            logger.exception("operation failed")
+            ok, ctype, body = False, "application/json", json.dumps(
+                {"error": f"{type(exc).__name__}: {exc}", "category": "server"}).encode()
+        finish(ok, ctype, body)
+
+    return job

@@ -1,0 +1,189 @@
+"""The Tinker REST API as SDK 0.38 speaks it (FastAPI), over :class:`app.api.service.Service`.
+
+Bodies are parsed with the SDK's own pydantic types (``tinker.types``) and protobuf module; a malformed body, an
+unknown model or a request over the limits is a 4xx whose body says why (the SDK surfaces it). Routes not served
+answer 501 (``NotServed``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from tinker import types
+
+from app.api.errors import ApiError, BadRequest, NotServed, TooLarge, Unauthorized
+from app.api.service import Service
+
+logger = logging.getLogger(__name__)
+MAX_BODY = 64 << 20
+
+
+def accepted_keys(key_sha256: tuple[str, ...]) -> frozenset[str]:
+    """SHA-256 hashes of the accepted keys: the config's, plus env ``CVM_TUNE_API_KEYS`` (comma-separated)."""
+    env = [k.strip() for k in os.environ.get("CVM_TUNE_API_KEYS", "").split(",") if k.strip()]
+    return frozenset({*key_sha256, *(hashlib.sha256(k.encode()).hexdigest() for k in env)})
+
+
+def _json(model: BaseModel | dict[str, Any], status: int = 200) -> JSONResponse:
+    body = model if isinstance(model, dict) else model.model_dump(mode="json", exclude_none=True)
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
+    app = FastAPI(title="cvm-tune training API", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _refused(_req: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Response:
+        try:
+            if int(request.headers.get("content-length") or 0) > MAX_BODY:
+                raise TooLarge(f"request body over {MAX_BODY} bytes")
+            if request.headers.get("content-encoding") not in (None, "identity"):
+                raise BadRequest("compressed request bodies are not served (client config proto_compress_fwdbwd is off)")
+            path = request.url.path
+            if path not in ("/api/v1/healthz", "/api/v1/cvm_tune/attestation"):
+                key = request.headers.get("x-api-key") or ""
+                owner = hashlib.sha256(key.encode()).hexdigest()
+                if owner not in keys:
+                    raise Unauthorized("unknown API key (X-API-Key)")
+                request.state.owner = owner
+        except ApiError as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+        return await call_next(request)
+
+    async def body(request: Request, model: type[Any]) -> Any:
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            raise TooLarge(f"request body over {MAX_BODY} bytes")
+        try:
+            data = json.loads(raw or b"{}")
+        except ValueError as exc:
+            raise BadRequest(f"malformed {model.__name__}: not JSON ({exc})") from None
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise BadRequest(f"malformed {model.__name__}: {_first(exc)}") from None
+
+    @app.get("/api/v1/healthz")
+    async def healthz() -> Any:
+        return _json(types.HealthResponse(status="ok"))
+
+    @app.get("/api/v1/get_server_capabilities")
+    async def capabilities() -> Any:
+        return _json(types.GetServerCapabilitiesResponse(supported_models=[types.SupportedModel(
+            model_name=svc.base_name, max_context_length=svc.limits.max_seq_len, trainable=True, sampleable=True)]))
+
+    @app.post("/api/v1/client/config")
+    async def client_config(request: Request) -> Any:
+        await body(request, types.ClientConfigRequest)
+        return _json(types.ClientConfigResponse(use_pyqwest_transport=False, pjwt_auth_enabled=False,
+                                                proto_compress_fwdbwd=False, sample_use_retrieve_futures=False,
+                                                custom_loss_server_side=False, sample_join_sampling_session=False,
+                                                parallel_fwdbwd_chunks=False))
+
+    @app.post("/api/v1/client/dynamic_config")
+    async def dynamic_config(request: Request) -> Any:
+        await body(request, types.ClientConfigRequest)
+        return _json(types.ClientDynamicConfigResponse())
+
+    @app.post("/api/v1/telemetry")
+    async def telemetry(request: Request) -> Any:
+        await request.body()  # accepted and dropped: nothing about a user's training leaves the CVM
+        return _json({"status": "accepted"})
+
+    @app.post("/api/v1/create_session")
+    async def create_session(request: Request) -> Any:
+        await body(request, types.CreateSessionRequest)
+        return _json(types.CreateSessionResponse(session_id=svc.create_session(request.state.owner)))
+
+    @app.post("/api/v1/session_heartbeat")
+    async def heartbeat(request: Request) -> Any:
+        await body(request, types.SessionHeartbeatRequest)
+        return _json(types.SessionHeartbeatResponse())
+
+    @app.post("/api/v1/create_model")
+    async def create_model(request: Request) -> Any:
+        return _json(svc.create_model(request.state.owner, await body(request, types.CreateModelRequest)))
+
+    @app.post("/api/v1/get_info")
+    async def get_info(request: Request) -> Any:
+        return _json(svc.get_info(request.state.owner, (await body(request, types.GetInfoRequest)).model_id))
+
+    @app.post("/api/v1/forward_backward")
+    async def forward_backward(request: Request) -> Any:
+        if "protobuf" not in request.headers.get("content-type", ""):
+            raise BadRequest("forward_backward takes a protobuf body (Content-Type: application/x-protobuf)")
+        raw = await request.body()
+        if len(raw) > MAX_BODY:
+            raise TooLarge(f"request body over {MAX_BODY} bytes")
+        return _json(svc.forward_backward(request.state.owner, raw))
+
+    @app.post("/api/v1/optim_step")
+    async def optim_step(request: Request) -> Any:
+        return _json(svc.optim_step(request.state.owner, await body(request, types.OptimStepRequest)))
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights(request: Request) -> Any:
+        return _json(svc.save(request.state.owner, await body(request, types.SaveWeightsRequest), "training"))
+
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_for_sampler(request: Request) -> Any:
+        return _json(svc.save(request.state.owner, await body(request, types.SaveWeightsForSamplerRequest), "sampler"))
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(request: Request) -> Any:
+        return _json(svc.load(request.state.owner, await body(request, types.LoadWeightsRequest)))
+
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints")
+    async def checkpoints(model_id: str, request: Request) -> Any:
+        return _json(svc.list_checkpoints(request.state.owner, model_id))
+
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request) -> Any:
+        req = await body(request, types.CreateSamplingSessionRequest)
+        return _json(types.CreateSamplingSessionResponse(
+            sampling_session_id=svc.create_sampling_session(request.state.owner, req.model_path, req.base_model)))
+
+    @app.get("/api/v1/samplers/{sampler_id}")
+    async def sampler(sampler_id: str, request: Request) -> Any:
+        return _json(svc.sampler(request.state.owner, sampler_id))
+
+    @app.post("/api/v1/asample")
+    async def asample(request: Request) -> Any:
+        return _json(svc.sample(request.state.owner, await body(request, types.SampleRequest)))
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(request: Request) -> Any:
+        req = await body(request, types.FutureRetrieveRequest)
+        status, ctype, payload = await svc.retrieve(request.state.owner, req.request_id)
+        return Response(payload, status_code=status, media_type=ctype)
+
+    @app.post("/api/v1/cancel_future")
+    async def cancel_future(request: Request) -> Any:
+        await request.body()  # operations run in order and are not cancelled; the result stays retrievable
+        return _json({"status": "accepted"})
+
+    @app.get("/api/v1/cvm_tune/attestation")
+    def attestation(nonce: str = "") -> Any:  # a thread of its own: the guest agent's quote takes a while
+        return _json(svc.attestation(nonce))
+
+    @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE"])
+    async def not_served(rest: str) -> Any:
+        raise NotServed(f"/api/v1/{rest} is not served by the cvm-tune training API")
+
+    return app
+
+
+def _first(exc: ValidationError) -> str:
+    e = exc.errors()[0]
+    return f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"

@@ -1,0 +1,307 @@
+"""What the API's routes do: sessions, models, futures, checkpoints and sampling sessions, each owned by the API
+key (its SHA-256) that created it; another key gets 404, as if it did not exist.
+
+Every operation becomes a row in the state database (:mod:`app.api.store`) and a job on the engine's one worker
+(:mod:`app.api.engine`); its future resolves to the job's result. Saves write the adapter (and optimizer) under
+``api/checkpoints/`` and an attested export bundle under ``exports/`` (:mod:`app.api.bundle`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+from tinker import types
+
+from app.api import dp as dpsgd
+from app.api import wire
+from app.api.bundle import Exporter
+from app.api.engine import Engine, Model, run_job, saved_dp
+from app.api.errors import BadRequest, NotFound, NotServed, TooMany
+from app.api.store import Checkpoint, Store
+from app.audit import utc_now
+from app.config.api import ApiSettings
+
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
+JSON = "application/json"
+PROTO = "application/x-protobuf"
+
+
+class Service:
+    def __init__(self, *, out: Path, engine: Engine, store: Store, exporter: Exporter | None, base_name: str,
+                 limits: ApiSettings, agent: Any = None, collateral: Any = None) -> None:
+        self.out, self.engine, self.store, self.exporter = Path(out), engine, store, exporter
+        self.agent, self.collateral = agent, collateral  # app.run.stages.Agent; quote -> collateral JSON or None
+        self.tls: Any = None  # app.api.tls.TlsIdentity once serving TLS
+        self.base_name, self.limits = base_name, limits
+        self.sessions: dict[str, str] = {}  # session id -> owner
+        self.samplers: dict[str, tuple[str, str | None]] = {}  # sampling session id -> (owner, checkpoint path)
+        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}  # long polls
+        self._waiters_lock = threading.Lock()
+        self.store.fail_interrupted()
+
+    # --- sessions and ownership --------------------------------------------------------------------
+
+    def create_session(self, owner: str) -> str:
+        sid = uuid.uuid4().hex
+        self.sessions[sid] = owner
+        return sid
+
+    def _session(self, owner: str, sid: str) -> None:
+        if self.sessions.get(sid) != owner:
+            raise NotFound(f"session {sid} not found")
+
+    def _model(self, owner: str, model_id: str) -> Model:
+        if self.store.model_owner(model_id) != owner:
+            raise NotFound(f"model {model_id} not found")
+        return self.engine.get(model_id)
+
+    def _checkpoint(self, owner: str, path: str) -> Checkpoint:
+        c = self.store.checkpoint(path)
+        if c is None or c.owner != owner:
+            raise NotFound(f"checkpoint {path} not found")
+        return c
+
+    def _enqueue(self, owner: str, session: str, model_id: str | None, kind: str, fn: Any,
+                 samples: int = 0) -> dict[str, Any]:
+        if self.store.pending(session) >= self.limits.max_queued_futures:
+            raise TooMany(f"session has {self.limits.max_queued_futures} operations queued; wait for results")
+        fid = uuid.uuid4().hex
+        self.store.add_future(fid, owner=owner, session_id=session, model_id=model_id, kind=kind)
+        def finish(ok: bool, ctype: str, body: bytes) -> None:
+            m = self.engine.models.get(model_id) if model_id else None  # its chain head, in the same commit
+            self.store.finish(fid, ok=ok, content_type=ctype, result=body,
+                              head=(m.id, m.op_head, m.ops) if m else None)  # committed before anyone is told
+            with self._waiters_lock:
+                waiting = self._waiters.pop(fid, [])
+            for loop, event in waiting:
+                loop.call_soon_threadsafe(event.set)
+
+        self.engine.submit(run_job(fn, finish))
+        ids = [f"{fid}:{i}" for i in range(samples)] if samples else None
+        return types.UntypedAPIFuture(request_id=fid, model_id=model_id, sample_sequence_ids=ids).model_dump(
+            mode="json", exclude_none=True)
+
+    @staticmethod
+    def _ok(model: Any) -> tuple[bool, str, bytes]:
+        return True, JSON, json.dumps(model.model_dump(mode="json", exclude_none=True)).encode()
+
+    # --- models ------------------------------------------------------------------------------------
+
+    def create_model(self, owner: str, req: types.CreateModelRequest) -> dict[str, Any]:
+        self._session(owner, req.session_id)
+        if req.base_model != self.base_name:
+            raise BadRequest(f"base model {req.base_model!r} is not served (this server trains {self.base_name!r})")
+        dp = dpsgd.options(req.user_metadata)  # DP-SGD for this model, when user_metadata asks for it
+        if req.optimizer_config.type != "adamw":
+            raise BadRequest(f"optimizer {req.optimizer_config.type!r} is not served (adamw only)")
+        lora = (req.lora_config or types.LoraConfig(rank=32)).model_dump(mode="json")
+        if not 1 <= lora["rank"] <= self.limits.max_lora_rank:
+            raise BadRequest(f"LoRA rank {lora['rank']} is outside 1..{self.limits.max_lora_rank}")
+        model_id = f"{req.session_id}:train:{req.model_seq_id}"
+        if self.store.model_owner(model_id) is not None:
+            raise BadRequest(f"model {model_id} exists already")
+        self.engine.lora_config(lora)  # refuses a LoRA that targets nothing, before anything is recorded
+        self.store.add_model(model_id, owner=owner, session_id=req.session_id, base_model=self.base_name, lora=lora,
+                             dp=dp, op_head="0" * 64, ops=0)
+
+        def run() -> tuple[bool, str, bytes]:
+            self.engine.create(model_id, lora, dp)
+            return self._ok(types.CreateModelResponse(model_id=model_id))
+
+        return self._enqueue(owner, req.session_id, model_id, "create_model", run)
+
+    def get_info(self, owner: str, model_id: str) -> types.GetInfoResponse:
+        if self.store.model_owner(model_id) != owner:
+            raise NotFound(f"model {model_id} not found")
+        m = self.engine.models.get(model_id)
+        rank = m.lora["rank"] if m else None
+        return types.GetInfoResponse(model_id=model_id, model_data=types.ModelData(
+            arch=self.engine.arch, model_name=self.base_name, tokenizer_id=self.base_name), is_lora=True, lora_rank=rank,
+            model_name=self.base_name)
+
+    # --- training ----------------------------------------------------------------------------------
+
+    def forward_backward(self, owner: str, raw: bytes) -> dict[str, Any]:
+        op = wire.decode_forward_backward(raw, vocab=self.engine.vocab, max_seq_len=self.limits.max_seq_len,
+                                          max_tokens=self.limits.max_tokens_per_request)
+        self._model(owner, op.model_id)
+        session = op.model_id.split(":", 1)[0]
+
+        def run() -> tuple[bool, str, bytes]:
+            outputs, metrics = self.engine.forward_backward(op)
+            return True, PROTO, wire.forward_backward_output(outputs, metrics)
+
+        return self._enqueue(owner, session, op.model_id, "forward" if op.forward_only else "forward_backward", run)
+
+    def optim_step(self, owner: str, req: types.OptimStepRequest) -> dict[str, Any]:
+        self._model(owner, req.model_id)
+        if not isinstance(req.optim_params, types.AdamParams):
+            raise BadRequest("only Adam parameters (adam_params) are served")
+        adam = req.optim_params.model_dump(mode="json")
+        if not (adam["learning_rate"] >= 0 and 0 <= adam["beta1"] < 1 and 0 <= adam["beta2"] < 1 and adam["eps"] > 0):
+            raise BadRequest("Adam parameters out of range (learning_rate >= 0, 0 <= beta < 1, eps > 0)")
+
+        def run() -> tuple[bool, str, bytes]:
+            metrics = self.engine.optim_step(req.model_id, adam)
+            return self._ok(types.OptimStepResponse(metrics=metrics))
+
+        return self._enqueue(owner, req.model_id.split(":", 1)[0], req.model_id, "optim_step", run)
+
+    # --- checkpoints -------------------------------------------------------------------------------
+
+    def save(self, owner: str, req: Any, kind: str) -> dict[str, Any]:
+        self._model(owner, req.model_id)
+        name = req.path or f"sampler-{req.sampling_session_seq_id}-{uuid.uuid4().hex[:8]}"
+        if not NAME.fullmatch(name):
+            raise BadRequest(f"checkpoint name {name!r}: 1-64 letters, digits, '.', '_' or '-'")
+        segment = "weights" if kind == "training" else "sampler_weights"
+        path = f"tinker://{req.model_id}/{segment}/{name}"
+        if self.store.checkpoint(path) is not None:
+            raise BadRequest(f"checkpoint {path} exists already; save under another name")
+        anonymous = kind == "sampler" and req.path is None
+
+        def run() -> tuple[bool, str, bytes]:
+            m = self.engine.models[req.model_id]
+            dest = self.out / "api" / "checkpoints" / uuid.uuid4().hex
+            self.engine.save(m, dest, optimizer=kind == "training")
+            bundle = self.exporter.export(m, dest, path) if self.exporter else None
+            self.store.add_checkpoint(Checkpoint(path, owner, req.model_id, kind, name, str(dest),
+                                                 str(bundle) if bundle else None, m.op_head, m.ops, m.lora, utc_now()))
+            if kind == "training":
+                return self._ok(types.SaveWeightsResponse(path=path))
+            sid = self.create_sampling_session(owner, path, None) if anonymous else None
+            return self._ok(types.SaveWeightsForSamplerResponseInternal(path=None if anonymous else path,
+                                                                       sampling_session_id=sid))
+
+        return self._enqueue(owner, req.model_id.split(":", 1)[0], req.model_id, f"save_{kind}", run)
+
+    def load(self, owner: str, req: types.LoadWeightsRequest) -> dict[str, Any]:
+        c = self._checkpoint(owner, req.path)
+        if req.optimizer and c.kind != "training":
+            raise BadRequest(f"{req.path} is sampler weights: it has no optimizer state")
+        if req.session_id is not None:
+            self._session(owner, req.session_id)
+            model_id, session = f"{req.session_id}:train:{req.model_seq_id or 0}", req.session_id
+            if self.store.model_owner(model_id) is not None:
+                raise BadRequest(f"model {model_id} exists already")
+            self.store.add_model(model_id, owner=owner, session_id=session, base_model=self.base_name, lora=c.lora,
+                                 dp=None, op_head=c.op_head, ops=c.ops)
+            new = True
+        elif req.model_id is not None:
+            m = self._model(owner, req.model_id)
+            if m.lora["rank"] != c.lora["rank"] or any(m.lora[k] != c.lora[k] for k in
+                                                        ("train_attn", "train_mlp", "train_unembed")):
+                raise BadRequest(f"{req.path} has a different LoRA configuration than model {req.model_id}")
+            model_id, session, new = req.model_id, req.model_id.split(":", 1)[0], False
+        else:
+            raise BadRequest("load_weights needs model_id, or session_id and model_seq_id")
+
+        def run() -> tuple[bool, str, bytes]:
+            m = self.engine.create(model_id, c.lora, saved_dp(Path(c.dir))) if new else self.engine.models[model_id]
+            self.engine.load(m, Path(c.dir), optimizer=req.optimizer)
+            m.op_head, m.ops = c.op_head, c.ops  # the chain continues from the saved state's head
+            return self._ok(types.LoadWeightsResponse(path=req.path, model_id=model_id))
+
+        return self._enqueue(owner, session, model_id, "load_weights", run)
+
+    def list_checkpoints(self, owner: str, model_id: str) -> types.CheckpointsListResponse:
+        if self.store.model_owner(model_id) != owner:
+            raise NotFound(f"model {model_id} not found")
+        return types.CheckpointsListResponse(checkpoints=[types.Checkpoint(
+            checkpoint_id=c.path.split("/", 3)[-1], checkpoint_type=c.kind, time=c.created_at, tinker_path=c.path,
+            user_metadata={"bundle": c.bundle or "", "op_chain_head": c.op_head})
+            for c in self.store.checkpoints(model_id)])
+
+    # --- sampling ----------------------------------------------------------------------------------
+
+    def create_sampling_session(self, owner: str, model_path: str | None, base_model: str | None) -> str:
+        if model_path is not None:
+            self._checkpoint(owner, model_path)
+        elif base_model != self.base_name:
+            raise BadRequest(f"base model {base_model!r} is not served (this server samples {self.base_name!r})")
+        sid = uuid.uuid4().hex
+        self.samplers[sid] = (owner, model_path)
+        return sid
+
+    def sampler(self, owner: str, sid: str) -> types.GetSamplerResponse:
+        got = self.samplers.get(sid)
+        if got is None or got[0] != owner:
+            raise NotFound(f"sampling session {sid} not found")
+        return types.GetSamplerResponse(sampler_id=sid, base_model=self.base_name, model_path=got[1])
+
+    def sample(self, owner: str, req: types.SampleRequest) -> dict[str, Any]:
+        if req.sampling_session_id is not None:
+            got = self.samplers.get(req.sampling_session_id)
+            if got is None or got[0] != owner:
+                raise NotFound(f"sampling session {req.sampling_session_id} not found")
+            path, session = got[1], req.sampling_session_id
+        else:
+            path, session = req.model_path, f"sample:{owner[:16]}"
+            if path is None and req.base_model != self.base_name:
+                raise BadRequest(f"base model {req.base_model!r} is not served")
+        src = Path(self._checkpoint(owner, path).dir) if path else None
+        prompt = [t for chunk in req.prompt.chunks for t in getattr(chunk, "tokens", None) or _no_image()]
+        p = req.sampling_params
+        max_tokens = p.max_tokens if p.max_tokens is not None else 16
+        if not 1 <= max_tokens <= self.limits.max_sample_tokens:
+            raise BadRequest(f"max_tokens {max_tokens} is outside 1..{self.limits.max_sample_tokens}")
+        if not 1 <= len(prompt) <= self.limits.max_seq_len - max_tokens:
+            raise BadRequest(f"prompt of {len(prompt)} tokens (+ max_tokens) exceeds {self.limits.max_seq_len}")
+        if any(not 0 <= t < self.engine.vocab for t in prompt):
+            raise BadRequest(f"a prompt token id is outside the vocabulary (0..{self.engine.vocab - 1})")
+        if not 1 <= req.num_samples <= 16:
+            raise BadRequest("num_samples must be 1..16")
+        stop = [s for s in (p.stop or []) if isinstance(s, int)] if not isinstance(p.stop, str) else []
+        if p.stop and (isinstance(p.stop, str) or len(stop) != len(p.stop)):
+            raise BadRequest("stop strings are not served; send stop token ids")
+
+        def run() -> tuple[bool, str, bytes]:
+            return True, PROTO, self.engine.sample(
+                src, prompt, num_samples=req.num_samples, max_tokens=max_tokens, temperature=p.temperature,
+                top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop=stop, prompt_logprobs=bool(req.prompt_logprobs))
+
+        return self._enqueue(owner, session, None, "sample", run, samples=req.num_samples)
+
+    # --- futures -----------------------------------------------------------------------------------
+
+    async def retrieve(self, owner: str, fid: str) -> tuple[int, str, bytes]:
+        f = self.store.future(fid)
+        if f is None or f.owner != owner:
+            raise NotFound(f"future {fid} not found")
+        if f.status == "pending":  # long poll: woken by the engine when the result is committed
+            event = asyncio.Event()
+            with self._waiters_lock:
+                self._waiters.setdefault(fid, []).append((asyncio.get_running_loop(), event))
+            f = self.store.future(fid)  # finished between the first read and registering?
+            if f is not None and f.status == "pending":
+                try:
+                    await asyncio.wait_for(event.wait(), self.limits.long_poll_s)
+                except asyncio.TimeoutError:
+                    pass
+                f = self.store.future(fid)
+            with self._waiters_lock:
+                left = [w for w in self._waiters.get(fid, []) if w[1] is not event]
+                if left:
+                    self._waiters[fid] = left
+                else:
+                    self._waiters.pop(fid, None)
+        if f is None or f.status == "pending":
+            return 200, JSON, json.dumps({"type": "try_again", "request_id": fid, "queue_state": "active"}).encode()
+        return 200, f.content_type or JSON, f.result or b""
+
+    def attestation(self, nonce: str) -> dict[str, Any]:
+        from app.api.tls import attestation
+
+        if self.agent is None:
+            raise NotServed("this server has no guest agent to quote with")
+        return attestation(self.agent, self.tls, nonce, self.collateral or (lambda _q: None))
+
+
+def _no_image() -> list[int]:
+    raise BadRequest("only token (encoded_text) prompt chunks are served")

@@ -1,0 +1,153 @@
+"""The training API's records in the run database (``state/runs.sqlite``, tables of migration ``m003_api``).
+
+Every accepted operation is a row before its future is returned; its result bytes are committed before the engine
+takes the next operation, so a kill -9 loses no completed result. Operations still pending when the server died are
+failed on the next start (their model's in-memory state is gone; the client loads its last saved state). One
+connection, one lock: the HTTP handlers and the engine thread share it.
+
+Futures are committed with ``synchronous=NORMAL`` (WAL): a commit survives the death of the process (kill -9: the
+WAL is in the operating system's page cache); an OS crash or a power loss may drop the last ones, and their client
+sends them again. Checkpoint records are committed with ``synchronous=FULL``, as the rest of the run database.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from app.audit import utc_now
+from app.state import RunDB
+
+RESTARTED = "the server restarted before this operation ran; load the model's last saved state and send it again"
+
+
+@dataclass(frozen=True)
+class Future:
+    id: str
+    owner: str
+    session_id: str
+    model_id: str | None
+    kind: str
+    status: str
+    content_type: str | None
+    result: bytes | None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: str
+    owner: str
+    model_id: str
+    kind: str
+    name: str
+    dir: str
+    bundle: str | None
+    op_head: str
+    ops: int
+    lora: dict[str, Any]
+    created_at: str
+
+
+class Store:
+    def __init__(self, out: Path) -> None:
+        self.db = RunDB(out)  # migrated to the current schema (the API tables included)
+        self.conn = self.db.conn
+        self.lock = threading.Lock()
+        self.conn.execute("PRAGMA synchronous=NORMAL")  # futures; see the module docstring
+
+    def _tx(self, sql: str, args: tuple[Any, ...] = (), *more: tuple[str, tuple[Any, ...]]) -> None:
+        with self.lock:
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                self.conn.execute(sql, args)
+                for statement, values in more:
+                    self.conn.execute(statement, values)
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
+            self.conn.execute("COMMIT")
+
+    def _all(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with self.lock:
+            return self.conn.execute(sql, args).fetchall()
+
+    def fail_interrupted(self) -> int:
+        """Fail every operation left pending by a server that died; returns how many."""
+        n = len(self._all("SELECT id FROM api_futures WHERE status = 'pending'"))
+        body = json.dumps({"error": RESTARTED, "category": "server"}).encode()
+        self._tx("UPDATE api_futures SET status = 'failed', content_type = 'application/json', result = ?,"
+                 " finished_at = ? WHERE status = 'pending'", (body, utc_now()))
+        return n
+
+    # --- futures -----------------------------------------------------------------------------------
+
+    def add_future(self, fid: str, *, owner: str, session_id: str, model_id: str | None, kind: str) -> None:
+        self._tx("INSERT INTO api_futures (id, owner, session_id, model_id, kind, status, created_at)"
+                 " VALUES (?, ?, ?, ?, ?, 'pending', ?)", (fid, owner, session_id, model_id, kind, utc_now()))
+
+    def finish(self, fid: str, *, ok: bool, content_type: str, result: bytes,
+               head: tuple[str, str, int] | None = None) -> None:
+        """Record a future's result and, when given, its model's op-chain head (one commit)."""
+        more = [("UPDATE api_models SET op_head = ?, ops = ? WHERE id = ?", (head[1], head[2], head[0]))] if head else []
+        self._tx("UPDATE api_futures SET status = ?, content_type = ?, result = ?, finished_at = ? WHERE id = ?",
+                 ("done" if ok else "failed", content_type, result, utc_now(), fid), *more)
+
+    def future(self, fid: str) -> Future | None:
+        rows = self._all("SELECT id, owner, session_id, model_id, kind, status, content_type, result FROM api_futures"
+                         " WHERE id = ?", (fid,))
+        return Future(*rows[0]) if rows else None
+
+    def pending(self, session_id: str) -> int:
+        return self._all("SELECT COUNT(*) FROM api_futures WHERE session_id = ? AND status = 'pending'",
+                         (session_id,))[0][0]
+
+    # --- models ------------------------------------------------------------------------------------
+
+    def add_model(self, model_id: str, *, owner: str, session_id: str, base_model: str, lora: dict[str, Any],
+                  dp: dict[str, Any] | None, op_head: str, ops: int) -> None:
+        self._tx("INSERT OR REPLACE INTO api_models (id, owner, session_id, base_model, lora, dp, op_head, ops,"
+                 " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                 (model_id, owner, session_id, base_model, json.dumps(lora), json.dumps(dp) if dp else None, op_head,
+                  ops, utc_now()))
+
+    def model_owner(self, model_id: str) -> str | None:
+        rows = self._all("SELECT owner FROM api_models WHERE id = ?", (model_id,))
+        return rows[0][0] if rows else None
+
+    # --- checkpoints -------------------------------------------------------------------------------
+
+    def add_checkpoint(self, c: Checkpoint) -> None:
+        with self.lock:
+            self.conn.execute("PRAGMA synchronous=FULL")
+        try:
+            self._add_checkpoint(c)
+        finally:
+            with self.lock:
+                self.conn.execute("PRAGMA synchronous=NORMAL")
+
+    def _add_checkpoint(self, c: Checkpoint) -> None:
+        self._tx("INSERT OR REPLACE INTO api_checkpoints (path, owner, model_id, kind, name, dir, bundle, op_head, ops,"
+                 " lora, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                 (c.path, c.owner, c.model_id, c.kind, c.name, c.dir, c.bundle, c.op_head, c.ops, json.dumps(c.lora),
+                  c.created_at))
+
+    def checkpoint(self, path: str) -> Checkpoint | None:
+        rows = self._all(f"SELECT {_CKPT} FROM api_checkpoints WHERE path = ?", (path,))
+        return _ckpt(rows[0]) if rows else None
+
+    def checkpoints(self, model_id: str) -> list[Checkpoint]:
+        return [_ckpt(r) for r in self._all(f"SELECT {_CKPT} FROM api_checkpoints WHERE model_id = ?"
+                                            " ORDER BY created_at, path", (model_id,))]
+
+    def close(self) -> None:
+        self.db.close()
+
+
+_CKPT = "path, owner, model_id, kind, name, dir, bundle, op_head, ops, lora, created_at"
+
+
+def _ckpt(r: tuple[Any, ...]) -> Checkpoint:
+    return Checkpoint(*r[:9], json.loads(r[9]), r[10])

@@ -1,0 +1,85 @@
+"""``cvm-tune api serve``: the attested Tinker-compatible training API (docs/api.md).
+
+Registered by :mod:`app.cli` (which catches errors and maps exit codes). The work is in :mod:`app.api`, imported
+when the command runs (torch, transformers and FastAPI are heavy).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add ``api`` (with its action ``serve``) to the top-level subparsers."""
+    a = sub.add_parser("api", help="the Tinker-compatible training API: serve it",
+                       description="An attested training API that the official tinker SDK drives (docs/api.md).")
+    asub = a.add_subparsers(dest="api_command", required=True, metavar="ACTION")
+    s = asub.add_parser("serve", help="serve the training API (prints 'listening on' when ready)",
+                        description="Load the configured base model once and serve the Tinker REST API on HOST:PORT "
+                        "(plain HTTP, loopback only). Accepted keys: env CVM_TUNE_API_KEYS (comma-separated) and "
+                        "api.key_sha256 in the config. Every saved state is also an export bundle under exports/.")
+    s.add_argument("--listen", default="127.0.0.1:8443", metavar="HOST:PORT",
+                   help="address and port (default 127.0.0.1:8443; port 0 picks a free one)")
+    s.add_argument("--config", type=Path, metavar="FILE", help="YAML configuration (see `cvm-tune schema`)")
+    s.add_argument("--plain-http", action="store_true",
+                   help="serve plain HTTP instead of TLS: loopback with the simulator only (local tests)")
+    t = asub.add_parser("attest", help="check a training API's attestation and write the certificate to trust",
+                        description="Ask the server at URL for a quote over a fresh nonce and its TLS key, check the "
+                        "quote under POLICY, the app-compose against the measured compose-hash, and that the "
+                        "certificate this connection presented is the one the quote binds; then write it to --out "
+                        "(what the SDK's HTTP client trusts: SSL_CERT_FILE). Exit 0 trusted, 1 rejected, 2 input "
+                        "error.")
+    t.add_argument("url", metavar="URL", help="the API's base URL, e.g. https://127.0.0.1:8443")
+    t.add_argument("--policy", type=Path, metavar="FILE", help="YAML policy (default: built-in, Intel root)")
+    t.add_argument("--out", type=Path, required=True, metavar="PEM", help="where to write the trusted certificate")
+
+
+def _api(args: argparse.Namespace) -> int:
+    if args.api_command == "attest":
+        from app.api.attest import attest
+
+        return attest(args.url, policy_file=args.policy, out=args.out)
+    from app.api import serve
+    from app.config import load_config
+
+    serve(load_config(args.config), args.listen, progress=lambda m: print(m, flush=True), plain_http=args.plain_http)
+    return 0
+
+
+COMMANDS = {"api": _api}
+
+
+def check_ops(bundle: Path, ops_file: Path, *, quiet: bool = False) -> bool:
+    """``cvm-tune verify BUNDLE --ops OPS.jsonl``: does the client's record of its ops hash to the bundle's op-chain
+    head (and count)? Prints one line (to stderr when ``quiet``: the verdict is JSON on stdout).
+
+    Raises:
+        ConfigError: the ops file is unreadable or an op has no canonical form (exit 2).
+    """
+    import json
+    import sys
+
+    from attestation import op_chain
+
+    from app.errors import ConfigError
+
+    try:
+        ops = op_chain.read_ops(ops_file)
+        head = op_chain.head(ops)
+    except op_chain.OpChainError as exc:
+        raise ConfigError(f"--ops {ops_file}: {exc}", fix="pass the JSONL of the ops as sent (docs/api.md)") from None
+    try:
+        recorded = json.loads((Path(bundle) / "manifest.json").read_bytes()).get("op_chain")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    out = sys.stderr if quiet else sys.stdout
+    if not isinstance(recorded, dict):
+        print("op chain: FAIL: the bundle records no op chain (not a training-API checkpoint)", file=out)
+        return False
+    if recorded.get("head") != head or recorded.get("ops") != len(ops):
+        print(f"op chain: FAIL: {len(ops)} ops in {ops_file} hash to {head[:16]}…, the bundle records "
+              f"{recorded.get('ops')} ops with head {str(recorded.get('head'))[:16]}…", file=out)
+        return False
+    print(f"op chain: pass: {len(ops)} ops in {ops_file} hash to the bundle's head {head[:16]}…", file=out)
+    return True

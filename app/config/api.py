@@ -1,0 +1,35 @@
+"""The ``api`` section: the Tinker-compatible training API (``cvm-tune api serve``)."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, field_validator
+
+from app.config.base import HEX64, _Closed
+
+
+class ApiSettings(_Closed):
+    """Who may call the training API, and how much one request or session may ask for."""
+
+    key_sha256: tuple[str, ...] = Field((), description="SHA-256 (hex) of each accepted API key (keys start with "
+                                        "`tml-`). The keys themselves come through dstack's encrypted environment; "
+                                        "env `CVM_TUNE_API_KEYS` (comma-separated) adds keys for local use.")
+    max_tokens_per_request: int = Field(65536, ge=1, description="Most tokens (model input, all datums together) "
+                                        "one forward_backward or forward request may carry.")
+    max_seq_len: int = Field(2048, ge=2, description="Longest model input (tokens) of one datum or sampling prompt.")
+    max_queued_futures: int = Field(64, ge=1, description="Most operations of one session waiting to run.")
+    max_sample_tokens: int = Field(512, ge=1, description="Largest sampling max_tokens.")
+    max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank create_model accepts.")
+    tls_names: tuple[str, ...] = Field((), description="Host names (or IP addresses) the server's TLS certificate "
+                                       "names besides 127.0.0.1 and localhost: the names clients connect to.")
+    long_poll_s: float = Field(5.0, ge=0, le=30, description="How long retrieve_future waits for a result before "
+                               "answering try_again.")
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _hex(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [h for h in v if not re.fullmatch(HEX64, h)]
+        if bad:
+            raise ValueError(f"api.key_sha256: {bad[0]!r} is not a SHA-256 in lowercase hex (printf %s KEY | sha256sum)")
+        return v

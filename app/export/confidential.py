@@ -1,0 +1,151 @@
+"""Confidential weights: the CVM's age key, the recipients of a run, and the encrypted model directories.
+
+A run whose dataset header names age recipients (``cvm-tune dataset encrypt --recipient``), or whose configuration
+adds some (``export.recipients``), writes every weight file of its bundle only as age v1 ciphertext to those
+recipients plus the CVM's own key (``attestation.confidential``: derivation, manifest block, verifier steps). The
+plaintext model directories are built, signed and hashed in a RAM directory (the scratch's sibling) and encrypted
+from there into the staged bundle, so no plaintext weight byte reaches the output volume. The CVM's identity is
+derived from GetKey when needed and kept in memory only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyrage
+from attestation import confidential as C
+from attestation.hashing import sha256_file
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from app.errors import CiphertextRejected, KeySourceError, NotARecipientError
+from app.export import ModelDirs
+
+GETKEY_PURPOSE = "cvm-tune-outputs"
+
+
+def cvm_identity(get_key: Callable[[str, str], bytes]) -> str:
+    """The CVM's age identity (``AGE-SECRET-KEY-1…``): HKDF of GetKey(:data:`attestation.confidential.CVM_KEY_PATH`).
+
+    Raises:
+        KeySourceError: GetKey returned fewer than 32 bytes.
+        TeeError: raised by ``get_key`` when the guest agent fails.
+    """
+    material = get_key(C.CVM_KEY_PATH, GETKEY_PURPOSE)
+    if not isinstance(material, bytes | bytearray) or len(material) < 32:
+        raise KeySourceError(f"GetKey({C.CVM_KEY_PATH}) returned no usable key material (need at least 32 bytes)")
+    secret = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=C.CVM_KEY_INFO).derive(bytes(material))
+    return C.identity_from_secret(secret)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Who can read tonight's weights, and where their plaintext may live (RAM)."""
+
+    recipients: tuple[str, ...]  # sorted: the dataset's, the configuration's and the CVM's
+    dataset_recipients: tuple[str, ...]
+    cvm_recipient: str
+    ram: Path  # a private directory on a RAM file system (app.run.confidential)
+    identity: str = field(repr=False)  # the CVM's secret identity: memory only
+
+    def identities(self) -> list[Any]:
+        return [pyrage.x25519.Identity.from_str(self.identity)]
+
+    def block(self, plaintext: dict[str, str]) -> dict[str, Any]:
+        """The manifest's ``confidentiality``."""
+        return {"scheme": C.SCHEME, "recipients": list(self.recipients), "dataset_recipients": list(self.dataset_recipients),
+                "cvm_recipient": self.cvm_recipient, "cvm_key_path": C.CVM_KEY_PATH, "plaintext_sha256": plaintext}
+
+
+def make_plan(get_key: Callable[[str, str], bytes], dataset_recipients: tuple[str, ...],
+              config_recipients: tuple[str, ...], ram: Path) -> Plan | None:
+    """A plan when the dataset or the configuration names recipients; None (plaintext bundle) otherwise."""
+    if not dataset_recipients and not config_recipients:
+        return None
+    identity = cvm_identity(get_key)
+    cvm = C.recipient_of(identity)
+    return Plan(tuple(sorted({*dataset_recipients, *config_recipients, cvm})), tuple(dataset_recipients), cvm, ram, identity)
+
+
+def encrypt_file(src: Path, dst: Path, recipients: tuple[str, ...]) -> str:
+    """Stream ``src`` (plaintext, in RAM) as age ciphertext to ``dst``; returns the plaintext's SHA-256."""
+    digest = hashlib.sha256()
+    with open(src, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        pyrage.encrypt_io(fin, fout, [pyrage.x25519.Recipient.from_str(r) for r in recipients])
+    return digest.hexdigest()
+
+
+def model_dirs(plan: Plan, stage: Path, adapter_dir: Path, finish: Callable[[Path], ModelDirs]) -> ModelDirs:
+    """Build the model directories in RAM with ``finish`` (tokenizer, merged/, signatures over the plaintext), then
+    write them into ``stage`` with every weight file encrypted; the RAM copy is removed whatever happens."""
+    plain = Path(tempfile.mkdtemp(prefix="export-", dir=plan.ram))
+    try:
+        (plain / "adapter").mkdir()
+        for p in Path(adapter_dir).iterdir():
+            shutil.copyfile(p, plain / "adapter" / p.name)
+        dirs = finish(plain)
+        plaintext = {}
+        for d in dirs.signing["signed"]:
+            (stage / d).mkdir()
+            for p in sorted((plain / d).iterdir()):
+                if C.is_weight_file(f"{d}/{p.name}"):
+                    plaintext[f"{d}/{p.name}"] = encrypt_file(p, stage / d / p.name, plan.recipients)
+                else:
+                    shutil.copyfile(p, stage / d / p.name)
+    finally:
+        shutil.rmtree(plain, ignore_errors=True)
+    files = {rel: sha256_file(stage / rel) for rel in dirs.files}  # merged shards: their ciphertext
+    return ModelDirs(dirs.signing, files, plan.block(plaintext))
+
+
+def decrypt_dir(src: Path, dst: Path, identities: list[Any], plaintext_sha256: dict[str, str], prefix: str) -> Path:
+    """Copy model directory ``src`` of a bundle to ``dst`` (a new directory) with its weight files decrypted in memory
+    and checked against ``plaintext_sha256`` (keys ``<prefix>/<name>``); plain files are copied as they are.
+
+    Raises:
+        NotARecipientError: no identity opens a weight file whose ciphertext is intact.
+        CiphertextRejected: a weight file decrypts to other bytes than the manifest binds.
+    """
+    dst.mkdir()
+    for p in sorted(Path(src).iterdir()):
+        rel = f"{prefix}/{p.name}"
+        if rel not in plaintext_sha256:
+            shutil.copyfile(p, dst / p.name)
+            continue
+        data = C.decrypt(p.read_bytes(), identities)
+        if data is None:
+            raise NotARecipientError(f"{rel} does not decrypt with the identity given")
+        if C.sha256(data) != plaintext_sha256[rel]:
+            raise CiphertextRejected(f"{rel} decrypts to bytes other than the manifest's plaintext hash")
+        (dst / p.name).write_bytes(data)
+        del data
+    return dst
+
+
+def card_section(block: dict[str, Any] | None) -> bytes:
+    """The model card's "Who can read the weights" section (empty for a plaintext bundle)."""
+    if block is None:
+        return b""
+    owner = "".join(f"- `{r}` (named by the dataset's owner)\n" for r in block["dataset_recipients"])
+    extra = "".join(f"- `{r}` (added by the configuration, `export.recipients`)\n" for r in block["recipients"]
+                    if r not in block["dataset_recipients"] and r != block["cvm_recipient"])
+    return (
+        "\n## Who can read the weights\n\n"
+        f"Every weight file ({', '.join(f'`{p}`' for p in sorted(block['plaintext_sha256']))}) is age v1 ciphertext "
+        "to these recipients only:\n\n" + owner + extra +
+        f"- `{block['cvm_recipient']}` (this deployment's CVM, key derived from GetKey inside the TEE: warm start, "
+        "evaluation and resume)\n\n"
+        "A recipient decrypts with `age -d -i key.txt FILE`, or writes a loadable PEFT directory with "
+        "`cvm-tune adapter decrypt BUNDLE --identity key.txt -o DIR`; `cvm-tune verify BUNDLE --identity key.txt` also "
+        "checks the plaintext hashes and the model signature. The signature covers the plaintext: run the "
+        "`model_signing verify key` command above on the directory `adapter decrypt` writes, not on the bundle's "
+        "`adapter/`.\n").encode()

@@ -1,0 +1,145 @@
+"""Bundle steps for confidential outputs (``confidentiality`` in the manifest; docs/verifier-spec.md §14).
+
+ C1 ``confidential.outputs``   (anyone) every weight file is age v1 ciphertext with one X25519 stanza per listed
+                               recipient; none is left in plaintext; the CVM's key and every recipient the dataset's
+                               owner named are listed; with the dataset file, its signed header names exactly those
+ C2 ``confidential.plaintext`` (a recipient: ``--identity``) each weight file decrypts in memory to the bytes whose
+                               SHA-256 the manifest binds
+ B16 ``model.signature``       over the plaintext: the DSSE envelope of each ``model.sig`` verifies under the
+                               manifest's key and its resources are exactly the directory's files, weight files
+                               counted by their plaintext hash (the check ``model_signing verify`` makes, in memory)
+
+Bundles without ``confidentiality`` go to :func:`attestation.model_sig.check` unchanged.
+"""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from attestation import bundle as B
+from attestation import confidential as C
+from attestation import model_sig
+from attestation.hashing import sha256_file
+from attestation.safe_yaml import parse_json
+from attestation.verdict import QuoteFindings
+
+OUTPUTS = "confidential.outputs"
+PLAINTEXT = "confidential.plaintext"
+
+
+def check(f: QuoteFindings, root: Path, m: B.Manifest, identities: list[Any] | None,
+          dataset_file: Path | None = None) -> None:
+    """Add C1, C2 and B16 for a bundle whose manifest parsed (B16 alone without ``confidentiality``)."""
+    info = m.confidentiality
+    owner = dataset_recipients(dataset_file) if dataset_file is not None else None
+    if info is None:
+        if owner:
+            f.add(OUTPUTS, "fail", f"the dataset's owner named {len(owner)} recipient(s) but the weights are in plaintext")
+        model_sig.check(f, root, m)
+        return
+    f.add(OUTPUTS, *_outputs(root, m, info, owner))
+    if not identities:
+        f.add(PLAINTEXT, "skip", "the weights are encrypted: a recipient checks them with --identity KEY")
+        f.add(model_sig.CHECK, "skip", "the signature covers the plaintext: a recipient checks it with --identity KEY")
+        return
+    plain, problems = {}, []
+    for rel, digest in sorted(info.plaintext_sha256.items()):
+        data = C.decrypt(_read(root / rel), identities)
+        if data is None:
+            problems.append(f"{rel}: does not decrypt with the identity given (not a recipient, or damaged)")
+        elif C.sha256(data) != digest:
+            problems.append(f"{rel}: decrypts to bytes of SHA-256 {C.sha256(data)[:16]}…, not the manifest's")
+        else:
+            plain[rel] = digest
+        del data
+    f.add(PLAINTEXT, "fail" if problems else "pass", "; ".join(problems[:3]) or
+          f"{len(plain)} weight file(s) decrypted in memory match their plaintext hashes")
+    if problems:
+        f.add(model_sig.CHECK, "fail", "not checked: a weight file did not decrypt to its bound plaintext")
+        return
+    sig_problems = [f"{d}/{B.SIGNATURE_NAME}: {why}" for d in (m.signing.signed if m.signing else ())
+                    if (why := signature_problem(root / d, d, m.signing.public_key_pem, plain))]
+    if m.signing is None:
+        sig_problems.append("a confidential bundle must carry model signatures (manifest has no signing)")
+    f.add(model_sig.CHECK, "fail" if sig_problems else "pass", "; ".join(sig_problems) or
+          f"{', '.join(d + '/' for d in m.signing.signed)} signed by this run's key over the decrypted plaintext")
+
+
+def trained_hash(m: B.Manifest, rel: str) -> str:
+    """What the ``train.done`` audit entry records for adapter file ``rel``: its plaintext hash when encrypted."""
+    return (m.confidentiality.plaintext_sha256.get(rel) if m.confidentiality else None) or m.files[rel]
+
+
+def _outputs(root: Path, m: B.Manifest, info: C.ConfidentialityInfo, owner: tuple[str, ...] | None) -> tuple[str, str]:
+    problems = []
+    weights = {rel for rel in m.files if C.is_weight_file(rel)} | {"adapter/adapter_model.safetensors"}
+    if clear := sorted(weights - set(info.plaintext_sha256)):
+        problems.append(f"weight file(s) not encrypted: {clear[:3]}")
+    if odd := sorted(set(info.plaintext_sha256) - set(m.files)):
+        problems.append(f"plaintext hashes for files the manifest does not list: {odd[:3]}")
+    for rel in sorted(set(info.plaintext_sha256) & set(m.files)):
+        n = C.x25519_stanzas(_read(root / rel, 1 << 16))
+        if n is None:
+            problems.append(f"{rel} is not an age v1 file to X25519 recipients")
+        elif n != len(info.recipients):
+            problems.append(f"{rel} has {n} X25519 stanzas, not one per listed recipient ({len(info.recipients)})")
+    if missing := sorted(set(info.dataset_recipients) - set(info.recipients)):
+        problems.append(f"dataset recipient(s) missing: {missing[:3]}")
+    if owner is not None and tuple(owner) != info.dataset_recipients:
+        problems.append("the dataset's signed header names other recipients than the manifest's dataset_recipients")
+    if problems:
+        return "fail", "; ".join(problems[:4])
+    extra = len(info.recipients) - len(info.dataset_recipients) - 1
+    who = (f"{len(info.recipients)} recipient(s): {len(info.dataset_recipients)} named by the dataset's owner, "
+           f"{extra} added by the operator's configuration, the CVM's key")
+    return "pass", f"{len(info.plaintext_sha256)} weight file(s) are age ciphertext to {who}"
+
+
+def _read(path: Path, limit: int | None = None) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(limit) if limit else fh.read()
+    except OSError:
+        return b""
+
+
+def dataset_recipients(path: Path) -> tuple[str, ...]:
+    """The recipients a dataset file's clear (owner-signed) header names; () when none or unreadable."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(12)
+            header = parse_json(fh.read(min(int.from_bytes(head[8:12], "big"), 65536)), "dataset header", ValueError)
+        return C.parse_recipients(str(header.get("metadata", {}).get(C.DATASET_META_KEY, "")))
+    except (OSError, ValueError, AttributeError):
+        return ()
+
+
+def signature_problem(directory: Path, name: str, public_key_pem: str, plain: dict[str, str]) -> str | None:
+    """None when ``directory/model.sig`` verifies under the key over the directory's files, weight files counted
+    by their (already checked) plaintext hashes ``plain``; else why not (one line)."""
+    try:
+        env = parse_json(_read(directory / B.SIGNATURE_NAME), "model.sig", ValueError)["dsseEnvelope"]
+        payload, ptype = base64.b64decode(env["payload"]), env["payloadType"].encode()
+        pae = b"DSSEv1 %d %s %d %s" % (len(ptype), ptype, len(payload), payload)
+        key = serialization.load_pem_public_key(public_key_pem.encode())
+        if not isinstance(key, ec.EllipticCurvePublicKey) or len(env["signatures"]) != 1:
+            return "not one ECDSA signature"
+        key.verify(base64.b64decode(env["signatures"][0]["sig"]), pae, ec.ECDSA(hashes.SHA256()))
+        statement = parse_json(payload, "the signed statement", ValueError)
+        resources = {r["name"]: r["digest"] for r in statement["predicate"]["resources"] if r["algorithm"] == "sha256"}
+    except InvalidSignature:
+        return "the signature does not verify under the manifest's key"
+    except (ValueError, KeyError, TypeError, IndexError):
+        return "missing or not a model-signing DSSE signature"
+    actual = {p.name: plain.get(f"{name}/{p.name}") or sha256_file(p)
+              for p in sorted(directory.iterdir()) if p.is_file() and p.name != B.SIGNATURE_NAME}
+    if resources != actual:
+        diff = sorted(set(resources.items()) ^ set(actual.items()))
+        return f"the signed files differ from the directory's ({', '.join(sorted({n for n, _ in diff})[:3])})"
+    return None

@@ -1,0 +1,349 @@
+"""The training API driven by the unmodified ``tinker`` SDK over loopback (CPU, the tiny local model).
+
+One server process per module (``cvm-tune api serve``, the real command) on a scratch output volume; the tests run
+in order: train and save, verify the bundle against the client's own record of its ops, kill -9 and continue from
+the saved state, then isolation between keys and bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # the SDK's deprecation notes (load_state, …)
+ROOT = Path(__file__).resolve().parent.parent
+ALICE, BOB = "tml-alice-key", "tml-bob-key"
+BASE = "cvm-tune/tiny-llama"
+ADAM = {"learning_rate": 0.005}
+
+
+class Server:
+    def __init__(self, out: Path, *, tls: bool = False) -> None:
+        self.out, self.tls = out, tls
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.cfg = out.parent / "api.yaml"
+        self.cfg.write_text(f"output:\n  dir: {out}\napi:\n  max_tokens_per_request: 512\n  max_seq_len: 128\n"
+                            "  max_sample_tokens: 16\n  long_poll_s: 1\n")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "CVM_TUNE_API_KEYS": f"{ALICE},{BOB}", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+        log = self.out.parent / "serve.log"
+        seen = log.stat().st_size if log.exists() else 0
+        self.proc = subprocess.Popen([sys.executable, "-m", "app", "api", "serve", "--listen", f"127.0.0.1:{self.port}",
+                                      "--config", str(self.cfg), *(() if self.tls else ("--plain-http",))], env=env, stdout=open(log, "ab"),  # noqa: SIM115
+                                     stderr=subprocess.STDOUT, cwd=self.out.parent)
+        deadline = time.monotonic() + 180
+        while b"listening on" not in log.read_bytes()[seen:]:
+            assert self.proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    root = tmp_path_factory.mktemp("api")
+    srv = Server(root / "out")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def state() -> dict[str, Any]:
+    """What one test leaves for the next (the tests of this module run in order)."""
+    return {}
+
+
+def _client(srv: Server, key: str = ALICE) -> Any:
+    import tinker
+
+    return tinker.ServiceClient(base_url=srv.url, api_key=key)
+
+
+def _datums(srv: Server) -> list[Any]:
+    from tinker import types
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(srv.out / "models" / "tiny-llama"), local_files_only=True)
+    texts = ["The enclave keeps the weights sealed.", "A quote binds the manifest to the measured code."]
+    out = []
+    for text in texts:
+        ids = tok(text)["input_ids"]
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
+                               loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)}))
+    return out
+
+
+def _record(datums: list[Any]) -> dict[str, Any]:
+    """The op as the client keeps it (docs/api.md): plain JSON numbers."""
+    return {"op": "forward_backward", "loss_fn": "cross_entropy", "data": [
+        {"model_input": d.model_input.to_ints(),
+         "loss_fn_inputs": {k: v.tolist() for k, v in d.loss_fn_inputs.items()}} for d in datums]}
+
+
+def _steps(tc: Any, datums: list[Any], n: int, ops: list[dict[str, Any]]) -> list[float]:
+    from tinker import types
+
+    losses = []
+    for _ in range(n):
+        fb = tc.forward_backward(datums, "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(**ADAM))
+        losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
+        ops += [_record(datums), {"op": "optim_step", "adam_params": types.AdamParams(**ADAM).model_dump(mode="json")}]
+    return losses
+
+
+def _bundle(srv: Server, model_id: str, path: str, key: str = ALICE) -> Path:
+    """The export bundle of checkpoint ``path``, as the checkpoint list reports it."""
+    r = httpx.get(f"{srv.url}/api/v1/training_runs/{model_id}/checkpoints", headers={"X-API-Key": key})
+    r.raise_for_status()
+    found = {c["tinker_path"]: c for c in r.json()["checkpoints"]}
+    return Path(found[path]["user_metadata"]["bundle"])
+
+
+def _verify(srv: Server, bundle: Path, ops: list[dict[str, Any]], tmp: Path) -> tuple[int, str]:
+    """``cvm-tune verify BUNDLE --policy <simulator policy> --ops OPS`` (in this process): (exit code, stdout)."""
+    import contextlib
+    import io
+
+    from app.cli import main
+
+    ops_file = tmp / f"ops-{len(ops)}-{time.monotonic_ns()}.jsonl"
+    ops_file.write_text("".join(json.dumps(op) + "\n" for op in ops))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["verify", str(bundle), "--policy", str(srv.out / "simulator-test-policy.yaml"), "--ops",
+                     str(ops_file)])
+    return code, out.getvalue()
+
+
+def test_train_save_sample_and_verify_the_op_chain(server: Server, state: dict[str, Any], tmp_path: Path) -> None:
+    from tinker import types
+
+    sc = _client(server)
+    assert [m.model_name for m in sc.get_server_capabilities().supported_models] == [BASE]
+    tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
+    datums, ops = _datums(server), []
+    losses = _steps(tc, datums, 10, ops)
+    assert losses[-1] < 0.6 * losses[0] and all(b < a for a, b in zip(losses, losses[1:])), losses
+
+    path = tc.save_state("after-10").result().path
+    assert path == f"tinker://{tc.model_id}/weights/after-10"
+    sampler = tc.save_weights_for_sampler("sampler-10").result().path
+    trained = types.ModelInput.from_ints(datums[0].model_input.to_ints())
+    params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+    sample = sc.create_sampling_client(model_path=sampler).result().sample(
+        prompt=trained, num_samples=2, sampling_params=params, include_prompt_logprobs=True).result()
+    base = sc.create_sampling_client(base_model=BASE).result().sample(
+        prompt=trained, num_samples=1, sampling_params=params, include_prompt_logprobs=True).result()
+    assert len(sample.sequences) == 2 and all(len(s.tokens) == len(s.logprobs) == 8 for s in sample.sequences)
+    assert sample.prompt_logprobs[0] is None and all(lp < 0 for lp in sample.prompt_logprobs[1:])
+    # the saved weights, not the base model: the trained text is far more likely under them
+    assert sum(sample.prompt_logprobs[1:]) > sum(base.prompt_logprobs[1:]) + 20
+
+    # save_state -> load_state: a step after loading equals a step from the saved state
+    before = tc.forward_backward(datums, "cross_entropy").result().metrics["loss:sum"]  # forward+backward, no step
+    ops.append(_record(datums))
+    tc.load_state_with_optimizer(path).result()  # back to the saved weights, optimizer and op chain
+    ops.pop()
+    again = tc.forward(datums, "cross_entropy").result().metrics["loss:sum"]  # forward only: not an op
+    assert again == pytest.approx(before, rel=1e-5)
+
+    bundle = _bundle(server, tc.model_id, path)
+    assert (bundle / "adapter" / "adapter_model.safetensors").is_file() and not (bundle / "adapter" / "optimizer.pt").exists()
+    code, out = _verify(server, bundle, ops, tmp_path)
+    assert code == 0 and "op chain: pass: 20 ops" in out, out
+    changed = json.loads(json.dumps(ops))
+    changed[4]["data"][1]["model_input"][2] += 1  # one token of one op
+    dropped, added = ops[:-1], [*ops, ops[-1]]
+    for bad in (changed, dropped, added):
+        code, out = _verify(server, bundle, bad, tmp_path)
+        assert code == 1 and "op chain: FAIL" in out and "ACCEPTED" in out, out  # the bundle itself is fine
+    state.update(path=path, ops=ops, model_id=tc.model_id, datums=datums, first_loss=losses[0])
+
+
+def test_kill9_between_steps_then_continue_from_the_saved_state(server: Server, state: dict[str, Any],
+                                                                tmp_path: Path) -> None:
+    if not state:
+        pytest.skip("needs the training test's saved state")
+    headers = {"X-API-Key": ALICE}
+    done = httpx.post(f"{server.url}/api/v1/asample", headers=headers, json={
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]}, "num_samples": 1,
+        "sampling_params": {"max_tokens": 4, "temperature": 0}, "base_model": BASE}).json()["request_id"]
+    first = _retrieve(server, done, ALICE)
+    server.kill9()  # between steps: the last op was an optim_step the client already has the result of
+    server.start()
+    assert _retrieve(server, done, ALICE) == first  # a completed result survives kill -9
+    sc = _client(server)
+    tc = sc.create_training_client_from_state_with_optimizer(state["path"]).result()
+    ops = list(state["ops"])
+    losses = _steps(tc, state["datums"], 2, ops)
+    assert losses[0] < 0.7 * state["first_loss"]  # continued from the trained weights, not from scratch
+    path = tc.save_state("after-kill").result().path
+    bundle = _bundle(server, tc.model_id, path)
+    code, out = _verify(server, bundle, ops, tmp_path)
+    assert code == 0 and "op chain: pass: 24 ops" in out, out
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["op_chain"]["optimizer_steps"] == manifest["training"]["global_step"] == 12
+    state["model_id"] = tc.model_id
+
+
+def _retrieve(srv: Server, fid: str, key: str) -> bytes:
+    for _ in range(60):
+        r = httpx.post(f"{srv.url}/api/v1/retrieve_future", headers={"X-API-Key": key},
+                       json={"request_id": fid, "allow_metadata_only": False}, timeout=30)
+        r.raise_for_status()
+        if b'"try_again"' not in r.content:
+            return r.content
+    raise AssertionError(f"future {fid} never completed")
+
+
+def test_a_key_sees_only_its_own_sessions_models_and_checkpoints(server: Server, state: dict[str, Any]) -> None:
+    if not state:
+        pytest.skip("needs the training test's saved state")
+    bob = {"X-API-Key": BOB}
+    model = state["model_id"]
+    for route, body in (("get_info", {"model_id": model}),
+                        ("optim_step", {"model_id": model, "adam_params": ADAM}),
+                        ("load_weights", {"model_id": model, "path": state["path"], "optimizer": False}),
+                        ("create_sampling_session", {"session_id": "x", "sampling_session_seq_id": 0,
+                                                     "model_path": state["path"]})):
+        r = httpx.post(f"{server.url}/api/v1/{route}", headers=bob, json=body)
+        assert r.status_code == 404 and "not found" in r.json()["detail"], (route, r.text)
+    assert httpx.get(f"{server.url}/api/v1/training_runs/{model}/checkpoints", headers=bob).status_code == 404
+    r = httpx.post(f"{server.url}/api/v1/get_info", headers={"X-API-Key": "tml-nobody"}, json={"model_id": model})
+    assert r.status_code == 401
+
+
+def test_bad_input_is_a_4xx_with_its_reason_and_the_server_keeps_serving(server: Server, state: dict[str, Any]) -> None:
+    from tinker import types
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    if not state:
+        pytest.skip("needs the training test's saved state")
+    h = {"X-API-Key": ALICE}
+    model = state["model_id"]
+
+    def fwdbwd(tokens: list[int], targets: list[int], model_id: str = model) -> httpx.Response:
+        req = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(data=[types.Datum(
+            model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs={"target_tokens": targets})],
+            loss_fn="cross_entropy"), model_id=model_id)
+        return httpx.post(f"{server.url}/api/v1/forward_backward", content=forward_backward_request_to_proto(
+            req).SerializeToString(), headers={**h, "Content-Type": "application/x-protobuf"})
+
+    cases = {
+        "outside the vocabulary": fwdbwd([1, 2, 100_000], [2, 3, 4]),
+        "has 2 values for 3 input tokens": fwdbwd([1, 2, 3], [2, 3]),
+        "1 to 128 allowed": fwdbwd(list(range(1, 200)), list(range(2, 201))),
+        "not found": fwdbwd([1, 2], [2, 3], model_id="nobody:train:0"),
+        "not a ForwardBackwardRequest": httpx.post(f"{server.url}/api/v1/forward_backward", content=b"\xff\x00garbage",
+                                                   headers={**h, "Content-Type": "application/x-protobuf"}),
+        "malformed OptimStepRequest": httpx.post(f"{server.url}/api/v1/optim_step", headers=h, content=b"{not json"),
+        "malformed CreateModelRequest": httpx.post(f"{server.url}/api/v1/create_model", headers=h, json={"rank": "x"}),
+        "max_tokens 999": httpx.post(f"{server.url}/api/v1/asample", headers=h, json={
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5]}]}, "base_model": BASE,
+            "sampling_params": {"max_tokens": 999}}),
+        "is not served": httpx.post(f"{server.url}/api/v1/create_custom_loss", headers=h, json={}),
+    }
+    for reason, r in cases.items():
+        assert 400 <= r.status_code < 500 or r.status_code == 501, (reason, r.status_code, r.text)
+        assert reason in r.json()["detail"], (reason, r.text)
+    # 600 tokens in one request: over max_tokens_per_request (512), each datum within max_seq_len
+    from tinker.types import Datum, ModelInput
+
+    big = types.ForwardBackwardRequest(forward_backward_input=types.ForwardBackwardInput(data=[Datum(
+        model_input=ModelInput.from_ints(list(range(1, 121))), loss_fn_inputs={"target_tokens": list(range(2, 122))})
+        for _ in range(5)], loss_fn="cross_entropy"), model_id=model)
+    r = httpx.post(f"{server.url}/api/v1/forward_backward", content=forward_backward_request_to_proto(big)
+                   .SerializeToString(), headers={**h, "Content-Type": "application/x-protobuf"})
+    assert r.status_code == 400 and "at most 512 per request" in r.json()["detail"]
+    # the SDK surfaces a refusal as an error that carries the reason; the model still trains afterwards
+    sc = _client(server)
+    tc = sc.create_lora_training_client(base_model=BASE, rank=4).result()
+    with pytest.raises(Exception, match="outside the vocabulary"):
+        tc.forward_backward([Datum(model_input=ModelInput.from_ints([1, 99_999]),
+                                   loss_fn_inputs={"target_tokens": [2, 3]})], "cross_entropy").result()
+    assert tc.forward_backward(state["datums"], "cross_entropy").result().metrics["loss:sum"] > 0
+    assert tc.optim_step(types.AdamParams(**ADAM)).result().metrics is not None
+
+
+def test_importance_sampling_and_ppo_losses(server: Server, state: dict[str, Any]) -> None:
+    """With the sampler's logprobs equal to the model's own, the ratio is 1: both losses are -sum(advantages); with
+    the sampler's logprobs 1 nat lower, importance sampling weights by e and PPO clips the ratio at 1.2."""
+    import math
+
+    from tinker.types import Datum
+
+    if not state:
+        pytest.skip("needs the training test's saved state")
+    tc = _client(server).create_lora_training_client(base_model=BASE, rank=4, seed=7).result()
+    d = state["datums"][0]
+    own = tc.forward([d], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    adv = [0.5] * len(own)
+    for shift, ratio_is, ratio_ppo in ((0.0, 1.0, 1.0), (1.0, math.e, 1.2)):
+        rl = Datum(model_input=d.model_input, loss_fn_inputs={
+            "target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": (own - shift).tolist(), "advantages": adv})
+        for loss_fn, ratio in (("importance_sampling", ratio_is), ("ppo", ratio_ppo)):
+            got = tc.forward([rl], loss_fn).result().metrics["loss:sum"]
+            assert got == pytest.approx(-ratio * sum(adv), rel=1e-4), (loss_fn, shift, got)
+
+
+def test_dp_sgd_per_model_reports_epsilon_and_chains_it(server: Server, state: dict[str, Any], tmp_path: Path) -> None:
+    from opacus.accountants import RDPAccountant
+    from tinker import types
+
+    if not state:
+        pytest.skip("needs the training test's datums")
+    meta = {"dp.noise_multiplier": "1.1", "dp.max_grad_norm": "1.0", "dp.dataset_size": "1000", "dp.batch_size": "2"}
+    with pytest.raises(Exception, match="dp.batch_size"):  # refused before any model exists
+        _client(server).create_lora_training_client(base_model=BASE, rank=4, user_metadata={
+            k: v for k, v in meta.items() if k != "dp.batch_size"}).result()
+    tc = _client(server).create_lora_training_client(base_model=BASE, rank=4, seed=1, user_metadata=meta).result()
+    datums, ops, eps = state["datums"], [], []
+    for _ in range(3):
+        tc.forward_backward(datums, "cross_entropy").result()
+        eps.append(tc.optim_step(types.AdamParams(**ADAM)).result().metrics["dp_epsilon"])
+        ops += [_record(datums), {"op": "optim_step", "adam_params": types.AdamParams(**ADAM).model_dump(mode="json"),
+                                  "dp_epsilon": eps[-1]}]
+    acc = RDPAccountant()
+    acc.history = [(1.1, 2 / 1000, 3)]
+    assert 0 < eps[0] < eps[1] < eps[2] == pytest.approx(acc.get_epsilon(delta=1 / 1000**2), rel=1e-9)
+    path = tc.save_state("dp-3").result().path
+    bundle = _bundle(server, tc.model_id, path)
+    recorded = json.loads((bundle / "manifest.json").read_text())["op_chain"]["dp"]
+    assert recorded["epsilon"] == eps[-1] and recorded["steps"] == 3 and recorded["sample_rate"] == 0.002
+    code, out = _verify(server, bundle, ops, tmp_path)
+    assert code == 0 and "op chain: pass: 6 ops" in out, out
+    del ops[-1]["dp_epsilon"]  # the ε is part of what the chain commits to
+    assert _verify(server, bundle, ops, tmp_path)[0] == 1

@@ -1,0 +1,141 @@
+"""Trust before data: ``cvm-tune api attest`` accepts the training API's own TLS key under the simulator's policy,
+and rejects a man in the middle (another certificate in front of the same server) and a policy that does not trust
+the simulator's test CA; nothing is written when it rejects."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_api import Server
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = Server(tmp_path_factory.mktemp("api-tls") / "out", tls=True)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _attest(url: str, policy: Path | None, out: Path) -> tuple[int, str]:
+    """``cvm-tune api attest URL [--policy POLICY] --out OUT`` (in this process): (exit code, stdout)."""
+    import contextlib
+    import io
+
+    from app.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = main(["api", "attest", url, "--out", str(out), *(("--policy", str(policy)) if policy else ())])
+    return code, buf.getvalue()
+
+
+def test_attest_trusts_the_key_the_quote_binds(tls_server: Server, tmp_path: Path) -> None:
+    trust = tmp_path / "trust.pem"
+    code, out = _attest(tls_server.url, tls_server.out / "simulator-test-policy.yaml", trust)
+    assert code == 0 and "trusted: compose-hash" in out, out
+    ok = httpx.get(f"{tls_server.url}/api/v1/healthz", verify=ssl.create_default_context(cafile=str(trust)))
+    assert ok.json() == {"status": "ok"}
+    with pytest.raises(httpx.ConnectError):  # without the attested certificate the SDK's client refuses the server
+        httpx.get(f"{tls_server.url}/api/v1/healthz")
+
+
+def test_attest_rejects_the_default_policy_and_a_bad_nonce(tls_server: Server, tmp_path: Path) -> None:
+    trust = tmp_path / "trust.pem"
+    code, out = _attest(tls_server.url, None, trust)  # the built-in policy trusts Intel's root, not the simulator's
+    assert code == 1 and not trust.exists(), out
+    bad = httpx.get(f"{tls_server.url}/api/v1/cvm_tune/attestation", params={"nonce": "zz"}, verify=False)
+    assert bad.status_code == 400 and "nonce must be" in bad.json()["detail"]
+
+
+def test_attest_rejects_a_man_in_the_middle(tls_server: Server, tmp_path: Path) -> None:
+    proxy = _Proxy(tls_server.port, tmp_path)
+    try:
+        trust = tmp_path / "trust.pem"
+        code, out = _attest(f"https://127.0.0.1:{proxy.port}", tls_server.out / "simulator-test-policy.yaml", trust)
+        assert code == 1 and not trust.exists() and "not the key the server attests" in out, out
+        assert "report_data" in out  # the genuine quote binds the server's key, not the one presented here
+    finally:
+        proxy.close()
+
+
+class _Proxy:
+    """Terminates TLS with a certificate of its own and relays every byte to the real server over TLS."""
+
+    def __init__(self, upstream: int, tmp: Path) -> None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "cvm-tune training API")])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+                .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+                .sign(key, hashes.SHA256()))
+        (tmp / "mitm.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+        (tmp / "mitm.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.ctx.load_cert_chain(tmp / "mitm.pem", tmp / "mitm.key")
+        self.up = ssl.create_default_context()
+        self.up.check_hostname, self.up.verify_mode = False, ssl.CERT_NONE
+        self.upstream = upstream
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                raw, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._relay, args=(raw,), daemon=True).start()
+
+    def _relay(self, raw: socket.socket) -> None:
+        """One thread per connection, each TLS socket read and written from it alone (OpenSSL objects are not to
+        be shared between threads), polling both sides with a short timeout."""
+        try:
+            client = self.ctx.wrap_socket(raw, server_side=True)
+            server = self.up.wrap_socket(socket.create_connection(("127.0.0.1", self.upstream)))
+        except OSError:
+            raw.close()
+            return
+        for s in (client, server):
+            s.settimeout(0.1)
+        deadline = time.monotonic() + 60
+        try:
+            while time.monotonic() < deadline:
+                for a, b in ((client, server), (server, client)):
+                    try:
+                        data = a.recv(65536)
+                    except (TimeoutError, ssl.SSLWantReadError):
+                        continue
+                    if not data:
+                        return
+                    b.sendall(data)
+        except OSError:
+            return
+        finally:
+            for s in (client, server):
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    def close(self) -> None:
+        self.sock.close()

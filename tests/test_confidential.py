@@ -1,0 +1,357 @@
+"""Confidential weights: a dataset whose owner names age recipients yields bundles whose weight files are age
+ciphertext only (to those recipients, export.recipients and the CVM's key), verifiable by anyone, readable by a
+recipient; warm start, the evaluation gate and resume work on encrypted parents; tampering is rejected."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pyrage
+import pytest
+
+import app.training
+from app.cli import main as cli_main
+from app.config import Config
+from app.dataset import encrypt_stream
+from app.dataset.format_header import read_header
+from app.errors import CiphertextRejected, ConfigError, DatasetFormatError, NotARecipientError
+from app.run.inputs import scratch_dir
+from app.run.pipeline import RunHooks, run_once
+from attestation import confidential as C
+from attestation.confidential_verify import dataset_recipients
+from tests.owner_fixtures import KEY, jsonl, owner_key
+
+SAMPLE = [json.loads(line) for line in (Path(__file__).resolve().parent.parent / "app" / "data" / "sample.jsonl")
+          .read_text().splitlines() if line.strip()]
+EVAL = [dict(r, split="eval") for r in SAMPLE[150:170]]
+OWNER = owner_key()
+# Fixed identities (spec §14 test vector: the first one's secret is bytes 0..31).
+OWNER_ID = C.identity_from_secret(bytes(range(32)))
+OPERATOR_ID = C.identity_from_secret(bytes(range(32, 64)))
+STRANGER_ID = C.identity_from_secret(b"\x55" * 32)
+WEIGHTS = "adapter/adapter_model.safetensors"
+
+
+def _encrypt(path: Path, rows: list[dict], version: int, recipients: tuple[str, ...] = ()) -> Path:
+    meta = {C.DATASET_META_KEY: " ".join(sorted(recipients))} if recipients else None
+    with open(path, "wb") as out:
+        encrypt_stream(io.BytesIO(jsonl(rows)), out, KEY, dataset_id="tickets", dataset_version=version,
+                       chunk_size=4096, metadata=meta, owner_key=OWNER)
+    return path
+
+
+def _cfg(root: Path, *, merged: bool = False, recipients: tuple[str, ...] = (), gate: str = "loss") -> Config:
+    key = root / "dataset.key"
+    if not key.exists():
+        key.write_bytes(KEY)
+        key.chmod(0o600)
+    return Config.model_validate({
+        "output": {"dir": str(root / "out")},
+        "dataset": {"source": "encrypted-file", "dataset_id": "tickets", "path": str(root / "data"),
+                    "owner_public_key": OWNER.public_key().public_bytes_raw().hex(),
+                    "key": {"source": "file", "file": str(key)}},
+        "evaluation": {"gate": gate}, "export": {"merged": merged, "recipients": list(recipients)},
+        "training": {"max_steps": 4, "save_steps": 2, "init": "previous"},
+        "alerts": {"webhook_url_env": "CVM_TUNE_TEST_NO_WEBHOOK"}})
+
+
+def _key_file(root: Path, identity: str, name: str) -> Path:
+    path = root / name
+    path.write_text(f"# created: test\n# public key: {C.recipient_of(identity)}\n{identity}\n")
+    path.chmod(0o600)
+    return path
+
+
+def _manifest(bundle: Path) -> dict[str, Any]:
+    return json.loads((bundle / "manifest.json").read_bytes())
+
+
+def _needles(plaintext: bytes) -> list[bytes]:
+    """32-byte windows from the middle of every tensor of a safetensors file (those not all zero)."""
+    header_len = int.from_bytes(plaintext[:8], "little")
+    header = json.loads(plaintext[8:8 + header_len])
+    out = []
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = (8 + header_len + o for o in t["data_offsets"])
+        mid = (start + end) // 2
+        window = plaintext[mid:mid + 32]
+        if end - start >= 64 and window.strip(b"\x00"):
+            out.append(window)
+    return out
+
+
+def _tree_bytes(root: Path) -> list[tuple[Path, bytes]]:
+    return [(p, p.read_bytes()) for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()]
+
+
+@pytest.fixture(scope="module")
+def night(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Night 1 on a dataset naming the owner as recipient, export.recipients adding the operator, merged export."""
+    root = tmp_path_factory.mktemp("confidential")
+    (root / "data").mkdir()
+    owner_r, operator_r = C.recipient_of(OWNER_ID), C.recipient_of(OPERATOR_ID)
+    _encrypt(root / "data" / "tickets-v1.cvmds", SAMPLE[:60] + EVAL, 1, (owner_r,))
+    cfg = _cfg(root, merged=True, recipients=(operator_r,))
+    result = run_once(cfg, hooks=RunHooks(service=True))
+    return {"root": root, "cfg": cfg, "result": result, "bundle": result.bundle_dir, "owner": owner_r,
+            "operator": operator_r, "owner_key": _key_file(root, OWNER_ID, "owner-age.txt"),
+            "operator_key": _key_file(root, OPERATOR_ID, "operator-age.txt"),
+            "stranger_key": _key_file(root, STRANGER_ID, "stranger-age.txt")}
+
+
+def test_identity_test_vector_matches_age_keygen(tmp_path: Path) -> None:
+    assert OWNER_ID == "AGE-SECRET-KEY-1QQQSYQCYQ5RQWZQFPG9SCRGWPUGPZYSNZS23V9CCRYDPK8QARC0SWRYDWG"
+    assert C.recipient_of(OWNER_ID) == "age13aqvttdk3ujkyjh9kg2w5an6dmy5mq5a84a4uxk3hfhnugfc9p0sy5p2wh"
+    if shutil.which("age-keygen") is None:
+        pytest.skip("age-keygen (Debian package age) is not installed")
+    key = _key_file(tmp_path, OWNER_ID, "k.txt")
+    assert subprocess.run(["age-keygen", "-y", str(key)], capture_output=True, text=True, check=True).stdout.strip() \
+        == C.recipient_of(OWNER_ID)
+
+
+def test_weights_are_ciphertext_only_and_no_plaintext_tensor_bytes_remain(night: dict[str, Any]) -> None:
+    bundle, m = night["bundle"], _manifest(night["bundle"])
+    conf = m["confidentiality"]
+    cvm = conf["cvm_recipient"]
+    assert conf["recipients"] == sorted([night["owner"], night["operator"], cvm])
+    assert conf["dataset_recipients"] == [night["owner"]]
+    weight_files = sorted(conf["plaintext_sha256"])
+    assert WEIGHTS in weight_files and any(f.startswith("merged/") for f in weight_files)
+    ids = C.load_identities(night["owner_key"])
+    needles = []
+    for rel in weight_files:
+        data = (bundle / rel).read_bytes()
+        assert data.startswith(C.AGE_MAGIC) and m["files"][rel] == hashlib.sha256(data).hexdigest()
+        plain = C.decrypt(data, ids)
+        assert plain is not None and hashlib.sha256(plain).hexdigest() == conf["plaintext_sha256"][rel]
+        needles += _needles(plain)
+    out = night["root"] / "out"
+    base = b"".join(data for _p, data in _tree_bytes(out / "models"))  # merged: the tensors LoRA left alone are the base's
+    needles = [n for n in needles if n not in base]
+    assert len(needles) > 10
+    scratch = scratch_dir(night["cfg"], out)
+    for where in (out, scratch, scratch.with_name(scratch.name + "-plain")):
+        for path, data in (_tree_bytes(where) if where.exists() else []):
+            assert not any(n in data for n in needles), f"plaintext weight bytes in {path}"
+    assert not (out / "runs" / night["result"].run_id / "adapter").exists()  # the trainer's adapter lived in RAM
+    card = (bundle / "README.md").read_text()
+    assert "## Who can read the weights" in card and night["owner"] in card and night["operator"] in card
+
+
+def test_age_cli_decrypts_to_the_bound_plaintext(night: dict[str, Any]) -> None:
+    if shutil.which("age") is None:
+        pytest.skip("the age CLI (Debian package age) is not installed")
+    got = subprocess.run(["age", "-d", "-i", str(night["owner_key"]), str(night["bundle"] / WEIGHTS)],
+                         capture_output=True, check=True).stdout
+    assert hashlib.sha256(got).hexdigest() == _manifest(night["bundle"])["confidentiality"]["plaintext_sha256"][WEIGHTS]
+
+
+def _verify(night: dict[str, Any], *extra: str, bundle: Path | None = None) -> tuple[int, dict[str, Any]]:
+    policy = night["root"] / "out" / "simulator-test-policy.yaml"
+    out = night["root"] / f"verdict-{len(list(night['root'].glob('verdict-*')))}.json"
+    import contextlib
+
+    with open(out, "w") as fh, contextlib.redirect_stdout(fh):
+        code = cli_main(["verify", str(bundle or night["bundle"]), "--policy", str(policy), "--json", *extra])
+    checks = {c["name"]: c for c in json.loads(out.read_text())["checks"]}
+    return code, checks
+
+
+def test_verify_for_anyone_and_for_a_recipient(night: dict[str, Any]) -> None:
+    code, checks = _verify(night)
+    assert code == 0
+    assert checks["confidential.outputs"]["status"] == "pass"
+    assert checks["confidential.plaintext"]["status"] == "skip" and checks["model.signature"]["status"] == "skip"
+    dataset = next((night["root"] / "data").iterdir())
+    for key in ("owner_key", "operator_key"):
+        code, checks = _verify(night, "--identity", str(night[key]), "--dataset", str(dataset))
+        assert code == 0, checks
+        assert checks["confidential.plaintext"]["status"] == "pass" and checks["model.signature"]["status"] == "pass"
+    code, checks = _verify(night, "--identity", str(night["stranger_key"]))
+    assert code == 1 and checks["confidential.plaintext"]["status"] == "fail"
+    assert "does not decrypt" in checks["confidential.plaintext"]["reason"]
+
+
+def test_adapter_decrypt_writes_a_peft_directory_that_loads(night: dict[str, Any], tmp_path: Path) -> None:
+    out = tmp_path / "adapter"
+    assert cli_main(["adapter", "decrypt", str(night["bundle"]), "--identity", str(night["owner_key"]), "-o", str(out)]) == 0
+    want = _manifest(night["bundle"])["confidentiality"]["plaintext_sha256"][WEIGHTS]
+    assert hashlib.sha256((out / "adapter_model.safetensors").read_bytes()).hexdigest() == want
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from app.run.stages import base_model_stage
+
+    base = base_model_stage(night["cfg"], night["root"] / "out", lambda _m: None)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base.dir)), str(out))
+    assert any("lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())
+    merged = tmp_path / "merged"
+    assert cli_main(["adapter", "decrypt", str(night["bundle"]), "--identity", str(night["operator_key"]), "-o",
+                     str(merged), "--dir", "merged"]) == 0
+    assert AutoModelForCausalLM.from_pretrained(str(merged)) is not None
+
+
+@pytest.mark.parametrize("case", ["non-empty", "stranger", "altered", "truncated"])
+def test_adapter_decrypt_refuses_and_writes_nothing(night: dict[str, Any], tmp_path: Path, case: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    bundle, key, out = night["bundle"], night["owner_key"], tmp_path / "out"
+    if case == "non-empty":
+        out.mkdir()
+        (out / "keep").write_text("x")
+    elif case == "stranger":
+        key = night["stranger_key"]
+    else:
+        bundle = tmp_path / "bundle"
+        shutil.copytree(night["bundle"], bundle)
+        data = bytearray((bundle / WEIGHTS).read_bytes())
+        if case == "altered":
+            data[len(data) // 2] ^= 1
+        else:
+            del data[-100:]
+        (bundle / WEIGHTS).write_bytes(bytes(data))
+    code = cli_main(["adapter", "decrypt", str(bundle), "--identity", str(key), "-o", str(out)])
+    want = {"non-empty": ConfigError, "stranger": NotARecipientError}.get(case, CiphertextRejected)
+    assert code == want.exit_code and code == {"non-empty": 2, "stranger": 4}.get(case, 1)
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and {"non-empty": "is not an empty directory", "stranger": "does not decrypt with "
+                                          "the identity given"}.get(case, "is not the file the manifest binds") in err
+    if case == "non-empty":
+        assert [p.name for p in out.iterdir()] == ["keep"]
+    else:
+        assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    if case in ("altered", "truncated"):
+        code, checks = _verify(night, bundle=bundle)
+        assert code == 1 and checks["manifest.files"]["status"] == "fail"
+
+
+def test_tampered_recipients_are_rejected(night: dict[str, Any], tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    shutil.copytree(night["bundle"], bundle)
+    m = _manifest(bundle)
+    m["confidentiality"]["dataset_recipients"] = []  # claim the owner named nobody
+    m["confidentiality"]["recipients"].remove(night["owner"])
+    (bundle / "manifest.json").write_text(json.dumps(m, sort_keys=True, indent=2) + "\n")
+    code, checks = _verify(night, bundle=bundle)
+    assert code == 1 and checks["report_data"]["status"] == "fail"
+    assert checks["confidential.outputs"]["status"] == "fail" and "stanzas" in checks["confidential.outputs"]["reason"]
+    # The dataset file names the owner: a manifest whose dataset_recipients differ fails against it.
+    dataset = next((night["root"] / "data").iterdir())
+    code, checks = _verify(night, "--dataset", str(dataset), bundle=bundle)
+    assert "other recipients" in checks["confidential.outputs"]["reason"]
+
+
+def test_recipients_in_the_header_are_signed_and_checked(tmp_path: Path) -> None:
+    r = C.recipient_of(OWNER_ID)
+    path = _encrypt(tmp_path / "d.cvmds", SAMPLE[:5], 1, (r,))
+    with open(path, "rb") as fh:
+        assert read_header(fh).recipients == (r,)
+    assert dataset_recipients(path) == (r,)
+    with pytest.raises(ConfigError, match="cvm-tune.recipients must list age X25519 recipients"):
+        with open(tmp_path / "bad.cvmds", "wb") as out:
+            encrypt_stream(io.BytesIO(jsonl(SAMPLE[:5])), out, KEY, dataset_id="t", metadata={C.DATASET_META_KEY: "age1xyz"})
+    raw = bytearray(path.read_bytes())
+    i = raw.index(r.encode()) + 10
+    raw[i] = ord("q") if raw[i] != ord("q") else ord("p")  # another valid-looking recipient in the signed header
+    (tmp_path / "t.cvmds").write_bytes(bytes(raw))
+    from app.dataset import open_encrypted
+    from app.errors import HeaderIntegrityError
+
+    with open(tmp_path / "t.cvmds", "rb") as fh, pytest.raises(HeaderIntegrityError, match="header was modified"):
+        open_encrypted(fh, KEY, owner_public_key=OWNER.public_key().public_bytes_raw()).read()
+    with pytest.raises(DatasetFormatError, match="must list age X25519 recipients"):  # read without the key too
+        from app.dataset.format_header import _parse_header
+
+        _parse_header(b'{"alg":"AES-256-GCM/HKDF-SHA256/STREAM-v1","chunk_size":4096,"content_type":"application/jsonl",'
+                      b'"dataset_id":"t","dataset_version":1,"metadata":{"cvm-tune.recipients":"age1nope"},"salt":"'
+                      + b"0" * 64 + b'"}')
+
+
+def test_dataset_encrypt_recipient_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "rows.jsonl"
+    src.write_bytes(jsonl(SAMPLE[:5]))
+    assert cli_main(["keys", "new", "-o", str(tmp_path / "owner")]) == 0
+    base = ["dataset", "encrypt", str(src), "--owner-key", str(tmp_path / "owner.key"), "--key-file",
+            str(tmp_path / "k.key"), "--dataset-id", "t", "--dataset-version", "1"]
+    a, b = C.recipient_of(OPERATOR_ID), C.recipient_of(OWNER_ID)
+    assert cli_main([*base, "-o", str(tmp_path / "t.cvmds"), "--recipient", a, "--recipient", b]) == 0
+    assert "age ciphertext to 2 recipient(s)" in capsys.readouterr().out
+    with open(tmp_path / "t.cvmds", "rb") as fh:
+        assert read_header(fh).recipients == tuple(sorted((a, b)))
+    assert cli_main([*base, "-o", str(tmp_path / "u.cvmds"), "--recipient", "age1notakey"]) == 2
+    assert not (tmp_path / "u.cvmds").exists()
+
+
+def test_warm_start_gate_and_resume_on_an_encrypted_parent(night: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    root, first = night["root"], night["result"]
+    _encrypt(root / "data" / "tickets-v2.cvmds", SAMPLE[:120] + EVAL, 2, (night["owner"],))
+    cfg = _cfg(root, recipients=(night["operator"],))
+    real_train = app.training.train
+    monkeypatch.setattr(app.training, "train", lambda req: real_train(dataclasses.replace(req, stop_after_step=2)))
+    with pytest.raises(app.training.TrainingInterrupted):
+        run_once(cfg, hooks=RunHooks(service=True))
+    runs = root / "out" / "runs"
+    assert not [p for p in runs.rglob("adapter_model.safetensors")]  # nothing but sealed checkpoints on the volume
+    monkeypatch.setattr(app.training, "train", real_train)
+    second = run_once(cfg, hooks=RunHooks(service=True))
+    m = _manifest(second.bundle_dir)
+    assert m["training"]["resumed_from_step"] == 2 and m["training"]["global_step"] == 4
+    assert m["lineage"]["parent_run_id"] == first.run_id
+    assert m["lineage"]["parent_adapter_sha256"] == _manifest(first.bundle_dir)["files"][WEIGHTS]  # the ciphertext's
+    assert m["evaluation"]["parent"] == f"run {first.run_id}" and m["evaluation"]["parent_loss"] > 0
+    assert m["confidentiality"]["dataset_recipients"] == [night["owner"]]
+    code, checks = _verify(night, "--identity", str(night["owner_key"]), bundle=second.bundle_dir)
+    assert code == 0 and checks["model.signature"]["status"] == "pass"
+    assert not (runs / second.run_id / "adapter").exists()
+
+
+def _bech32(hrp: str, data: bytes) -> str:
+    """BIP-173 Bech32, written out again from the BIP (independent of attestation.confidential)."""
+    charset, gen = "qpzry9x8gf2tvdw0s3jn54khce6mua7l", (0x3B6A57B2, 0x26508E6D, 0x1EA119FA, 0x3D4233DD, 0x2A1462B3)
+    bits = "".join(f"{b:08b}" for b in data)
+    words = [int(bits[i:i + 5].ljust(5, "0"), 2) for i in range(0, len(bits), 5)]
+    chk = 1
+    for v in [ord(c) >> 5 for c in hrp] + [0] + [ord(c) & 31 for c in hrp] + words + [0] * 6:
+        b, chk = chk >> 25, (chk & 0x1FFFFFF) << 5 ^ v
+        for i, g in enumerate(gen):
+            if (b >> i) & 1:
+                chk ^= g
+    return hrp + "1" + "".join(charset[w] for w in words + [((chk ^ 1) >> 5 * (5 - i)) & 31 for i in range(6)])
+
+
+def test_spec_section_14_vectors_are_recomputed() -> None:
+    import re
+
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "verifier-spec.md").read_text()
+    block = re.search(r"^```confidential-vectors\n(.*?)^```", text, flags=re.S | re.M).group(1)
+    v = dict(line.split(" = ") for line in block.splitlines())
+
+    def recipient(secret: bytes) -> str:
+        pub = X25519PrivateKey.from_private_bytes(secret).public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        return _bech32("age", pub)
+
+    secret = bytes.fromhex(v["secret"])
+    cvm = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"cvm-tune/outputs/v1 age-x25519").derive(
+        bytes.fromhex(v["getkey"]))
+    assert v == {"secret": secret.hex(), "identity": _bech32("age-secret-key-", secret).upper(),
+                 "recipient": recipient(secret), "getkey": v["getkey"], "cvm_secret": cvm.hex(),
+                 "cvm_identity": _bech32("age-secret-key-", cvm).upper(), "cvm_recipient": recipient(cvm)}
+    # ... and the product derives the same from the same GetKey bytes
+    from app.export.confidential import cvm_identity
+
+    assert cvm_identity(lambda path, purpose: bytes.fromhex(v["getkey"])) == v["cvm_identity"]
+    assert C.recipient_of(v["identity"]) == v["recipient"]
