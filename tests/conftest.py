@@ -4,6 +4,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import shutil  # noqa: E402
 import ssl  # noqa: E402
 import tempfile  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
@@ -17,10 +18,21 @@ from tests.loopback_http import Route  # noqa: E402
 from tests.loopback_http import Server as LoopbackServer  # noqa: E402
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Hypothesis keeps its example database and caches in a scratch directory, not in ``.hypothesis`` of the
+    directory pytest started in (the checkout): set before any test module is collected."""
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    home = tempfile.mkdtemp(prefix="cvm-tune-hypothesis-")
+    config.add_cleanup(lambda: shutil.rmtree(home, ignore_errors=True))
+    set_hypothesis_home_dir(home)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _outside_the_checkout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Every test runs with a scratch directory as its working directory, so a relative path (the default
-    ``output.dir: cvm-tune-output``, a ``verdict.json``) never reads or writes a user's files in the checkout."""
+    ``output.dir: cvm-tune-output``, a ``verdict.json``, Hypothesis' example database) never reads or writes a
+    user's files in the checkout (pytest's own cache is off: ``-p no:cacheprovider`` in pyproject.toml)."""
     before = os.getcwd()
     os.chdir(tmp_path_factory.mktemp("cwd"))
     try:
