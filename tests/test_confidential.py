@@ -181,6 +181,16 @@ def test_verify_for_anyone_and_for_a_recipient(night: dict[str, Any]) -> None:
     assert "does not decrypt" in checks["confidential.plaintext"]["reason"]
 
 
+def test_publish_says_the_staged_weights_are_ciphertext(night: dict[str, Any], tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    repo = tmp_path / "repo"
+    policy = night["root"] / "out" / "simulator-test-policy.yaml"
+    assert cli_main(["publish", str(night["bundle"]), "--repo", "owner/adapter", "--policy", str(policy),
+                     "--stage-only", str(repo)]) == 0
+    assert "note: the weight files are age ciphertext to 3 recipient(s)" in capsys.readouterr().out
+    assert (repo / "adapter_model.safetensors").read_bytes().startswith(C.AGE_MAGIC)
+
+
 def test_adapter_decrypt_writes_a_peft_directory_that_loads(night: dict[str, Any], tmp_path: Path) -> None:
     out = tmp_path / "adapter"
     assert cli_main(["adapter", "decrypt", str(night["bundle"]), "--identity", str(night["owner_key"]), "-o", str(out)]) == 0

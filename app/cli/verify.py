@@ -66,12 +66,19 @@ def _verify(args: argparse.Namespace) -> int:
     return code
 
 
+def _manifest_block(bundle: Path, name: str) -> Any:
+    """One top-level block of an accepted bundle's manifest.json (None when absent or unreadable)."""
+    try:
+        return parse_json((Path(bundle) / "manifest.json").read_bytes(), "manifest.json", ValueError).get(name)
+    except (OSError, ValueError, AttributeError):
+        return None  # an unreadable manifest is already a failed check
+
+
 def _print_objective(bundle: Path) -> None:
     """The training objective the manifest records (bundles made before DPO record none: sft)."""
-    try:
-        training = parse_json((Path(bundle) / "manifest.json").read_bytes(), "manifest.json", ValueError)["training"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return  # an unreadable manifest is already a failed check above
+    training = _manifest_block(bundle, "training")
+    if training is None:
+        return
     dpo = training.get("dpo") if isinstance(training, dict) else None
     if isinstance(dpo, dict):
         print(f"objective: dpo (beta {dpo.get('beta')}, loss {dpo.get('loss_type')}, reference: {dpo.get('reference')})")
@@ -176,12 +183,23 @@ def _publish(args: argparse.Namespace) -> int:
         return EXIT_REJECTED
     if args.stage_only is not None:
         print(f"staged {hub.stage_repo(args.bundle, args.stage_only)} (verified; not uploaded)")
+        _ciphertext_note(args.bundle)
         return 0
     with tempfile.TemporaryDirectory(prefix="cvm-tune-publish-") as tmp:
         folder = hub.stage_repo(args.bundle, Path(tmp) / "repo")
         url = hub.upload(folder, repo, private=args.private, message=f"cvm-tune bundle {args.bundle.resolve().name}")
     print(f"published {args.bundle} (verified under {policy.name}) to {url}")
+    _ciphertext_note(args.bundle)
     return 0
+
+
+def _ciphertext_note(bundle: Path) -> None:
+    """Say so when the published weights are age ciphertext: the Hub's loaders cannot read them as they are."""
+    conf = _manifest_block(bundle, "confidentiality")
+    if isinstance(conf, dict):
+        n = len(conf.get("recipients") or ())
+        print(f"note: the weight files are age ciphertext to {n} recipient(s), not loadable as they are: a recipient "
+              "decrypts each with `age -d -i KEY`, or runs `cvm-tune adapter decrypt` on the bundle")
 
 
 def _print_verdict(verdict: Verdict, *, as_json: bool) -> int:
