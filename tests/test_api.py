@@ -246,6 +246,56 @@ def test_a_key_sees_only_its_own_sessions_models_and_checkpoints(server: Server,
     assert r.status_code == 401
 
 
+def test_samples_complete_through_retrieve_futures_owner_checked(server: Server,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client config turns on the SDK's session poller: a sample's completion reaches it by retrieve_futures
+    (not by long-polling retrieve_future), its ack drops it from the queue, and only its own key can poll it."""
+    from tinker import types
+    from tinker.resources.futures import AsyncFuturesResource
+
+    polls: list[tuple[Any, Any]] = []
+    real = AsyncFuturesResource.retrieve_multi
+
+    async def spy(self: Any, *, request: Any, **kw: Any) -> Any:
+        out = await real(self, request=request, **kw)
+        polls.append((request, out))
+        return out
+
+    monkeypatch.setattr(AsyncFuturesResource, "retrieve_multi", spy)
+    sampler = _client(server).create_sampling_client(base_model=BASE).result()
+    assert sampler.holder.get_client_config().sample_use_retrieve_futures
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    got = sampler.sample(prompt=prompt, num_samples=2,
+                         sampling_params=types.SamplingParams(max_tokens=4, seed=1)).result()
+    assert len(got.sequences) == 2
+    session = polls[0][0].target.sampling_session_id
+    done = {c.request_id for _r, out in polls for c in out.completions if c.state == "finished"}
+    assert len(done) == 1 and all(r.target.sampling_session_id == session for r, _o in polls)
+    deadline = time.monotonic() + 10  # the ack goes out on the poller's next (timeout 0) poll
+    while not any(done & set(r.retrieved_request_ids) for r, _o in polls):
+        assert time.monotonic() < deadline, polls
+        time.sleep(0.05)
+    ack = next(r for r, _o in polls if done & set(r.retrieved_request_ids))
+    assert ack.timeout == 0
+
+    poll = {"target": {"type": "sampling_session", "sampling_session_id": session, "cloned_sampler_id": 0},
+            "prev_cursor": 0, "timeout": 0}
+    url = f"{server.url}/api/v1/retrieve_futures"
+    started = time.monotonic()
+    r = httpx.post(url, headers={"X-API-Key": ALICE}, json=poll)
+    assert r.status_code == 200 and r.json()["completions"] == [] and r.json()["cursor"] >= 1, r.text  # acked: gone
+    assert time.monotonic() - started < 0.9  # timeout 0 does not wait out the long poll (1 s here)
+    r = httpx.post(url, headers={"X-API-Key": BOB}, json=poll)
+    assert r.status_code == 404 and "not found" in r.json()["detail"], r.text
+    r = httpx.post(url, headers={"X-API-Key": ALICE}, json={**poll, "target": {**poll["target"],
+                                                                                "sampling_session_id": "nope"}})
+    assert r.status_code == 404 and "not found" in r.json()["detail"], r.text
+    r = httpx.post(url, headers={"X-API-Key": ALICE}, json={**poll, "prev_cursor": 1 << 40})
+    assert r.status_code == 400 and "ahead" in r.json()["detail"], r.text
+    r = httpx.post(url, headers={"X-API-Key": ALICE}, json={**poll, "timeout": None, "prev_cursor": "x"})
+    assert r.status_code == 400 and "malformed FuturesRetrieveRequest" in r.json()["detail"], r.text
+
+
 def test_bad_input_is_a_4xx_with_its_reason_and_the_server_keeps_serving(server: Server, state: dict[str, Any]) -> None:
     from tinker import types
     from tinker.proto.request_conv import forward_backward_request_to_proto

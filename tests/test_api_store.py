@@ -51,3 +51,37 @@ def test_a_version_2_database_gains_the_api_tables_and_keeps_its_runs(tmp_path: 
     raw = sqlite3.connect(tmp_path / "state" / "runs.sqlite")
     assert {r[0] for r in raw.execute("SELECT name FROM sqlite_master WHERE type = 'table'")} >= {
         "runs", "slots", "api_models", "api_futures", "api_checkpoints"}
+
+
+def test_completion_queues_trim_by_cursor_and_ack_keep_clones_apart_and_wake_long_polls() -> None:
+    """retrieve_futures' queues (in memory): what a poll has seen or retrieved is dropped, clones are separate
+    queues, an idle queue is removed, and a long poll is woken by a completion from another thread."""
+    import asyncio
+    import threading
+
+    from tinker import types
+
+    from app.api.completions import Completions
+
+    def req(clone: int = 0, cursor: int = 0, timeout: float | None = 0,
+            acks: tuple[str, ...] = ()) -> types.FuturesRetrieveRequest:
+        return types.FuturesRetrieveRequest(target=types.SamplingSessionFuturesTarget(
+            sampling_session_id="s", cloned_sampler_id=clone), prev_cursor=cursor, timeout=timeout,
+            retrieved_request_ids=list(acks))
+
+    async def run() -> None:
+        c = Completions(long_poll_s=5)
+        c.finished("s", 3, "a", ok=True)
+        c.finished("s", 2_000_000_001, "clone", ok=True)
+        c.finished("s", 4, "b", ok=False)
+        got = await c.poll(req())
+        assert [(x.request_id, x.state) for x in got.completions] == [("a", "finished"), ("b", "failed")]
+        assert got.cursor == 3
+        assert [x.request_id for x in (await c.poll(req(clone=2))).completions] == ["clone"]
+        assert (await c.poll(req(cursor=1, acks=("b",)))).completions == []  # a: seen by cursor; b: retrieved
+        assert (await c.poll(req(clone=2, cursor=3))).completions == [] and not c._queues  # nothing idle is kept
+        threading.Timer(0.2, c.finished, ("s", 5, "late", True)).start()
+        got = await asyncio.wait_for(c.poll(req(cursor=3, timeout=None)), 3)
+        assert [x.request_id for x in got.completions] == ["late"] and got.cursor == 4
+
+    asyncio.run(run())

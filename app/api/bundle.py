@@ -10,6 +10,7 @@ head, ``rows`` = the op count). The audit slice commits to them like a run's: ``
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any
 from attestation.hashing import sha256_file, sha256_hex
 
 from app import export
+from app.api.engine import LORA_ALPHA, LORA_DROPOUT
 from app.audit import AuditLog, AuditRecorder, utc_now
 from app.config import Config
 from app.dataset.rows import RowReport
@@ -40,7 +42,7 @@ class Exporter:
         run_id = "api-" + re.sub(r"[^A-Za-z0-9._-]", "-", path.removeprefix("tinker://"))[:90] + f"-{int(time.time())}"
         lora = m.lora
         ts = self.cfg.training.model_copy(update={"seed": lora.get("seed") or 0, "lora": self.cfg.training.lora.model_copy(
-            update={"r": lora["rank"], "alpha": 32, "dropout": 0.0,
+            update={"r": lora["rank"], "alpha": LORA_ALPHA, "dropout": LORA_DROPOUT,
                     "target_modules": tuple(self._targets(adapter_dir))})})
         cfg = self.cfg.model_copy(update={"training": ts})
         config_bytes = cfg.canonical_json()
@@ -72,7 +74,8 @@ class Exporter:
             base_dir=self.base.dir, base_name=self.base.name, base_tree=self.base.tree, base_files=self.base.files,
             train=result, gpu=gpu, log=self.log, recorder=self.recorder, slot=None, op_chain=op_chain)
         try:
-            published = export_stage.export_bundle(inputs, phase=_no_phase, timings={}, progress=lambda _m: None)
+            published = export_stage.export_bundle(inputs, phase=lambda _n: contextlib.nullcontext(), timings={},
+                                                   progress=lambda _m: None)
         finally:
             train.cleanup()
         return published.bundle
@@ -104,14 +107,3 @@ class _Adapter:
 
     def cleanup(self) -> None:
         self._tmp.cleanup()
-
-
-class _no_phase:
-    def __init__(self, _name: str) -> None:
-        pass
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *_exc: object) -> None:
-        return None

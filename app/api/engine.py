@@ -30,6 +30,7 @@ ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = ("lm_head",)
 LORA_ALPHA = 32
+LORA_DROPOUT = 0.0
 MAX_SAMPLERS = 8  # sampler checkpoints kept loaded as adapters
 
 
@@ -99,7 +100,7 @@ class Engine:
         targets = [t for t in targets if t in present]
         if not targets:
             raise BadRequest("the LoRA targets no layer: set at least one of train_attn, train_mlp, train_unembed")
-        return LoraConfig(r=lora["rank"], lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=targets,
+        return LoraConfig(r=lora["rank"], lora_alpha=LORA_ALPHA, lora_dropout=LORA_DROPOUT, target_modules=targets,
                           bias="none", task_type="CAUSAL_LM")
 
     def create(self, model_id: str, lora: dict[str, Any], dp: dict[str, Any] | None = None) -> Model:

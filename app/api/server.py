@@ -87,7 +87,7 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
     async def client_config(request: Request) -> Any:
         await body(request, types.ClientConfigRequest)
         return _json(types.ClientConfigResponse(use_pyqwest_transport=False, pjwt_auth_enabled=False,
-                                                proto_compress_fwdbwd=False, sample_use_retrieve_futures=False,
+                                                proto_compress_fwdbwd=False, sample_use_retrieve_futures=True,
                                                 custom_loss_server_side=False, sample_join_sampling_session=False,
                                                 parallel_fwdbwd_chunks=False))
 
@@ -167,6 +167,11 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
         req = await body(request, types.FutureRetrieveRequest)
         status, ctype, payload = await svc.retrieve(request.state.owner, req.request_id)
         return Response(payload, status_code=status, media_type=ctype)
+
+    @app.post("/api/v1/retrieve_futures")
+    async def retrieve_futures(request: Request) -> Any:
+        req = await body(request, types.FuturesRetrieveRequest)
+        return _json(await svc.retrieve_futures(request.state.owner, req))
 
     @app.post("/api/v1/cancel_future")
     async def cancel_future(request: Request) -> Any:

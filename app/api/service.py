@@ -21,6 +21,7 @@ from tinker import types
 from app.api import dp as dpsgd
 from app.api import wire
 from app.api.bundle import Exporter
+from app.api.completions import Completions
 from app.api.engine import Engine, Model, run_job, saved_dp
 from app.api.errors import BadRequest, NotFound, NotServed, TooMany
 from app.api.store import Checkpoint, Store
@@ -43,6 +44,7 @@ class Service:
         self.samplers: dict[str, tuple[str, str | None]] = {}  # sampling session id -> (owner, checkpoint path)
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}  # long polls
         self._waiters_lock = threading.Lock()
+        self.completions = Completions(limits.long_poll_s)  # retrieve_futures: finished samples per session
         self.store.fail_interrupted()
 
     # --- sessions and ownership --------------------------------------------------------------------
@@ -68,7 +70,7 @@ class Service:
         return c
 
     def _enqueue(self, owner: str, session: str, model_id: str | None, kind: str, fn: Any,
-                 samples: int = 0) -> dict[str, Any]:
+                 samples: int = 0, sampler: tuple[str, int | None] | None = None) -> dict[str, Any]:
         if self.store.pending(session) >= self.limits.max_queued_futures:
             raise TooMany(f"session has {self.limits.max_queued_futures} operations queued; wait for results")
         fid = uuid.uuid4().hex
@@ -81,6 +83,8 @@ class Service:
                 waiting = self._waiters.pop(fid, [])
             for loop, event in waiting:
                 loop.call_soon_threadsafe(event.set)
+            if sampler is not None:  # (sampling session, seq id): its poller learns of it by retrieve_futures
+                self.completions.finished(sampler[0], sampler[1], fid, ok)
 
         self.engine.submit(run_job(fn, finish))
         ids = [f"{fid}:{i}" for i in range(samples)] if samples else None
@@ -266,7 +270,8 @@ class Service:
                 src, prompt, num_samples=req.num_samples, max_tokens=max_tokens, temperature=p.temperature,
                 top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop=stop, prompt_logprobs=bool(req.prompt_logprobs))
 
-        return self._enqueue(owner, session, None, "sample", run, samples=req.num_samples)
+        return self._enqueue(owner, session, None, "sample", run, samples=req.num_samples,
+                             sampler=(session, req.seq_id) if req.sampling_session_id is not None else None)
 
     # --- futures -----------------------------------------------------------------------------------
 
@@ -294,6 +299,12 @@ class Service:
         if f is None or f.status == "pending":
             return 200, JSON, json.dumps({"type": "try_again", "request_id": fid, "queue_state": "active"}).encode()
         return 200, f.content_type or JSON, f.result or b""
+
+    async def retrieve_futures(self, owner: str, req: types.FuturesRetrieveRequest) -> types.FuturesRetrieveResponse:
+        got = self.samplers.get(req.target.sampling_session_id)
+        if got is None or got[0] != owner:
+            raise NotFound(f"sampling session {req.target.sampling_session_id} not found")
+        return await self.completions.poll(req)
 
     def attestation(self, nonce: str) -> dict[str, Any]:
         from app.api.tls import attestation
