@@ -17,7 +17,6 @@ reference algorithm, a dozen lines). Nothing here imports torch or the app: the 
 
 from __future__ import annotations
 
-import hashlib
 import re
 from pathlib import Path
 from typing import Literal
@@ -188,6 +187,3 @@ def x25519_stanzas(data: bytes) -> int | None:
                 return None
     return count
 
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from attestation import bundle as B
 from attestation import confidential as C
 from attestation import model_sig
-from attestation.hashing import sha256_file
+from attestation.hashing import sha256_file, sha256_hex
 from attestation.safe_yaml import parse_json
 from attestation.verdict import QuoteFindings
 
@@ -53,8 +53,8 @@ def check(f: QuoteFindings, root: Path, m: B.Manifest, identities: list[Any] | N
         data = C.decrypt(_read(root / rel), identities)
         if data is None:
             problems.append(f"{rel}: does not decrypt with the identity given (not a recipient, or damaged)")
-        elif C.sha256(data) != digest:
-            problems.append(f"{rel}: decrypts to bytes of SHA-256 {C.sha256(data)[:16]}…, not the manifest's")
+        elif sha256_hex(data) != digest:
+            problems.append(f"{rel}: decrypts to bytes of SHA-256 {sha256_hex(data)[:16]}…, not the manifest's")
         else:
             plain[rel] = digest
         del data

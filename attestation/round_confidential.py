@@ -22,6 +22,7 @@ from attestation import bundle as B
 from attestation import confidential as C
 from attestation import round_bundle as R
 from attestation.bundle_verify import _bundle_collateral, _compose_and_app_id, _events, _quote_bytes, _read
+from attestation.hashing import sha256_hex
 from attestation.policy import Policy
 from attestation.safe_yaml import parse_json
 from attestation.verify import QuoteFindings, Verdict, verify_quote
@@ -74,7 +75,7 @@ def load_plain(root: Path, m: R.RoundManifest, identities: list[Any] | None) -> 
         if digest is None:
             return data
         out = C.decrypt(data, identities or [])
-        if out is None or C.sha256(out) != digest:
+        if out is None or sha256_hex(out) != digest:
             raise LookupError(path.relative_to(root).as_posix())
         return out
 

@@ -24,6 +24,7 @@ import yaml
 from attestation import bundle as B
 from attestation import confidential as C
 from attestation import round_bundle as R
+from attestation.hashing import sha256_hex
 from attestation.policy import simulator_policy
 from attestation.round_verify import verify_round
 from tests.owner_fixtures import KEY, jsonl, owner_key
@@ -156,7 +157,7 @@ def test_round_bundles_hold_no_plaintext_update_and_verify(secure_fed: dict[str,
         sealed = (rd / R.GLOBAL_ADAPTER).read_bytes()
         assert sealed.startswith(C.AGE_MAGIC)
         plain = C.decrypt(sealed, ids)  # the admitted clients' CVM keys open it
-        assert plain is not None and C.sha256(plain) == m["global_adapter_sha256"] == m["confidentiality"]["plaintext_sha256"]
+        assert plain is not None and sha256_hex(plain) == m["global_adapter_sha256"] == m["confidentiality"]["plaintext_sha256"]
         needles += _needles(plain)
         for name in CLIENTS:
             cm = json.loads((rd / R.CLIENTS_DIR / name / B.MANIFEST).read_bytes())

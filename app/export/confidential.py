@@ -10,7 +10,6 @@ derived from GetKey when needed and kept in memory only.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from typing import Any
 
 import pyrage
 from attestation import confidential as C
-from attestation.hashing import sha256_file
+from attestation.hashing import sha256_file, sha256_hex
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -75,13 +74,10 @@ def make_plan(get_key: Callable[[str, str], bytes], dataset_recipients: tuple[st
 
 def encrypt_file(src: Path, dst: Path, recipients: tuple[str, ...]) -> str:
     """Stream ``src`` (plaintext, in RAM) as age ciphertext to ``dst``; returns the plaintext's SHA-256."""
-    digest = hashlib.sha256()
-    with open(src, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
+    digest = sha256_file(src)
     with open(src, "rb") as fin, open(dst, "wb") as fout:
         pyrage.encrypt_io(fin, fout, [pyrage.x25519.Recipient.from_str(r) for r in recipients])
-    return digest.hexdigest()
+    return digest
 
 
 def model_dirs(plan: Plan, stage: Path, adapter_dir: Path, finish: Callable[[Path], ModelDirs]) -> ModelDirs:
@@ -124,7 +120,7 @@ def decrypt_dir(src: Path, dst: Path, identities: list[Any], plaintext_sha256: d
         data = C.decrypt(p.read_bytes(), identities)
         if data is None:
             raise NotARecipientError(f"{rel} does not decrypt with the identity given")
-        if C.sha256(data) != plaintext_sha256[rel]:
+        if sha256_hex(data) != plaintext_sha256[rel]:
             raise CiphertextRejected(f"{rel} decrypts to bytes other than the manifest's plaintext hash")
         (dst / p.name).write_bytes(data)
         del data

@@ -24,6 +24,7 @@ from typing import Any
 from attestation import bundle as B
 from attestation import confidential as C
 from attestation import round_bundle as R
+from attestation.hashing import sha256_hex
 
 from app.audit import utc_now
 from app.errors import DataError
@@ -87,7 +88,7 @@ def decrypt_update(bundle: Path, m: B.Manifest, key: SecureKey) -> bytes:
     if conf is None or key.recipient not in conf.recipients:
         raise DataError("the update is not encrypted to the aggregator's attested key (secure aggregation)")
     data = C.decrypt((bundle / B.ADAPTER_FILES[1]).read_bytes(), key.identities())
-    if data is None or C.sha256(data) != conf.plaintext_sha256.get(B.ADAPTER_FILES[1]):
+    if data is None or sha256_hex(data) != conf.plaintext_sha256.get(B.ADAPTER_FILES[1]):
         raise DataError("the update does not decrypt with the aggregator's key to the plaintext its manifest binds")
     return data
 

@@ -1,45 +1,25 @@
 """A run's confidential weights: who may read them, and the RAM directory their plaintext lives in.
 
-Before training, :func:`prepare` reads the recipients the dataset's owner signed into its header (re-read from the
-same bytes the dataset stage authenticated: the file's SHA-256 must be the one it recorded), adds
-``export.recipients`` and the CVM's own key (``app.export.confidential``), creates a private RAM directory next to
-the trainer's scratch and points the trainer's final adapter there (``app.training.checkpoints.adapter_home``). A
-promoted parent whose weights are encrypted is decrypted into that directory, checked against its manifest's
-plaintext hash, for the warm start and the evaluation gate. The directory is removed when the run ends.
+Before training, :func:`prepare` takes the recipients the dataset's owner signed into its header (as the dataset
+stage authenticated it: ``Dataset.recipients``), adds ``export.recipients`` and the CVM's own key
+(``app.export.confidential``), creates a private RAM directory next to the trainer's scratch and points the trainer's
+final adapter there (``app.training.checkpoints.adapter_home``). A promoted parent whose weights are encrypted is
+decrypted into that directory, checked against its manifest's plaintext hash, for the warm start and the evaluation
+gate. The directory is removed when the run ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import shutil
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from app.config import Config
-from app.dataset.format_header import read_header
-from app.errors import DataError
 from app.export.confidential import Plan, cvm_identity, decrypt_dir, make_plan
 from app.fsutil import atomic_write_bytes
 from app.training.checkpoints import ADAPTER_IN_RAM
-
-
-def dataset_recipients(path: Path, encrypted_sha256: str) -> tuple[str, ...]:
-    """The recipients in the dataset file's header, read from bytes whose SHA-256 is ``encrypted_sha256``.
-
-    Raises:
-        DataError: the file changed since the dataset stage authenticated it.
-    """
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        header = read_header(fh)
-        fh.seek(0)
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    if digest.hexdigest() != encrypted_sha256:
-        raise DataError(f"dataset {path.name} changed while the run read it", fix="run again once the file is complete")
-    return header.recipients
 
 
 def prepare(cfg: Config, agent: Any, ds: Any, run_dir: Path, scratch: Path, stack: ExitStack,
@@ -52,7 +32,7 @@ def prepare(cfg: Config, agent: Any, ds: Any, run_dir: Path, scratch: Path, stac
     ram.mkdir(mode=0o700)
     stack.callback(shutil.rmtree, ram, True)
     extra = getattr(federation, "aggregator_recipient", None)  # secure aggregation: the attested aggregator's key
-    plan = make_plan(agent.get_key, dataset_recipients(ds.path, ds.info["encrypted_sha256"]),
+    plan = make_plan(agent.get_key, ds.recipients,
                      tuple(sorted({*cfg.export.recipients, *([extra] if extra else [])})), ram)
     marker = run_dir / ADAPTER_IN_RAM
     if plan is not None:

@@ -63,6 +63,7 @@ class Dataset:
     eval_rows: list[Any] = field(default_factory=list)  # the owner's "split": "eval" rows (promotion gate)
     note: str | None = None  # e.g. a pending key release made this an older version
     tokens: list[Any] | None = None  # the token stage's ids of ``rows`` (handed to the trainer: tokenized once)
+    recipients: tuple[str, ...] = ()  # the age recipients the owner signed into the authenticated header
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ def dataset_stage(cfg: Config, out: Path, keys: Keys, progress: Progress) -> Dat
     progress(f"dataset: {path.name} v{info['dataset_version']} ({plain_format}) decrypted in memory and authenticated "
              f"({stream.chunks} chunks{signer}), {rep.rows_kept} rows {dict(rep.by_kind)}, "
              f"{rep.duplicates_dropped} duplicates dropped{_lines(rep.duplicate_lines)}")
-    return Dataset(path, rows, rep, stream.chunks, info, eval_rows, keys.note)
+    return Dataset(path, rows, rep, stream.chunks, info, eval_rows, keys.note, recipients=header.recipients)
 
 
 def base_model_stage(cfg: Config, out: Path, progress: Progress) -> BaseModel:
