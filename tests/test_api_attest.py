@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -139,3 +140,24 @@ class _Proxy:
 
     def close(self) -> None:
         self.sock.close()
+
+
+@pytest.mark.parametrize(("url", "why"), [("https://user@127.0.0.1:8443", "must not carry a user name"),
+                                          ("http://203.0.113.5:8443", "plain http is allowed only on loopback"),
+                                          ("ftp://127.0.0.1", "must start with https://")])
+def test_attest_refuses_a_bad_url_before_connecting(url: str, why: str, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The project's one URL rule (no user name, https or loopback http): exit 2, nothing written."""
+    trust = tmp_path / "trust.pem"
+    assert _attest(url, None, trust)[0] == 2 and not trust.exists()
+    assert why in capsys.readouterr().err
+
+
+def test_attest_refuses_a_deeply_nested_document(serve: Any, tmp_path: Path) -> None:
+    """An answer nested past the bounded parser's depth is an input error (exit 2), never an internal error."""
+    from tests.loopback_http import send
+
+    deep = b"[" * 100_000 + b"]" * 100_000
+    server = serve(lambda h, _s: send(h, 200, deep, Content_Type="application/json"))
+    trust = tmp_path / "trust.pem"
+    assert _attest(server.url, None, trust)[0] == 2 and not trust.exists()

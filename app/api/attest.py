@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import http.client
-import ipaddress
-import json
 import os
 import ssl
 import sys
@@ -28,10 +26,12 @@ from typing import Any
 
 from attestation import load_policy
 from attestation.dcap import parse_collateral
+from attestation.http_edge import check_url
 from attestation.inputs import event_log_from_json
+from attestation.safe_yaml import parse_json
 from attestation.verify import quote_verdict
 
-from app.api.tls import SCHEMA, report_data
+from app.api.tls import SCHEMA, report_data, spki_sha256
 from app.errors import ConfigError
 from app.fsutil import atomic_write_bytes
 
@@ -62,7 +62,7 @@ def _fetch(url: urllib.parse.SplitResult, nonce: bytes, timeout: float) -> tuple
         raise ConfigError(f"{url.geturl()} answered HTTP {resp.status} to the attestation request",
                           fix="point at a cvm-tune training API")
     try:
-        doc = json.loads(body)
+        doc = parse_json(body, "the attestation document", ValueError, max_bytes=MAX_DOC)
     except ValueError:
         doc = None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
@@ -76,11 +76,10 @@ def attest(url_text: str, *, policy_file: Path | None, out: Path, timeout: float
     Raises:
         ConfigError: a bad URL, plain HTTP off loopback, or no attestation document (exit 2).
     """
-    url = urllib.parse.urlsplit(url_text)
-    if url.scheme not in ("https", "http") or not url.hostname:
-        raise ConfigError(f"{url_text!r} is not an https:// URL", fix="e.g. https://127.0.0.1:8443")
-    if url.scheme == "http" and not _loopback(url.hostname):
-        raise ConfigError("plain http:// is accepted on loopback only", fix="use the server's https:// URL")
+    try:
+        url = check_url(url_text, "the training API's URL")
+    except ValueError as exc:
+        raise ConfigError(str(exc), fix="pass the server's https:// URL, e.g. https://127.0.0.1:8443") from None
     policy = load_policy(policy_file)
     nonce = os.urandom(32)
     doc, der = _fetch(url, nonce, timeout)
@@ -91,10 +90,8 @@ def attest(url_text: str, *, policy_file: Path | None, out: Path, timeout: float
         from cryptography import x509
         from cryptography.hazmat.primitives import serialization
 
-        cert = x509.load_der_x509_certificate(der)
-        spki = hashlib.sha256(cert.public_key().public_bytes(
-            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)).digest()
-        cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+        cert_pem = x509.load_der_x509_certificate(der).public_bytes(serialization.Encoding.PEM)
+        spki = spki_sha256(cert_pem)
         if doc.get("tls_spki_sha256") != spki.hex():
             problems.append("the certificate this connection presented is not the key the server attests (a man in "
                             "the middle, or TLS terminated outside the CVM)")
@@ -128,10 +125,3 @@ def attest(url_text: str, *, policy_file: Path | None, out: Path, timeout: float
     print(f"trusted: compose-hash {compose_hash[:16]}…, TLS key {spki.hex()[:16]}…; wrote {out}")
     print(f"use it: export SSL_CERT_FILE={out} TINKER_BASE_URL={url_text.rstrip('/')}")
     return 0
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
