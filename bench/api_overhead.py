@@ -12,7 +12,6 @@ sample in-process (submit, queue, database commit, long-poll retrieve, protobuf 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import socket
@@ -22,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from timing import write_json  # bench/timing.py: the script directory is on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's app, not an installed copy
@@ -135,9 +135,7 @@ def main() -> None:
           f"via the API {med(api_t) * 1000:.1f} ms (median of {len(local_t)}); "
           f"ratio {result['ratio_in_process_over_api']['median']:.3f} (goal >= 0.9)")
     print(f"future round trip (1-token sample, API minus in-process): {result['future_round_trip_overhead_ms']:.1f} ms")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

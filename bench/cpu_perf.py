@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import platform
 import statistics
@@ -37,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from timing import clear_dcap_caches, times_ms  # bench/timing.py: the script directory is on sys.path
+from timing import clear_dcap_caches, times_ms, write_json  # bench/timing.py: the script directory is on sys.path
 
 HERE = Path(__file__).resolve().parents[1]
 KEY = bytes(range(32))
@@ -222,9 +221,7 @@ def main() -> None:
             extra = f"  (previous revision {fmt(r['previous_revision'])})"
         print(f"{r['row']:66} {fmt(p):>22} {fmt(b):>22} {r['ratio']:>7.3f}{extra}")
     print(f"machine: {report['machine']}; load average before/after {report['load_average_before_after']}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(report, args.out)
 
 
 TREE = HERE

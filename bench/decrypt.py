@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from timing import write_json  # bench/timing.py: the script directory is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = bytes(range(32))
@@ -168,9 +169,7 @@ def main() -> None:
                 "SHA-256 of ciphertext and plaintext, signed statement); file read from the page cache",
     }
     print(json.dumps(report, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(report, args.out)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from timing import write_json  # bench/timing.py: the script directory is on sys.path
 
 for _key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
     os.environ.setdefault(_key, "1")
@@ -195,9 +196,7 @@ def main() -> None:
         "load": load_bench(args.rows),
     }
     print(json.dumps(report, indent=2))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(report, args.out)
 
 
 if __name__ == "__main__":

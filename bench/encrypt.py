@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import platform
 import statistics
@@ -29,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from timing import write_json  # bench/timing.py: the script directory is on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -111,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
            "date": time.strftime("%Y-%m-%d"), "load_before": [round(x, 2) for x in load0],
            "load_after": [round(x, 2) for x in os.getloadavg()], "recipients": len(recipients),
            "repeat": args.repeat, "results": results}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_json(doc, args.out)
     for name, r in results.items():
         print(f"{name}: {r['bytes'] / 1e6:.0f} MB in {r['files']} file(s): export {r['mb_per_s']['export']} MB/s, "
               f"age in memory {r['mb_per_s']['age_in_memory']} MB/s, decrypt+hash {r['mb_per_s']['decrypt_and_hash']} "

@@ -39,6 +39,7 @@ from app.federated.round_input import RoundInput
 from app.federated.strategy import make_strategy
 from app.run.pipeline import RunHooks, run_once
 from app.tee import open_guest_agent
+from timing import write_json  # bench/timing.py: the script directory is on sys.path
 
 SAMPLE = Path(__file__).resolve().parent.parent / "app" / "data" / "sample.jsonl"
 
@@ -144,8 +145,7 @@ def main() -> None:
                 "client's check of the aggregator's round.",
     }
     print(json.dumps(report, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(report, args.out)
 
 
 if __name__ == "__main__":

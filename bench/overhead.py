@@ -10,7 +10,6 @@ the ratios measured within the same run, so machine noise cancels out of the rat
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import tempfile
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 from app.config import Config, OutputSettings, TrainingSettings
 from app.run.pipeline import run_once
+from timing import write_json  # bench/timing.py: the script directory is on sys.path
 
 PHASES = ("agent", "key", "decrypt_validate", "base_model", "hashing", "audit", "gpu_evidence", "train", "export",
           "quote", "collateral", "self_verify")
@@ -55,9 +55,7 @@ def main() -> None:
     print(f"  trainer.train()   {res.train_runtime_s * 1000:9.1f} ms")
     print(f"share of wall time outside the train phase:      {report['share_outside_train_phase']:.1%}")
     print(f"share of wall time outside trainer.train() itself: {report['share_outside_trainer_train']:.1%}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(report, args.out)
 
 
 if __name__ == "__main__":

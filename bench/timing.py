@@ -1,4 +1,4 @@
-"""Timing helpers shared by the CPU benchmarks (``bench/verify.py``, ``bench/cpu_perf.py``).
+"""Helpers shared by the benchmarks: timing (``bench/verify.py``, ``bench/cpu_perf.py``) and writing a result file.
 
 Importing this module has no side effects (no ``sys.path`` changes, no project imports), so ``cpu_perf.py --tree``
 still measures the tree it was pointed at.
@@ -6,8 +6,10 @@ still measures the tree it was pointed at.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def times_ms(fn: Callable[[], object], n: int, before: Callable[[], None] = lambda: None) -> list[float]:
@@ -29,3 +31,11 @@ def clear_dcap_caches() -> None:
     for cached in vars(dcap).values():
         if hasattr(cached, "cache_clear"):
             cached.cache_clear()
+
+
+def write_json(doc: object, out: Path | None) -> None:
+    """Write a benchmark's result ``doc`` as indented JSON to ``out`` (its folder created); nothing when None."""
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")

@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from timing import write_json  # bench/timing.py: the script directory is on sys.path
 
 HERE = Path(__file__).resolve().parents[1]
 KEY = bytes(range(32))
@@ -243,9 +244,7 @@ def main() -> None:
     report = {"measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
               "load_average_before_after": [round(load, 2), round(os.getloadavg()[0], 2)], "rows": rows}
     print(f"load average before/after {report['load_average_before_after']}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(report, args.out)
 
 
 if __name__ == "__main__":

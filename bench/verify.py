@@ -18,7 +18,6 @@ The verifier's memo caches are cleared before every iteration, so each figure is
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import subprocess
@@ -36,7 +35,7 @@ sys.path.insert(0, str(REPO))
 from attestation import load_policy, read_collateral_file, read_event_log_file, read_quote_input, verify_bundle  # noqa: E402
 from attestation.policy import Policy  # noqa: E402
 from attestation.verify import quote_verdict  # noqa: E402
-from timing import clear_dcap_caches, times_ms  # noqa: E402  (bench/timing.py: the script directory is on sys.path)
+from timing import clear_dcap_caches, times_ms, write_json  # noqa: E402  (bench/timing.py: the script directory is on sys.path)
 
 SAMPLES = REPO / "tests" / "data" / "attestation"
 NOW = 1787894484
@@ -106,9 +105,7 @@ def main() -> None:
         r = result[name]
         print(f"{name:24} median {r['median_ms']:7.2f} ms   p90 {r['p90_ms']:7.2f} ms   min {r['min_ms']:7.2f} ms   (n={r['n']})")
     print(f"target <= {TARGET_BUNDLE_MS:.0f} ms per bundle: {'met' if result['meets_target'] else 'NOT met'}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":
