@@ -43,7 +43,6 @@ KILL_POINTS = {
 }
 _INJECT = """
 import importlib, os, signal, sys
-from timing import write_json  # bench/timing.py: the script directory is on sys.path
 mod, fn, n = os.environ["CVM_TUNE_KILL_AT"].split(":")
 m, calls = importlib.import_module(mod), [0]
 orig = getattr(m, fn)
@@ -226,7 +225,9 @@ def main() -> None:
           f"work lost per kill: max {summary['work_lost_steps_max']} steps, mean {summary['work_lost_steps_mean']} "
           f"(checkpoint interval {args.save_steps}); all bundles verified: {summary['all_verified']}; "
           f"lock removed mid-run: second run refused {lock_trial['second_refused']}, first verified {lock_trial['verified']}")
-    write_json(summary, args.out)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":
