@@ -39,7 +39,8 @@ def _server(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     proc = subprocess.Popen([sys.executable, "-m", "app", "api", "serve", "--plain-http", "--listen",
                              f"127.0.0.1:{port}", "--config", str(cfg)], stdout=open(log, "wb"),  # noqa: SIM115
                             stderr=subprocess.STDOUT, env={**os.environ, "CVM_TUNE_API_KEYS": KEY,
-                                                           "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
+                                                           "HF_HUB_OFFLINE": "1",
+                                                           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     while b"listening on" not in log.read_bytes():
         if proc.poll() is not None:
             raise SystemExit(log.read_text())

@@ -28,6 +28,15 @@ def pytest_configure(config: pytest.Config) -> None:
     set_hypothesis_home_dir(home)
 
 
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``CVM_TUNE_FAILURE_LOG`` set, each failure's report is appended to that file as soon as the test ends, so a
+    run cut off by an outer time limit (the GPU machine's) still leaves the reason of every failure before the cut."""
+    log = os.environ.get("CVM_TUNE_FAILURE_LOG")
+    if log and report.failed:
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n{report.capstderr[-4000:]}\n")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _outside_the_checkout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Every test runs with a scratch directory as its working directory, so a relative path (the default

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# gpu-checks.sh: the GPU checks on the offline GPU machine, each part within its own time limit, every log and result
+# file in OUT: the training benchmark (bench/gpu_train.py: HF vs Unsloth), `pytest -m gpu`, and the training API's
+# overhead on the GPU (bench/api_overhead.py). A device command may run 10 minutes at most, so the parts can run in
+# separate calls on the same warm machine.
+#
+# Before: build .gpu/site.tgz (Unsloth, TRL, datasets and their needs: bench/gpu_train.py's header) and .gpu/extras.tgz
+# (cvm-tune's own dependencies: bash bench/make-gpu-extras.sh), then
+# carry .gpu with the working tree. On the GPU machine, from the repo root:
+#     bash bench/gpu-checks.sh OUT bench [STEPS] [WARMUP]   # about 4 minutes (defaults 20 and 6)
+#     bash bench/gpu-checks.sh OUT tests                    # pytest -m gpu + the API overhead: about 6 minutes
+#     bash bench/gpu-checks.sh OUT all                      # both, about 10 minutes (too long for one device call)
+# Measured on one H200 (2026-11-26): the benchmark 3.6 min at 20 steps; pytest -m gpu about 5 min.
+set -uo pipefail
+
+OUT=${1:?usage: bench/gpu-checks.sh OUT bench|tests|all [STEPS] [WARMUP]}
+PART=${2:-all}
+STEPS=${3:-20}
+WARMUP=${4:-6}
+mkdir -p "$OUT" /tmp/site /tmp/extras
+[ -d /tmp/site/unsloth ] || tar xzf .gpu/site.tgz -C /tmp/site || exit 1
+[ -d /tmp/extras/tinker ] || tar xzf .gpu/extras.tgz -C /tmp/extras || exit 1
+export PYTHONPATH=/tmp/site:/tmp/extras:$PWD HF_HUB_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 PYTHONUNBUFFERED=1
+say() { echo "gpu-checks: $(date -u +%H:%M:%S) $*"; }
+
+say "machine"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi conf-compute -f 2>/dev/null
+  python3 -W ignore -c 'import sys, unsloth, torch, transformers, peft, trl
+print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__,
+      "peft", peft.__version__, "trl", trl.__version__, "unsloth", unsloth.__version__)'; } 2>&1 | tee "$OUT/machine.txt"
+
+if [ "$PART" = bench ] || [ "$PART" = all ]; then
+  say "training benchmark (steps $STEPS, warmup $WARMUP)"
+  timeout 290 python3 bench/gpu_train.py --steps "$STEPS" --warmup "$WARMUP" --timeout 140 --out "$OUT" 2>&1 \
+    | tee "$OUT/gpu-train.log"
+  say "training benchmark: rc ${PIPESTATUS[0]}"
+fi
+if [ "$PART" = tests ] || [ "$PART" = all ]; then
+  say "pytest -m gpu"  # each test at most 150 s, so the run ends with its summary; failures also land at once in OUT
+  CVM_TUNE_FAILURE_LOG="$OUT/pytest-gpu-failures.txt" timeout 480 python3 -m pytest -m gpu -v -rs --timeout 150 \
+    --durations=0 2>&1 | tee "$OUT/pytest-gpu.log"
+  say "pytest -m gpu: rc ${PIPESTATUS[0]}"
+  say "training API overhead on the GPU"
+  timeout 60 python3 bench/api_overhead.py --steps 10 --out "$OUT/api-overhead-gpu.json" 2>&1 | tee "$OUT/api-overhead.log"
+  say "training API overhead: rc ${PIPESTATUS[0]}"
+fi
