@@ -79,14 +79,6 @@ def _assert_same_adapter(a: Path, b: Path, atol: float = 1e-5) -> None:
         assert torch.allclose(ta[name], tb[name], atol=atol, rtol=0), name
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny base model, built once per session."""
-    path = tmp_path_factory.mktemp("models") / "tiny-llama"
-    build_tiny_model(path)
-    return path
-
-
 def _request(base: Path, run_dir: Path, **kw: Any) -> TrainRequest:
     fields: dict[str, Any] = {"base_model_dir": base, "base_model_name": "cvm-tune/tiny-llama", "rows": _rows(),
                               "run_dir": run_dir, "settings": SETTINGS, "fingerprint": FP,
@@ -378,7 +370,7 @@ def test_disk_full_while_sealing_keeps_the_previous_checkpoint(tmp_path: Path, m
     """Case 35: ENOSPC mid-seal: StateError, no partial directory, LATEST not moved, previous intact."""
     import errno
 
-    import app.training.checkpoints as C
+    import app.training.sealed as C  # the blob writer seal_checkpoint uses
 
     src = tmp_path / "plain"
     src.mkdir()

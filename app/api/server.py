@@ -111,6 +111,12 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
         await body(request, types.SessionHeartbeatRequest)
         return _json(types.SessionHeartbeatResponse())
 
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish_session(session_id: str, request: Request) -> Any:
+        await request.body()  # {"reason": {"type": "success" | "errored" | "interrupted"}, "detail": ...}
+        svc.finish_session(request.state.owner, session_id)
+        return _json({})
+
     @app.post("/api/v1/create_model")
     async def create_model(request: Request) -> Any:
         return _json(svc.create_model(request.state.owner, await body(request, types.CreateModelRequest)))

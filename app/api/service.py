@@ -2,13 +2,16 @@
 key (its SHA-256) that created it; another key gets 404, as if it did not exist.
 
 Every operation becomes a row in the state database (:mod:`app.api.store`) and a job on the engine's one worker
-(:mod:`app.api.engine`); its future resolves to the job's result. Saves write the adapter (and optimizer) under
-``api/checkpoints/`` and an attested export bundle under ``exports/`` (:mod:`app.api.bundle`).
+(:mod:`app.api.engine`); its future resolves to the job's result. Saves seal the adapter (and optimizer) under
+``api/checkpoints/`` (:mod:`app.api.vault`: built in RAM, never plaintext on the volume) and write an attested export
+bundle under ``exports/`` (:mod:`app.api.bundle`); loads and samples decrypt a saved state into RAM for the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import re
 import threading
@@ -25,7 +28,9 @@ from app.api.completions import Completions
 from app.api.engine import Engine, Model, run_job, saved_dp
 from app.api.errors import BadRequest, NotFound, NotServed, TooMany
 from app.api.store import Checkpoint, Store
+from app.api.vault import Vault, open_vault
 from app.audit import utc_now
+from app.config import Config
 from app.config.api import ApiSettings
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
@@ -35,8 +40,10 @@ PROTO = "application/x-protobuf"
 
 class Service:
     def __init__(self, *, out: Path, engine: Engine, store: Store, exporter: Exporter | None, base_name: str,
-                 limits: ApiSettings, agent: Any = None, collateral: Any = None) -> None:
+                 limits: ApiSettings, agent: Any = None, collateral: Any = None, vault: Vault | None = None) -> None:
         self.out, self.engine, self.store, self.exporter = Path(out), engine, store, exporter
+        # saved states: sealed under the app's key, plaintext only in RAM (default: output.scratch_dir unset)
+        self.vault = vault if vault is not None else open_vault(Config(), self.out, agent)
         self.agent, self.collateral = agent, collateral  # app.run.stages.Agent; quote -> collateral JSON or None
         self.tls: Any = None  # app.api.tls.TlsIdentity once serving TLS
         self.base_name, self.limits = base_name, limits
@@ -53,6 +60,12 @@ class Service:
         sid = uuid.uuid4().hex
         self.sessions[sid] = owner
         return sid
+
+    def finish_session(self, owner: str, sid: str) -> None:
+        """The SDK's ``ServiceClient.close``: the session takes no new models; its models and checkpoints stay.
+        Answered alike for an unknown session, another key's and one finished before (nothing to tell apart)."""
+        if self.sessions.get(sid) == owner:
+            del self.sessions[sid]
 
     def _session(self, owner: str, sid: str) -> None:
         if self.sessions.get(sid) != owner:
@@ -172,11 +185,17 @@ class Service:
 
         def run() -> tuple[bool, str, bytes]:
             m = self.engine.models[req.model_id]
-            dest = self.out / "api" / "checkpoints" / uuid.uuid4().hex
-            self.engine.save(m, dest, optimizer=kind == "training")
-            bundle = self.exporter.export(m, dest, path) if self.exporter else None
-            self.store.add_checkpoint(Checkpoint(path, owner, req.model_id, kind, name, str(dest),
-                                                 str(bundle) if bundle else None, m.op_head, m.ops, m.lora, utc_now()))
+            c = Checkpoint(path, owner, req.model_id, kind, name, str(self.vault.root / uuid.uuid4().hex), None,
+                           m.op_head, m.ops, m.lora, utc_now())
+            with self.vault.plain() as ram:  # plaintext in RAM only; sealed onto the volume, then removed
+                self.engine.save(m, ram, optimizer=kind == "training")
+                self.vault.seal(ram, c)
+                try:
+                    bundle = self.exporter.export(m, ram, path) if self.exporter else None
+                    self.store.add_checkpoint(dataclasses.replace(c, bundle=str(bundle) if bundle else None))
+                except BaseException:
+                    self.vault.remove(c)  # not recorded: not kept
+                    raise
             if kind == "training":
                 return self._ok(types.SaveWeightsResponse(path=path))
             sid = self.create_sampling_session(owner, path, None) if anonymous else None
@@ -207,8 +226,14 @@ class Service:
             raise BadRequest("load_weights needs model_id, or session_id and model_seq_id")
 
         def run() -> tuple[bool, str, bytes]:
-            m = self.engine.create(model_id, c.lora, saved_dp(Path(c.dir))) if new else self.engine.models[model_id]
-            self.engine.load(m, Path(c.dir), optimizer=req.optimizer)
+            try:
+                with self.vault.opened(c) as src:  # decrypted and checked in RAM before the model is touched
+                    m = self.engine.create(model_id, c.lora, saved_dp(src)) if new else self.engine.models[model_id]
+                    self.engine.load(m, src, optimizer=req.optimizer)
+            except BadRequest:
+                if new and model_id not in self.engine.models:
+                    self.store.drop_model(model_id)  # refused before it existed: no record of it stays
+                raise
             m.op_head, m.ops = c.op_head, c.ops  # the chain continues from the saved state's head
             return self._ok(types.LoadWeightsResponse(path=req.path, model_id=model_id))
 
@@ -249,7 +274,7 @@ class Service:
             path, session = req.model_path, f"sample:{owner[:16]}"
             if path is None and req.base_model != self.base_name:
                 raise BadRequest(f"base model {req.base_model!r} is not served")
-        src = Path(self._checkpoint(owner, path).dir) if path else None
+        c = self._checkpoint(owner, path) if path else None
         prompt = [t for chunk in req.prompt.chunks for t in getattr(chunk, "tokens", None) or _no_image()]
         p = req.sampling_params
         max_tokens = p.max_tokens if p.max_tokens is not None else 16
@@ -266,12 +291,19 @@ class Service:
             raise BadRequest("stop strings are not served; send stop token ids")
 
         def run() -> tuple[bool, str, bytes]:
-            return True, PROTO, self.engine.sample(
-                src, prompt, num_samples=req.num_samples, max_tokens=max_tokens, temperature=p.temperature,
-                top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop=stop, prompt_logprobs=bool(req.prompt_logprobs))
+            with self._sampler(c) as src:
+                return True, PROTO, self.engine.sample(
+                    src, prompt, num_samples=req.num_samples, max_tokens=max_tokens, temperature=p.temperature,
+                    top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop=stop, prompt_logprobs=bool(req.prompt_logprobs))
 
         return self._enqueue(owner, session, None, "sample", run, samples=req.num_samples,
                              sampler=(session, req.seq_id) if req.sampling_session_id is not None else None)
+
+    def _sampler(self, c: Checkpoint | None) -> Any:
+        """The checkpoint's RAM path for Engine.sample (its sampler cache is keyed by that path), or None (base)."""
+        if c is None:
+            return contextlib.nullcontext(None)
+        return self.vault.sampler(c, lambda key: key in self.engine.samplers)
 
     # --- futures -----------------------------------------------------------------------------------
 

@@ -113,6 +113,10 @@ class Store:
                  (model_id, owner, session_id, base_model, json.dumps(lora), json.dumps(dp) if dp else None, op_head,
                   ops, utc_now()))
 
+    def drop_model(self, model_id: str) -> None:
+        """Forget a model that never came to exist (its load was refused); its futures stay."""
+        self._tx("DELETE FROM api_models WHERE id = ?", (model_id,))
+
     def model_owner(self, model_id: str) -> str | None:
         rows = self._all("SELECT owner FROM api_models WHERE id = ?", (model_id,))
         return rows[0][0] if rows else None

@@ -11,14 +11,12 @@ training callback calls :func:`seal_checkpoint`, which publishes an encrypted co
       checkpoint-N/0000.enc, 0001.enc …  one sealed blob per trainer file
       LATEST                             "checkpoint-N\\n", moved (atomically) only after the rename
 
-Every ``.enc`` file is a cvm-tune STREAM file (``app.dataset.format``: AES-256-GCM chunks, HKDF
-keys, header MAC) with content type ``application/octet-stream`` under the **checkpoint key**
-(HKDF of dstack ``GetKey("cvm-tune/checkpoints/v1")``: bound to the app id, never on disk). Each
-blob's authenticated header metadata names its ``path``, ``step`` and ``fingerprint``; the manifest
-(canonical JSON, ``cvm-tune/checkpoint/v1``) lists every blob with its plaintext and ciphertext
-SHA-256 and the run's ``inputs`` (config, dataset and base-model hashes). Order: blobs, fsync,
-manifest, fsync, rename ``.tmp-…`` → ``checkpoint-N``, fsync the parent, then ``LATEST``. A kill
-at any point leaves either the previous state or the complete new checkpoint.
+The blobs and the manifest are a sealed directory (:mod:`app.training.sealed`: AES-256-GCM STREAM files, each
+blob's authenticated metadata naming its ``path``, ``step`` and the run ``fingerprint``, the manifest listing every
+blob's hashes and the run's ``inputs``) under the **checkpoint key** (HKDF of dstack
+``GetKey("cvm-tune/checkpoints/v1")``: bound to the app id, never on disk; used for nothing else). Order: blobs,
+fsync, manifest, fsync, rename ``.tmp-…`` → ``checkpoint-N``, fsync the parent, then ``LATEST``. A kill at any point
+leaves either the previous state or the complete new checkpoint.
 
 :func:`restore_checkpoint` tries every ``checkpoint-N`` newest first (``LATEST`` is repaired to
 name the one resumed), decrypts into the scratch directory and checks everything; a candidate that fails (no manifest =
@@ -30,7 +28,6 @@ into place. No torch here: the model object is passed in.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -42,29 +39,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.dataset.format import BLOB_CONTENT_TYPE, encrypt_stream, open_encrypted
-from app.errors import (
-    CvmTuneError,
-    DatasetIntegrityError,
-    HeaderIntegrityError,
-    StateError,
-    TrainingError,
-    WrongKeyError,
-)
+from app.errors import StateError, TrainingError
 from app.fsutil import atomic_write_bytes, fsync_dir, fsync_tree, staged_dir
-from attestation.hashing import canonical_json, sha256_hex
+from attestation.hashing import sha256_hex
+
+from .sealed import MANIFEST, SCHEMA, Unusable, open_sealed, seal_files  # noqa: F401  (MANIFEST: re-exported)
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_SCHEMA = "cvm-tune/checkpoint/v1"
-MANIFEST = "manifest.enc"
+CHECKPOINT_SCHEMA = SCHEMA
 LATEST = "LATEST"
 CHECKPOINT_GETKEY_PATH = "cvm-tune/checkpoints/v1"
 ADAPTER_IN_RAM = "adapter.in-ram"  # run_dir marker: the confidential adapter's RAM directory (adapter_home)
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 REQUIRED_FILES = ("trainer_state.json", "adapter_model.safetensors")
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
-_BLOB_ID = "cvm-tune-checkpoint"
 
 
 @dataclass(frozen=True)
@@ -80,10 +69,6 @@ class ResumeChoice:
     path: Path | None
     step: int | None
     rejected: list[tuple[str, str]] = field(default_factory=list)
-
-
-class _Unusable(Exception):
-    """A candidate checkpoint cannot be resumed (the message is the reason)."""
 
 
 def checkpoint_dirs(checkpoints_dir: Path) -> list[tuple[int, Path]]:
@@ -120,13 +105,6 @@ def _point_latest(checkpoints_dir: Path, name: str) -> None:
                          "checkpoint) and free space on the output volume") from exc
 
 
-def _seal_file(src: Path, dst: Path, key: bytes, metadata: dict[str, Any]) -> tuple[str, str, int]:
-    with open(src, "rb") as fin, open(dst, "xb") as fout:
-        res = encrypt_stream(fin, fout, key, dataset_id=_BLOB_ID, dataset_version=int(metadata["step"]),
-                             metadata=metadata, content_type=BLOB_CONTENT_TYPE)
-    return res.plaintext_sha256, res.ciphertext_sha256, res.plaintext_size
-
-
 def seal_checkpoint(src: Path, checkpoints_dir: Path, *, key: bytes, fingerprint: str, inputs: Mapping[str, str],
                     step: int, keep: int) -> str:
     """Encrypt the trainer's ``checkpoint-N`` directory onto the output volume, atomically.
@@ -150,23 +128,10 @@ def seal_checkpoint(src: Path, checkpoints_dir: Path, *, key: bytes, fingerprint
     checkpoints_dir = Path(checkpoints_dir)
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoints_dir / f"checkpoint-{step}"
-    files = []
     try:
-        rels = sorted(p.relative_to(src).as_posix() for p in Path(src).rglob("*") if p.is_file() and not p.is_symlink())
         stage = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=checkpoints_dir))
         try:
-            for i, rel in enumerate(rels):
-                blob = f"{i:04d}.enc"
-                meta = {"path": rel, "step": step, "fingerprint": fingerprint}
-                pt_sha, ct_sha, size = _seal_file(Path(src) / rel, stage / blob, key, meta)
-                files.append({"path": rel, "blob": blob, "plaintext_sha256": pt_sha, "ciphertext_sha256": ct_sha,
-                              "size": size})
-            body = canonical_json({"schema": CHECKPOINT_SCHEMA, "global_step": step, "fingerprint": fingerprint,
-                                   "inputs": dict(inputs), "files": files})
-            with open(stage / MANIFEST, "xb") as fout:
-                encrypt_stream(io.BytesIO(body), fout, key, dataset_id=_BLOB_ID, dataset_version=step,
-                               metadata={"path": MANIFEST, "step": step, "fingerprint": fingerprint},
-                               content_type=BLOB_CONTENT_TYPE)
+            body = seal_files(Path(src), stage, key=key, step=step, fingerprint=fingerprint, inputs=inputs)
             os.chmod(stage, 0o700)
             fsync_tree(stage)
             old = None
@@ -189,70 +154,6 @@ def seal_checkpoint(src: Path, checkpoints_dir: Path, *, key: bytes, fingerprint
                          fix="free space on the output volume; the previous checkpoint is intact and the run "
                          "resumes from it") from exc
     return sha256_hex(body)
-
-
-def _open_blob(path: Path, key: bytes, *, rel: str, step: int, fingerprint: str, sink: Any) -> str:
-    """Decrypt one blob into ``sink`` (``write``); returns the plaintext SHA-256."""
-    with open(path, "rb") as fh:
-        stream = open_encrypted(fh, key, content_type=BLOB_CONTENT_TYPE)
-        meta = stream.header.metadata
-        if (stream.header.dataset_id, meta.get("path"), meta.get("step")) != (_BLOB_ID, rel, step):
-            raise _Unusable(f"{path.name} belongs to another file or step")
-        if meta.get("fingerprint") != fingerprint:
-            raise _Unusable("__fingerprint__")
-        for chunk in stream:
-            sink.write(chunk)
-        return stream.plaintext_sha256
-
-
-def _read_manifest(ckpt: Path, key: bytes, step: int, fingerprint: str, inputs: Mapping[str, str]) -> dict[str, Any]:
-    if not (ckpt / MANIFEST).is_file():
-        raise _Unusable("no manifest (interrupted save)")
-    buf = io.BytesIO()
-    try:
-        _open_blob(ckpt / MANIFEST, key, rel=MANIFEST, step=step, fingerprint=fingerprint, sink=buf)
-    except _Unusable as exc:
-        if str(exc) != "__fingerprint__":
-            raise
-        buf = io.BytesIO()  # another run's inputs: read the manifest anyway to say which input differs
-        _open_blob_any(ckpt / MANIFEST, key, sink=buf)
-        body = json.loads(buf.getvalue())
-        theirs = body.get("inputs", {})
-        differ = sorted(k for k in set(inputs) | set(theirs) if inputs.get(k) != theirs.get(k))
-        raise _Unusable(f"sealed for other inputs ({', '.join(differ) or 'fingerprint'} differ)") from None
-    body = json.loads(buf.getvalue())
-    if body.get("schema") != CHECKPOINT_SCHEMA or body.get("global_step") != step:
-        raise _Unusable("manifest does not describe this checkpoint")
-    return body
-
-
-def _open_blob_any(path: Path, key: bytes, *, sink: Any) -> None:
-    with open(path, "rb") as fh:
-        for chunk in open_encrypted(fh, key, content_type=BLOB_CONTENT_TYPE):
-            sink.write(chunk)
-
-
-def _restore_one(ckpt: Path, step: int, key: bytes, fingerprint: str, inputs: Mapping[str, str], scratch: Path) -> Path:
-    body = _read_manifest(ckpt, key, step, fingerprint, inputs)
-    listed = {f["blob"] for f in body["files"]} | {MANIFEST}
-    present = {p.name for p in ckpt.iterdir()}
-    if present != listed:
-        raise _Unusable(f"blobs {'missing' if listed - present else 'unexpected'}: "
-                        f"{', '.join(sorted(listed ^ present))}")
-    paths = [f["path"] for f in body["files"]]
-    if any(Path(p).is_absolute() or ".." in Path(p).parts for p in paths) or not set(REQUIRED_FILES) <= set(paths):
-        raise _Unusable("manifest lists unsafe or too few files")
-    target = scratch / ckpt.name
-    shutil.rmtree(target, ignore_errors=True)
-    with staged_dir(target) as stage:
-        for f in body["files"]:
-            out = stage / f["path"]
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with open(out, "xb") as sink:
-                got = _open_blob(ckpt / f["blob"], key, rel=f["path"], step=step, fingerprint=fingerprint, sink=sink)
-            if got != f["plaintext_sha256"]:
-                raise _Unusable(f"hash mismatch: {f['path']}")
-    return target
 
 
 def restore_checkpoint(checkpoints_dir: Path, *, key: bytes, fingerprint: str, inputs: Mapping[str, str],
@@ -281,12 +182,13 @@ def restore_checkpoint(checkpoints_dir: Path, *, key: bytes, fingerprint: str, i
     rejected: list[tuple[str, str]] = []
     for step, path in candidates:
         try:
-            restored = _restore_one(path, step, key, fingerprint, inputs, scratch)
+            restored = open_sealed(path, scratch / path.name, key=key, step=step, fingerprint=fingerprint,
+                                   inputs=inputs, required=REQUIRED_FILES)
         except OSError as exc:  # the volume or the scratch directory failed: keep the checkpoint, fail the run
             raise StateError(f"cannot restore {path.name}: {exc.strerror or type(exc).__name__}",
                              fix="check the output volume and the scratch directory (free memory/space)") from exc
-        except (_Unusable, CvmTuneError, ValueError, KeyError, TypeError) as exc:
-            reason = _reason(exc)
+        except Unusable as exc:
+            reason = str(exc)
             logger.info("skipping %s: %s", path.name, reason)
             rejected.append((path.name, reason))
             shutil.rmtree(path, ignore_errors=True)
@@ -296,18 +198,6 @@ def restore_checkpoint(checkpoints_dir: Path, *, key: bytes, fingerprint: str, i
             _point_latest(checkpoints_dir, path.name)
         return ResumeChoice(path=restored, step=step, rejected=rejected)
     return ResumeChoice(path=None, step=None, rejected=rejected)
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, _Unusable):
-        return str(exc)
-    if isinstance(exc, WrongKeyError):
-        return "sealed with another key (other app id)"
-    if isinstance(exc, DatasetIntegrityError | HeaderIntegrityError):
-        return "corrupt (failed authentication)"
-    if isinstance(exc, CvmTuneError):
-        return "corrupt (not a sealed file)"
-    return f"malformed manifest ({type(exc).__name__})"
 
 
 def adapter_home(final: Path) -> Path:
