@@ -4,6 +4,9 @@ in arrival order on one worker thread (so a model's operations apply in the orde
 Each model keeps its adapter (PEFT, named ``m<N>``), its Adam optimizer over that adapter's parameters and its op
 chain head (:mod:`attestation.op_chain`): ``forward_backward`` accumulates gradients, ``optim_step`` applies them with
 the request's Adam parameters and clears them. Sampler checkpoints are loaded as adapters of their own, once.
+
+The base is loaded by transformers + PEFT (backend ``hf``) or by Unsloth (``unsloth``, :mod:`app.api.backend`); the
+adapters, their ``LoraConfig`` and what is saved are the same on both.
 """
 
 from __future__ import annotations
@@ -52,12 +55,33 @@ class Model:
 
 
 class Engine:
-    def __init__(self, base_dir: Path) -> None:
+    def __init__(self, base_dir: Path, backend: str = "hf", cfg: Any = None) -> None:
+        """``backend`` ``unsloth`` needs ``cfg`` (the configuration: the nightly run's Unsloth arguments)."""
+        self.base_dir = Path(base_dir)
+        self.backend = backend
+        if backend == "unsloth":
+            from app.api import backend as api_backend
+
+            self.model = api_backend.load_unsloth(self.base_dir, cfg)
+            self.placeholder, self.device = api_backend.PLACEHOLDER, next(self.model.parameters()).device.type
+            self.net = api_backend.unsloth_head(self.model)  # what forward passes and sampling call
+            self.vocab = int(self.model.config.vocab_size)
+            self.arch = str(getattr(self.model.config, "model_type", "") or "unknown")
+            self.max_context = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        else:
+            self._load_hf(base_dir)
+        self.models: dict[str, Model] = {}
+        self.samplers: dict[str, str] = {}  # checkpoint dir -> adapter name
+        self._names = itertools.count(1)
+        self._jobs: queue.Queue[tuple[Callable[[], None]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._work, name="api-engine", daemon=True)
+        self._thread.start()
+
+    def _load_hf(self, base_dir: Path) -> None:
         import torch
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
-        self.base_dir = Path(base_dir)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if self.device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
         base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=dtype).to(self.device)
@@ -67,12 +91,7 @@ class Engine:
         # A placeholder adapter that stays at zero makes the model a PeftModel once; each API model adds its own.
         self.model = get_peft_model(base, LoraConfig(r=1, target_modules=["q_proj"], lora_dropout=0.0),
                                     adapter_name="base")
-        self.models: dict[str, Model] = {}
-        self.samplers: dict[str, str] = {}  # checkpoint dir -> adapter name
-        self._names = itertools.count(1)
-        self._jobs: queue.Queue[tuple[Callable[[], None]] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._work, name="api-engine", daemon=True)
-        self._thread.start()
+        self.placeholder, self.net = "base", self.model  # net: what forward passes and sampling call
 
     # --- the worker --------------------------------------------------------------------------------
 
@@ -130,6 +149,10 @@ class Engine:
 
     def _activate(self, adapter: str, train: bool) -> None:
         self.model.set_adapter(adapter)
+        if self.backend == "unsloth":
+            from app.api.backend import route
+
+            route(self.model, adapter)
         for p in self._params(adapter):
             p.requires_grad_(train)
         self.model.train(train)
@@ -147,7 +170,7 @@ class Engine:
         for d in op.data:
             ids = torch.tensor([d.tokens], device=self.device)
             with torch.set_grad_enabled(not op.forward_only):
-                logits = self.model(input_ids=ids).logits[0].float()
+                logits = self.net(input_ids=ids).logits[0].float()
                 target = torch.as_tensor(d.inputs["target_tokens"], device=self.device)
                 logp = torch.log_softmax(logits, dim=-1).gather(1, target[:, None])[:, 0]
                 loss = losses.loss(op.loss_fn, logp, d.inputs, op.loss_fn_config)
@@ -208,6 +231,8 @@ class Engine:
         save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(dest / "adapter_model.safetensors"))
         cfg = self.model.peft_config[m.adapter]
         cfg.base_model_name_or_path = str(self.base_name)
+        if isinstance(getattr(cfg, "auto_mapping", None), dict) and cfg.auto_mapping.get("unsloth_fixed"):
+            cfg.auto_mapping = None  # Unsloth's marker, should it set one: the saved config is the hf backend's
         cfg.save_pretrained(str(dest))
         if optimizer:
             torch.save(m.optimizer.state_dict(), dest / "optimizer.pt")
@@ -262,13 +287,13 @@ class Engine:
                 set_peft_model_state_dict(self.model, load_file(str(src / "adapter_model.safetensors")),
                                           adapter_name=adapter)
                 self.samplers[str(src)] = adapter
-        self._activate(adapter or "base", False)
+        self._activate(adapter or self.placeholder, False)
         gen = torch.Generator(device="cpu").manual_seed(seed if seed is not None else 0)
         with torch.no_grad():
-            seqs = [sampling.generate(self.model, prompt, max_tokens=max_tokens, temperature=temperature,
+            seqs = [sampling.generate(self.net, prompt, max_tokens=max_tokens, temperature=temperature,
                                       top_k=top_k, top_p=top_p, stop=stop, generator=gen, device=self.device)
                     for _ in range(num_samples)]
-            plp = sampling.prompt_logprobs(self.model, prompt, self.device) if prompt_logprobs else None
+            plp = sampling.prompt_logprobs(self.net, prompt, self.device) if prompt_logprobs else None
         return wire.sample_response(seqs, plp)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -25,6 +26,10 @@ class ApiSettings(_Closed):
                                        "names besides 127.0.0.1 and localhost: the names clients connect to.")
     long_poll_s: float = Field(5.0, ge=0, le=30, description="How long retrieve_future waits for a result before "
                                "answering try_again.")
+    backend: Literal["auto", "hf", "unsloth"] = Field(
+        "auto", description="Training backend of the API's engine, chosen as for training.backend: auto: Unsloth when "
+        "it imports and a CUDA GPU is present, else transformers+PEFT. unsloth where it cannot run: refused at serve "
+        "start (exit 2).")
 
     @field_validator("key_sha256")
     @classmethod

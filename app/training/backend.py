@@ -3,9 +3,9 @@
 Top to bottom, :func:`train`:
 
 1. Select the backend (``hf`` or ``unsloth``) **before** importing trl/transformers/peft: Unsloth
-   monkeypatches those libraries at import time and must be imported first in the process. This
-   is the only module that ever imports ``unsloth``, and only on that branch, so importing it on a
-   CPU machine never touches Unsloth (which refuses to import without a GPU).
+   monkeypatches those libraries at import time and must be imported first in the process. Only
+   :func:`_import_unsloth` imports it first (the training API's ``app.api.backend`` too), only on that
+   branch, so importing this module on a CPU machine never touches Unsloth (GPU-only).
 2. Load the base model from a local directory only (``local_files_only``, offline env vars) and
    seed everything first so the LoRA initialisation is reproducible.
 3. Build an in-memory ``datasets.Dataset`` (never a cache file: plaintext stays in RAM): the token stage's
@@ -73,12 +73,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def select_backend(preference: str, *, devices: int = 1) -> str:
+def select_backend(preference: str, *, devices: int = 1, setting: str = "training.backend") -> str:
     """Resolve the configured backend; imports torch (to look for CUDA) but never unsloth.
 
     Args:
         preference: ``"auto"``, ``"hf"`` or ``"unsloth"``.
         devices: ``training.gpu.devices``; multi-process training runs the HF backend.
+        setting: The setting the errors name (the training API passes ``api.backend``).
 
     Returns:
         ``"unsloth"`` for ``auto`` when a CUDA GPU is visible, unsloth is installed and one device
@@ -90,7 +91,7 @@ def select_backend(preference: str, *, devices: int = 1) -> str:
     if preference == "hf":
         return "hf"
     if preference not in ("auto", "unsloth"):
-        raise TrainingError(f"unknown training backend {preference!r}", fix="set training.backend to auto, hf or unsloth")
+        raise TrainingError(f"unknown training backend {preference!r}", fix=f"set {setting} to auto, hf or unsloth")
     import torch
 
     cuda = torch.cuda.is_available()
@@ -101,11 +102,11 @@ def select_backend(preference: str, *, devices: int = 1) -> str:
     if preference == "auto":
         return "unsloth" if cuda and has_unsloth and devices == 1 else "hf"
     if not cuda:
-        raise TrainingError("training.backend is 'unsloth' but no CUDA GPU is visible (Unsloth is GPU-only)",
-                            fix="set training.backend to 'auto' or 'hf' (transformers+PEFT), or run on an NVIDIA GPU")
+        raise TrainingError(f"{setting} is 'unsloth' but no CUDA GPU is visible (Unsloth is GPU-only)",
+                            fix=f"set {setting} to 'auto' or 'hf' (transformers+PEFT), or run on an NVIDIA GPU")
     if not has_unsloth:
-        raise TrainingError("training.backend is 'unsloth' but the unsloth package is not installed",
-                            fix="install the GPU extra (pip install -e '.[gpu]') or set training.backend to 'auto'")
+        raise TrainingError(f"{setting} is 'unsloth' but the unsloth package is not installed",
+                            fix=f"install the GPU extra (pip install -e '.[gpu]') or set {setting} to 'auto'")
     return "unsloth"
 
 
