@@ -6,7 +6,8 @@ loopback, the state database, the op chain) vs the same steps in-process (the sa
 Starts ``cvm-tune api serve --plain-http`` (simulator, tiny model) on a free loopback port, runs N steps of B datums
 of T tokens each way, alternating blocks so machine noise hits both, and prints: the ratio in-process / API for a
 step (goal >= 0.9 on the tiny CPU model), and the future round-trip: a 1-token sample through the API minus the same
-sample in-process (submit, queue, database commit, long-poll retrieve, protobuf both ways).
+sample in-process (submit, queue, database commit, long-poll retrieve, protobuf both ways). Also the same steps
+pipelined: five steps submitted back to back before waiting, as a training loop that keeps the server busy does.
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ def _server(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
+def _server_threads(tmp: Path) -> str:
+    """The server's ``cpu threads: …`` start-up line."""
+    line = next((x for x in (tmp / "serve.log").read_text().splitlines() if x.startswith("cpu threads:")), "")
+    return line.removeprefix("cpu threads: ")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20)
@@ -65,8 +72,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="api-bench-") as d:
         tmp = Path(d)
         proc, url = _server(tmp)
+        srv_threads = _server_threads(tmp)
         try:
             base_dir = tmp / "out" / "models" / "tiny-llama"
+            from app.training import threads
+
+            cpu = threads.apply("auto")  # in-process: torch's threads as a nightly run picks them
             engine = Engine(base_dir)
             toks = [(7 * i) % 700 + 3 for i in range(args.tokens + 1)]
             datums = [types.Datum(model_input=types.ModelInput.from_ints(toks[:-1]),
@@ -96,6 +107,13 @@ def main() -> None:
                 opt.result()
                 return time.perf_counter() - t
 
+            def pipelined(k: int = 5) -> float:  # k steps submitted back to back, as a training loop may: per step
+                t = time.perf_counter()
+                futures = [f for _ in range(k) for f in (tc.forward_backward(datums, "cross_entropy"), tc.optim_step(adam))]
+                for f in futures:
+                    f.result()
+                return (time.perf_counter() - t) / k
+
             sampler = sc.create_sampling_client(base_model=BASE)
             prompt = types.ModelInput.from_ints(toks[:16])
             one = types.SamplingParams(max_tokens=1, temperature=0.0)
@@ -111,12 +129,13 @@ def main() -> None:
                               seed=0, stop=[], prompt_logprobs=False)
                 return time.perf_counter() - t
 
-            for f in (in_process, via_api, sample_api, sample_local):  # warm-up
+            for f in (in_process, via_api, pipelined, sample_api, sample_local):  # warm-up
                 f()
-            local_t, api_t, s_api, s_local = [], [], [], []
+            local_t, api_t, piped_t, s_api, s_local = [], [], [], [], []
             for _ in range(max(1, args.steps // 5)):
                 local_t += [in_process() for _ in range(5)]
                 api_t += [via_api() for _ in range(5)]
+                piped_t.append(pipelined(5))
                 s_local += [sample_local() for _ in range(5)]
                 s_api += [sample_api() for _ in range(5)]
         finally:
@@ -124,17 +143,23 @@ def main() -> None:
             proc.wait(30)
     med = statistics.median
     result = {
-        "machine": platform.platform(), "cpus": os.cpu_count(), "steps": len(local_t), "batch": args.batch,
+        "machine": platform.platform(), "cpus": os.cpu_count(), "in_process_threads": cpu["threads"],
+        "server_threads": srv_threads, "load_average": os.getloadavg(), "steps": len(local_t), "batch": args.batch,
         "tokens_per_datum": args.tokens,
         "step_in_process_s": {"median": med(local_t), "min": min(local_t)},
         "step_via_api_s": {"median": med(api_t), "min": min(api_t)},
         "ratio_in_process_over_api": {"median": med(local_t) / med(api_t), "min": min(local_t) / min(api_t)},
+        "step_via_api_pipelined_s": {"median": med(piped_t), "min": min(piped_t)},
+        "ratio_in_process_over_api_pipelined": {"median": med(local_t) / med(piped_t)},
         "sample_1_token_in_process_s": med(s_local), "sample_1_token_via_api_s": med(s_api),
         "future_round_trip_overhead_ms": 1000 * (med(s_api) - med(s_local)),
     }
+    print(f"torch threads: in-process {cpu['threads']}, server {srv_threads}")
     print(f"step (fwd/bwd {args.batch}x{args.tokens} tokens + Adam): in-process {med(local_t) * 1000:.1f} ms, "
           f"via the API {med(api_t) * 1000:.1f} ms (median of {len(local_t)}); "
           f"ratio {result['ratio_in_process_over_api']['median']:.3f} (goal >= 0.9)")
+    print(f"pipelined (5 steps submitted before waiting): via the API {med(piped_t) * 1000:.1f} ms per step; ratio "
+          f"{result['ratio_in_process_over_api_pipelined']['median']:.3f}")
     print(f"future round trip (1-token sample, API minus in-process): {result['future_round_trip_overhead_ms']:.1f} ms")
     write_json(result, args.out)
 

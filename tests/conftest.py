@@ -50,6 +50,16 @@ def _outside_the_checkout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         os.chdir(before)
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny base model (built locally, nothing downloaded), built once per session; tests only read it."""
+    from app.training import build_tiny_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    build_tiny_model(path)
+    return path
+
+
 @pytest.fixture
 def simulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatorServer]:
     """A dstack guest-agent simulator on a unix socket; ``DSTACK_SIMULATOR_ENDPOINT`` points at it.

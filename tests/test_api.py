@@ -14,11 +14,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+
+from tests import api_drive
+from tests.api_drive import _record
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # the SDK's deprecation notes (load_state, …)
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +32,7 @@ ADAM = {"learning_rate": 0.005}
 
 
 class Server:
-    def __init__(self, out: Path, *, tls: bool = False) -> None:
+    def __init__(self, out: Path, *, tls: bool = False, config: str = "") -> None:
         self.out, self.tls = out, tls
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -36,7 +40,7 @@ class Server:
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.cfg = out.parent / "api.yaml"
         self.cfg.write_text(f"output:\n  dir: {out}\napi:\n  max_tokens_per_request: 512\n  max_seq_len: 128\n"
-                            "  max_sample_tokens: 16\n  long_poll_s: 1\n")
+                            "  max_sample_tokens: 16\n  long_poll_s: 1\n" + config)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -67,10 +71,9 @@ class Server:
                 self.proc.wait()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    root = tmp_path_factory.mktemp("api")
-    srv = Server(root / "out")
+def serving(out: Path, config: str = "") -> Iterator[Server]:
+    """A started server on ``out`` (``config``: more YAML for its configuration file), stopped after."""
+    srv = Server(out, config=config)
     srv.start()
     try:
         yield srv
@@ -79,36 +82,39 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from serving(tmp_path_factory.mktemp("api") / "out")
+
+
+@pytest.fixture(scope="module")
 def state() -> dict[str, Any]:
     """What one test leaves for the next (the tests of this module run in order)."""
     return {}
 
 
+_OPEN: list[Any] = []  # the SDK clients the running test created
+
+
+@pytest.fixture(autouse=True)
+def close_clients() -> Iterator[None]:
+    """Close every ``ServiceClient`` a test created when it ends, while its server still runs: an open one keeps a
+    heartbeat thread that, once the server stops, logs "Session heartbeat failed" for the rest of the session.
+    (Import it with ``_client`` into another module to have it there too.)"""
+    yield
+    while _OPEN:
+        _OPEN.pop().close("success").result(timeout=60)  # POST sessions/<id>/finish, then the SDK's threads stop
+
+
 def _client(srv: Server, key: str = ALICE) -> Any:
     import tinker
 
-    return tinker.ServiceClient(base_url=srv.url, api_key=key)
+    sc = tinker.ServiceClient(base_url=srv.url, api_key=key)
+    _OPEN.append(sc)
+    return sc
 
 
 def _datums(srv: Server) -> list[Any]:
-    from tinker import types
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(srv.out / "models" / "tiny-llama"), local_files_only=True)
-    texts = ["The enclave keeps the weights sealed.", "A quote binds the manifest to the measured code."]
-    out = []
-    for text in texts:
-        ids = tok(text)["input_ids"]
-        out.append(types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]),
-                               loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)}))
-    return out
-
-
-def _record(datums: list[Any]) -> dict[str, Any]:
-    """The op as the client keeps it (docs/api.md): plain JSON numbers."""
-    return {"op": "forward_backward", "loss_fn": "cross_entropy", "data": [
-        {"model_input": d.model_input.to_ints(),
-         "loss_fn_inputs": {k: v.tolist() for k, v in d.loss_fn_inputs.items()}} for d in datums]}
+    return api_drive._datums(srv.out / "models" / "tiny-llama")
 
 
 def _steps(tc: Any, datums: list[Any], n: int, ops: list[dict[str, Any]]) -> list[float]:

@@ -137,15 +137,6 @@ def test_lifetime_cap_refuses_the_night_that_would_exceed_it(tmp_path: Path) -> 
 # --- the mechanism, measured on a real batch ---------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from app.training import build_tiny_model
-
-    path = tmp_path_factory.mktemp("models") / "tiny-llama"
-    build_tiny_model(path)
-    return path
-
-
 def _lora_model_and_batch(base: Path) -> tuple[Any, dict[str, Any]]:
     import torch
     from peft import LoraConfig, get_peft_model

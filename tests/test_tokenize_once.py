@@ -41,13 +41,6 @@ def _rows(kind: str) -> list[dict[str, Any]]:
     return rows[:12]  # mixed
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("models") / "tiny-llama"
-    build_tiny_model(path)
-    return path
-
-
 def _settings(assistant_only: bool) -> TrainingSettings:
     return SETTINGS.model_copy(update={"assistant_only_loss": assistant_only})
 

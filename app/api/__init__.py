@@ -3,6 +3,9 @@
 :func:`open_service` loads the configured base model once, opens the guest agent and the state database and
 returns the :class:`~app.api.service.Service` the routes (:mod:`app.api.server`) call; :func:`serve` runs it with
 uvicorn, with TLS that terminates inside the CVM (:mod:`app.api.tls`); plain HTTP only on loopback with the simulator.
+
+Both choose the training backend (``api.backend``, :mod:`app.api.backend`) before anything else is imported: Unsloth
+must be imported before transformers, peft and trl.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ Progress = Callable[[str], None]
 @contextlib.contextmanager
 def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: bool = True) -> Iterator[object]:
     """The service for ``cfg`` (base model loaded, state database migrated, guest agent open), closed after."""
+    from app.api.backend import prepare
+
+    backend = prepare(cfg)  # first: Unsloth (GPU) is imported before anything imports transformers/peft/trl
     from app.api.bundle import Exporter
     from app.api.engine import Engine
     from app.api.service import Service
     from app.api.store import Store
     from app.run.stages import agent_stage, base_model_stage
-    from app.training.backend import prepare_backend
+    from app.training.options import imported_versions, library_names
 
     out = cfg.output.dir.resolve()
     for sub in ("state", "models", "exports", "api"):
@@ -42,22 +48,42 @@ def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: b
             policy = policy_file_text(simulator_policy(ag.agent.simulator_root_der())).encode()
             atomic_write_bytes(out / SIMULATOR_POLICY_FILE, policy)
             progress(f"simulator test policy: {out / SIMULATOR_POLICY_FILE}")
-        prepare_backend(cfg.training)
+        from app.api.vault import open_vault
+
+        vault = open_vault(cfg, out, ag)  # before the base model loads: a missing RAM directory is refused first
         base = base_model_stage(cfg, out, progress)
         name = cfg.base_model.hub_id or base.name
-        engine = Engine(base.dir)
+        if backend == "hf":
+            cpu = cpu_threads(cfg.training.cpu_threads)
+            progress(f"cpu threads: {cpu['threads']} of {cpu['available']} ({cpu['busy']} kept for other work)")
+        engine = Engine(base.dir, backend, cfg)
         engine.base_name = name
         stack.callback(engine.stop)
+        libraries = imported_versions(library_names(backend))
+        progress(f"training backend: {backend} ({', '.join(f'{k} {v}' for k, v in sorted(libraries.items()))})")
         store = Store(out)
         stack.callback(store.close)
-        exporter = Exporter(cfg, out, ag, base) if export else None
+        exporter = Exporter(cfg, out, ag, base, backend=backend) if export else None
 
         def collateral(quote: bytes) -> str | None:
             return ag.agent.bundle_collateral(quote, mode=cfg.tee.collateral, pccs_url=cfg.tee.pccs_url,
                                               timeout_s=cfg.tee.timeout_s)[0]
 
         yield Service(out=out, engine=engine, store=store, exporter=exporter, base_name=name, limits=cfg.api,
-                      agent=ag, collateral=collateral)
+                      agent=ag, collateral=collateral, vault=vault)
+
+
+def cpu_threads(setting: int | str) -> dict[str, object]:
+    """torch's CPU threads for the engine: ``training.cpu_threads`` as the nightly run reads it, except that ``auto``
+    also leaves one CPU (of two or more) to the server's request handling, which runs beside the engine: with every
+    CPU given to torch, its threads wait on the HTTP loop and a step takes several times longer."""
+    import torch
+
+    from app.training import threads
+
+    chosen = threads.resolve(setting, busy=threads.busy_cpus() + 1 if setting == "auto" else 0)
+    torch.set_num_threads(int(chosen["threads"]))
+    return chosen
 
 
 def check_listen(listen: str) -> tuple[str, int, bool]:
@@ -85,19 +111,23 @@ def serve(cfg: Config, listen: str, progress: Progress = print, *, plain_http: b
     simulator.
 
     Raises:
-        ConfigError: plain HTTP asked for off loopback or in a real CVM, bad --listen, or no API key accepted.
+        ConfigError: plain HTTP asked for off loopback or in a real CVM, bad --listen, no API key accepted, or
+            ``api.backend: unsloth`` where it cannot run (before anything is loaded or listens).
     """
+    from app.api.backend import prepare
+
+    host, port, loopback = check_listen(listen)
+    if plain_http and not loopback:
+        raise ConfigError(f"--plain-http on {host}: plain HTTP is served on loopback only", fix="drop --plain-http")
+    prepare(cfg)  # the backend decision, and Unsloth's import, before uvicorn, FastAPI, tinker and the engine
     import uvicorn
 
     from app.api.server import accepted_keys, create_app
     from app.api.tls import tls_identity
 
-    host, port, loopback = check_listen(listen)
     keys = accepted_keys(cfg.api.key_sha256)
     if not keys:
         raise ConfigError("no API key is accepted", fix="set CVM_TUNE_API_KEYS=tml-... or api.key_sha256 in the config")
-    if plain_http and not loopback:
-        raise ConfigError(f"--plain-http on {host}: plain HTTP is served on loopback only", fix="drop --plain-http")
     with open_service(cfg, progress) as svc, ExitStack() as files:
         if plain_http and not svc.agent.simulated:  # type: ignore[attr-defined]
             raise ConfigError("--plain-http in a CVM: the API is served with TLS that terminates inside it",

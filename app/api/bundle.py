@@ -5,7 +5,10 @@ tokenizer, signature, model card, report, audit slice, manifest, quote, self-ver
 has in place of a dataset: the manifest's ``op_chain`` block (head, op count, LoRA and the last Adam parameters)
 and a ``dataset`` entry that names the op chain (``dataset_id`` ``tinker-api``, both dataset hashes = the chain
 head, ``rows`` = the op count). The audit slice commits to them like a run's: ``run.start`` (inputs),
-``gpu.evidence``, ``train.done`` (adapter hashes), ``export``.
+``gpu.evidence``, ``train.done`` (adapter hashes), ``export``. The manifest's ``backend`` block records the API's
+training backend (``api.backend``: ``hf`` or ``unsloth``), the device and the library versions as imported, as a
+nightly run records its own. With ``export.recipients`` set, the bundle's weight files are age ciphertext to those
+recipients and the CVM's own key, built in RAM, as a nightly run's (manifest ``confidentiality``).
 """
 
 from __future__ import annotations
@@ -24,16 +27,18 @@ from app.audit import AuditLog, AuditRecorder, utc_now
 from app.config import Config
 from app.dataset.rows import RowReport
 from app.export import stage as export_stage
+from app.export.confidential import make_plan
 from app.run import gpu as gpu_evidence
 from app.run.stages import Agent, BaseModel
 from app.training import TrainResult
+from app.training.options import imported_versions, library_names
 
 OP_CHAIN_SCHEMA = "cvm-tune/op-chain/v1"
 
 
 class Exporter:
-    def __init__(self, cfg: Config, out: Path, agent: Agent, base: BaseModel) -> None:
-        self.cfg, self.out, self.ag, self.base = cfg, Path(out), agent, base
+    def __init__(self, cfg: Config, out: Path, agent: Agent, base: BaseModel, *, backend: str = "hf") -> None:
+        self.cfg, self.out, self.ag, self.base, self.backend = cfg, Path(out), agent, base, backend
         self.log = AuditLog(self.out / "state" / "audit.jsonl")
         self.recorder = AuditRecorder(self.log, agent.agent, require_emit=cfg.tee.emit_events == "required")
 
@@ -62,17 +67,24 @@ class Exporter:
         self.recorder.record(run_id, "gpu.evidence", gpu.audit_data())
         self.recorder.record(run_id, "train.done", {"global_step": m.steps, "adapter_sha256": {
             f"adapter/{n}": sha256_file(adapter_dir / n) for n in ("adapter_config.json", "adapter_model.safetensors")}})
-        train = _Adapter(adapter_dir)
-        result = TrainResult(adapter_dir=train.dir, backend="hf", device=str(self._device()), losses=list(m.losses),
-                             global_step=m.steps, resumed_from_step=None, train_runtime_s=0.0,
-                             tokens_seen=m.tokens_seen, library_versions={})
+        train = _Adapter(adapter_dir)  # in RAM beside the saved state
+        plan = None
+        if self.cfg.export.recipients:  # weights encrypted to them and to the CVM, built in RAM (as a nightly run)
+            plan_ram = train.dir.with_name(train.dir.name + "-plain")
+            plan_ram.mkdir(mode=0o700)
+            plan = make_plan(self.ag.agent.get_key, (), tuple(sorted(self.cfg.export.recipients)), plan_ram)
+        result = TrainResult(adapter_dir=train.dir, backend=self.backend, device=str(self._device()),
+                             losses=list(m.losses), global_step=m.steps, resumed_from_step=None, train_runtime_s=0.0,
+                             tokens_seen=m.tokens_seen,
+                             library_versions=imported_versions(library_names(self.backend)))
         inputs = export_stage.ExportInputs(
             cfg=cfg, out=self.out, run_id=run_id, started_at=utc_now(), code_sha=code_sha, config_bytes=config_bytes,
             agent=self.ag.agent, ident=self.ag.ident, simulated=self.ag.simulated,
             compose_bytes=self.ag.compose_bytes, build=self.ag.build, dataset=dataset,
             rows_report=RowReport(rows_total=m.ops, rows_kept=m.ops, by_kind={"op": m.ops}), chunks=0,
             base_dir=self.base.dir, base_name=self.base.name, base_tree=self.base.tree, base_files=self.base.files,
-            train=result, gpu=gpu, log=self.log, recorder=self.recorder, slot=None, op_chain=op_chain)
+            train=result, gpu=gpu, log=self.log, recorder=self.recorder, slot=None, op_chain=op_chain,
+            confidential=plan)
         try:
             published = export_stage.export_bundle(inputs, phase=lambda _n: contextlib.nullcontext(), timings={},
                                                    progress=lambda _m: None)
@@ -88,22 +100,28 @@ class Exporter:
 
     @staticmethod
     def _device() -> str:
+        """As a nightly run records it: ``cpu`` or e.g. ``cuda:0 NVIDIA H100 80GB HBM3``."""
         import torch
 
-        return "cuda:0" if torch.cuda.is_available() else "cpu"
+        return f"cuda:{torch.cuda.current_device()} {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu"
 
 
 class _Adapter:
-    """The adapter files alone (the export copies every file of ``adapter_dir``; the optimizer state stays out)."""
+    """The adapter files alone (the export copies every file of ``adapter_dir``; the optimizer state stays out), in
+    a sibling of ``src``: the saved state is in RAM, and so is this copy (never the system's temporary directory,
+    which may be a disk)."""
 
     def __init__(self, src: Path) -> None:
         import shutil
-        import tempfile
 
-        self._tmp = tempfile.TemporaryDirectory(prefix="api-adapter-")
-        self.dir = Path(self._tmp.name)
+        self.dir = src.with_name(src.name + "-adapter")
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(mode=0o700)
         for n in ("adapter_config.json", "adapter_model.safetensors"):
             shutil.copyfile(src / n, self.dir / n)
 
     def cleanup(self) -> None:
-        self._tmp.cleanup()
+        import shutil
+
+        for d in (self.dir, self.dir.with_name(self.dir.name + "-plain")):
+            shutil.rmtree(d, ignore_errors=True)

@@ -132,7 +132,8 @@ class TrainingSettings(_Closed):
         "auto", description="Threads torch computes with on the CPU (torch.set_num_threads, before training; in the run "
         "report). auto: the CPUs this process may use (affinity mask, capped by the cgroup CPU quota), less those other "
         "processes keep busy (1-minute load average, rounded down), divided among the training processes; at least 1 "
-        "(docs/performance.md).",
+        "(docs/performance.md). The training API (CPU) reads it too, and its auto leaves one more CPU to the server's "
+        "request handling.",
     )
     eval_fraction: float = Field(
         0.0, ge=0.0, le=0.5,
