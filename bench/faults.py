@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 TOLERANCE = 1e-5
 # "module:function:N" = SIGKILL the process at the Nth call of that function (N drawn at random).
 KILL_POINTS = {
-    "mid-seal (between blob writes)": ("app.training.checkpoints", "_seal_file", (2, 40)),
+    "mid-seal (between blob writes)": ("app.training.sealed", "_seal_file", (2, 40)),
     "sealed, LATEST not yet moved": ("app.training.checkpoints", "atomic_write_bytes", (1, 6)),
     "mid audit append": ("app.audit", "fsync_dir", (1, 8)),
     "mid export staging": ("app.export.report", "write", (1, 1)),

@@ -67,7 +67,7 @@ def test_sigkill_at_several_points_resumes_to_the_same_adapter(tmp_path: Path, r
     lost_first = faults.last_step(log) - 4
 
     # 2. Killed inside the next seal: after 3 of checkpoint-8's blobs (the 4th _seal_file call of this process).
-    proc = faults.start(cfg, log, kill_at="app.training.checkpoints:_seal_file:4")
+    proc = faults.start(cfg, log, kill_at="app.training.sealed:_seal_file:4")
     assert proc.wait(timeout=300) == -signal.SIGKILL
     assert latest_name(ckpts()) == "checkpoint-4" and list(ckpts().glob(".tmp-checkpoint-8-*"))  # a partial save
 
