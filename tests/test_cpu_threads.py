@@ -79,6 +79,14 @@ def test_processes_share_the_cpus_and_a_number_wins(tmp_path: Path, eight_cpus: 
                                                       "source": "training.cpu_threads"}
 
 
+def test_a_reserve_leaves_cpus_to_other_work_of_this_process_but_not_to_a_number(tmp_path: Path,
+                                                                              eight_cpus: None) -> None:
+    root = _cgroup(tmp_path / "cg", "400000 100000")
+    assert T.resolve("auto", cgroup_root=root, busy=1, reserve=1)["threads"] == 2  # 4 CPUs, 1 busy, 1 for the server
+    assert T.resolve("auto", cgroup_root=root, busy=3, reserve=1)["threads"] == 1  # never 0
+    assert T.resolve(3, cgroup_root=root, busy=1, reserve=1)["threads"] == 3
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "5000", "true", "'2'", "1.5", "many", "null"])
 def test_bad_values_are_config_errors(tmp_path: Path, value: str) -> None:
     p = tmp_path / "c.yaml"

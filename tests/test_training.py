@@ -37,12 +37,12 @@ from app.training import (  # noqa: E402
 from app.training.checkpoints import (  # noqa: E402
     ADAPTER_FILES,
     LATEST,
-    MANIFEST,
     checkpoint_dirs,
     latest_name,
     restore_checkpoint,
     seal_checkpoint,
 )
+from app.training.sealed import MANIFEST  # noqa: E402
 from attestation.hashing import sha256_file, tree_digest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

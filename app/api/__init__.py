@@ -31,7 +31,9 @@ def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: b
     from app.api.engine import Engine
     from app.api.service import Service
     from app.api.store import Store
+    from app.api.vault import open_vault
     from app.run.stages import agent_stage, base_model_stage
+    from app.training import threads
     from app.training.options import imported_versions, library_names
 
     out = cfg.output.dir.resolve()
@@ -48,14 +50,14 @@ def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: b
             policy = policy_file_text(simulator_policy(ag.agent.simulator_root_der())).encode()
             atomic_write_bytes(out / SIMULATOR_POLICY_FILE, policy)
             progress(f"simulator test policy: {out / SIMULATOR_POLICY_FILE}")
-        from app.api.vault import open_vault
-
         vault = open_vault(cfg, out, ag)  # before the base model loads: a missing RAM directory is refused first
         base = base_model_stage(cfg, out, progress)
         name = cfg.base_model.hub_id or base.name
-        if backend == "hf":
-            cpu = cpu_threads(cfg.training.cpu_threads)
-            progress(f"cpu threads: {cpu['threads']} of {cpu['available']} ({cpu['busy']} kept for other work)")
+        if backend == "hf":  # auto leaves one CPU to request handling: torch's threads on every CPU wait on the HTTP loop
+            cpu = threads.apply(cfg.training.cpu_threads, reserve=1)
+            why = f"of {cpu['available']}, {cpu['busy']} busy, 1 left to request handling" if cpu["setting"] == "auto" \
+                else "training.cpu_threads"
+            progress(f"cpu threads: {cpu['threads']} ({why})")
         engine = Engine(base.dir, backend, cfg)
         engine.base_name = name
         stack.callback(engine.stop)
@@ -71,19 +73,6 @@ def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: b
 
         yield Service(out=out, engine=engine, store=store, exporter=exporter, base_name=name, limits=cfg.api,
                       agent=ag, collateral=collateral, vault=vault)
-
-
-def cpu_threads(setting: int | str) -> dict[str, object]:
-    """torch's CPU threads for the engine: ``training.cpu_threads`` as the nightly run reads it, except that ``auto``
-    also leaves one CPU (of two or more) to the server's request handling, which runs beside the engine: with every
-    CPU given to torch, its threads wait on the HTTP loop and a step takes several times longer."""
-    import torch
-
-    from app.training import threads
-
-    chosen = threads.resolve(setting, busy=threads.busy_cpus() + 1 if setting == "auto" else 0)
-    torch.set_num_threads(int(chosen["threads"]))
-    return chosen
 
 
 def check_listen(listen: str) -> tuple[str, int, bool]:

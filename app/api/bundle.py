@@ -70,9 +70,8 @@ class Exporter:
         train = _Adapter(adapter_dir)  # in RAM beside the saved state
         plan = None
         if self.cfg.export.recipients:  # weights encrypted to them and to the CVM, built in RAM (as a nightly run)
-            plan_ram = train.dir.with_name(train.dir.name + "-plain")
-            plan_ram.mkdir(mode=0o700)
-            plan = make_plan(self.ag.agent.get_key, (), tuple(sorted(self.cfg.export.recipients)), plan_ram)
+            train.plain.mkdir(mode=0o700)
+            plan = make_plan(self.ag.agent.get_key, (), tuple(sorted(self.cfg.export.recipients)), train.plain)
         result = TrainResult(adapter_dir=train.dir, backend=self.backend, device=str(self._device()),
                              losses=list(m.losses), global_step=m.steps, resumed_from_step=None, train_runtime_s=0.0,
                              tokens_seen=m.tokens_seen,
@@ -109,12 +108,13 @@ class Exporter:
 class _Adapter:
     """The adapter files alone (the export copies every file of ``adapter_dir``; the optimizer state stays out), in
     a sibling of ``src``: the saved state is in RAM, and so is this copy (never the system's temporary directory,
-    which may be a disk)."""
+    which may be a disk). ``plain``: the sibling a confidential export builds its plaintext in (created by the caller)."""
 
     def __init__(self, src: Path) -> None:
         import shutil
 
         self.dir = src.with_name(src.name + "-adapter")
+        self.plain = src.with_name(src.name + "-plain")
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir.mkdir(mode=0o700)
         for n in ("adapter_config.json", "adapter_model.safetensors"):
@@ -123,5 +123,5 @@ class _Adapter:
     def cleanup(self) -> None:
         import shutil
 
-        for d in (self.dir, self.dir.with_name(self.dir.name + "-plain")):
+        for d in (self.dir, self.plain):
             shutil.rmtree(d, ignore_errors=True)

@@ -65,11 +65,12 @@ class Engine:
             self.model = api_backend.load_unsloth(self.base_dir, cfg)
             self.placeholder, self.device = api_backend.PLACEHOLDER, next(self.model.parameters()).device.type
             self.net = api_backend.unsloth_head(self.model)  # what forward passes and sampling call
-            self.vocab = int(self.model.config.vocab_size)
-            self.arch = str(getattr(self.model.config, "model_type", "") or "unknown")
-            self.max_context = int(getattr(self.model.config, "max_position_embeddings", 2048))
         else:
             self._load_hf(base_dir)
+        config = self.model.config
+        self.vocab = int(config.vocab_size)
+        self.arch = str(getattr(config, "model_type", "") or "unknown")
+        self.max_context = int(getattr(config, "max_position_embeddings", 2048))
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, str] = {}  # checkpoint dir -> adapter name
         self._names = itertools.count(1)
@@ -85,9 +86,6 @@ class Engine:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         dtype = torch.bfloat16 if self.device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
         base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=dtype).to(self.device)
-        self.vocab = int(base.config.vocab_size)
-        self.arch = str(getattr(base.config, "model_type", "") or "unknown")
-        self.max_context = int(getattr(base.config, "max_position_embeddings", 2048))
         # A placeholder adapter that stays at zero makes the model a PeftModel once; each API model adds its own.
         self.model = get_peft_model(base, LoraConfig(r=1, target_modules=["q_proj"], lora_dropout=0.0),
                                     adapter_name="base")

@@ -28,9 +28,8 @@ from app.api.completions import Completions
 from app.api.engine import Engine, Model, run_job, saved_dp
 from app.api.errors import BadRequest, NotFound, NotServed, TooMany
 from app.api.store import Checkpoint, Store
-from app.api.vault import Vault, open_vault
+from app.api.vault import Vault
 from app.audit import utc_now
-from app.config import Config
 from app.config.api import ApiSettings
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
@@ -40,10 +39,9 @@ PROTO = "application/x-protobuf"
 
 class Service:
     def __init__(self, *, out: Path, engine: Engine, store: Store, exporter: Exporter | None, base_name: str,
-                 limits: ApiSettings, agent: Any = None, collateral: Any = None, vault: Vault | None = None) -> None:
+                 limits: ApiSettings, vault: Vault, agent: Any = None, collateral: Any = None) -> None:
         self.out, self.engine, self.store, self.exporter = Path(out), engine, store, exporter
-        # saved states: sealed under the app's key, plaintext only in RAM (default: output.scratch_dir unset)
-        self.vault = vault if vault is not None else open_vault(Config(), self.out, agent)
+        self.vault = vault  # saved states: sealed under the app's key, plaintext only in RAM
         self.agent, self.collateral = agent, collateral  # app.run.stages.Agent; quote -> collateral JSON or None
         self.tls: Any = None  # app.api.tls.TlsIdentity once serving TLS
         self.base_name, self.limits = base_name, limits

@@ -43,11 +43,10 @@ from app.errors import StateError, TrainingError
 from app.fsutil import atomic_write_bytes, fsync_dir, fsync_tree, staged_dir
 from attestation.hashing import sha256_hex
 
-from .sealed import MANIFEST, SCHEMA, Unusable, open_sealed, seal_files  # noqa: F401  (MANIFEST: re-exported)
+from .sealed import Unusable, open_sealed, seal_files
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_SCHEMA = SCHEMA
 LATEST = "LATEST"
 CHECKPOINT_GETKEY_PATH = "cvm-tune/checkpoints/v1"
 ADAPTER_IN_RAM = "adapter.in-ram"  # run_dir marker: the confidential adapter's RAM directory (adapter_home)

@@ -87,23 +87,24 @@ def busy_cpus() -> int:
         return 0
 
 
-def resolve(setting: int | str, *, world: int = 1, cgroup_root: Path = CGROUP_ROOT,
+def resolve(setting: int | str, *, world: int = 1, reserve: int = 0, cgroup_root: Path = CGROUP_ROOT,
             busy: int | None = None) -> dict[str, Any]:
     """What ``setting`` (``"auto"`` or a number) means here: ``{"setting", "threads", "available", "busy",
-    "source"}``; ``busy`` defaults to :func:`busy_cpus`."""
+    "source"}``; ``busy`` defaults to :func:`busy_cpus`. ``reserve``: CPUs ``auto`` also leaves to other work of this
+    process (the training API's request handling)."""
     available, source = cpu_budget(cgroup_root)
     busy = busy_cpus() if busy is None else busy
     if setting == "auto":
-        threads = max(1, (available - min(busy, available)) // max(1, world))
+        threads = max(1, (available - min(busy + reserve, available)) // max(1, world))
     else:
         threads, source = int(setting), "training.cpu_threads"
     return {"setting": setting, "threads": threads, "available": available, "busy": busy, "source": source}
 
 
-def apply(setting: int | str, *, world: int = 1) -> dict[str, Any]:
+def apply(setting: int | str, *, world: int = 1, reserve: int = 0) -> dict[str, Any]:
     """Resolve ``setting`` and hand it to ``torch.set_num_threads``; returns :func:`resolve`'s record."""
     import torch
 
-    chosen = resolve(setting, world=world)
+    chosen = resolve(setting, world=world, reserve=reserve)
     torch.set_num_threads(chosen["threads"])
     return chosen
