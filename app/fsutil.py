@@ -126,6 +126,20 @@ def staged_dir(final: Path) -> Iterator[Path]:
         raise
 
 
+def withdraw_dir(path: Path) -> None:
+    """Unpublish a directory :func:`staged_dir` published: one rename to a ``.tmp-`` name (so no half-removed
+    directory is ever visible under its own name), then removal; a leftover is what :func:`remove_stale_temps`
+    clears. A missing ``path`` is not an error."""
+    path = Path(path)
+    tmp = path.parent / f".tmp-{path.name}-withdrawn-{os.urandom(4).hex()}"
+    try:
+        os.rename(path, tmp)
+    except FileNotFoundError:
+        return
+    fsync_dir(path.parent)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def remove_stale_temps(parent: Path) -> list[str]:
     """Delete ``.tmp-*`` leftovers of interrupted writes in ``parent``; returns their names."""
     removed = []

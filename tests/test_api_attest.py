@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import socket
 import ssl
 import threading
@@ -161,3 +162,41 @@ def test_attest_refuses_a_deeply_nested_document(serve: Any, tmp_path: Path) -> 
     server = serve(lambda h, _s: send(h, 200, deep, Content_Type="application/json"))
     trust = tmp_path / "trust.pem"
     assert _attest(server.url, None, trust)[0] == 2 and not trust.exists()
+
+
+def test_attest_rejects_a_config_id_that_binds_another_compose(serve: Any, tmp_path: Path) -> None:
+    """A genuinely signed quote whose MRCONFIGID carries another compose-hash than the event log's (a VMM that booted
+    another app-compose) is rejected, as the bundle verifier's ``compose.hash`` step rejects it; nothing is written.
+    The same document with the right MRCONFIGID is trusted, so the rejection is the binding's alone."""
+    import urllib.parse
+
+    from attestation.compose import mr_config_id_v1
+    from attestation.policy import policy_file_text, simulator_policy
+
+    from app.api.tls import SCHEMA, report_data
+    from app.simulator.agent import GuestAgentSimulator
+    from tests.loopback_http import send
+
+    sim = GuestAgentSimulator()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(policy_file_text(simulator_policy(sim.test_root_ca_der)))
+    good = sim._body_template
+
+    def answer(h: Any, _s: Any) -> None:
+        nonce = bytes.fromhex(urllib.parse.parse_qs(urllib.parse.urlsplit(h.path).query)["nonce"][0])
+        q = sim.get_quote(report_data(nonce, b""))
+        doc = {"schema": SCHEMA, "nonce": nonce.hex(), "tls_spki_sha256": None, "certificate_pem": None,
+               "quote": q["quote"], "event_log": q["event_log"], "app_compose": sim.app_compose,
+               "collateral": sim.collateral_json()}
+        send(h, 200, json.dumps(doc).encode(), Content_Type="application/json")
+
+    server = serve(answer)
+    trust = tmp_path / "trust.pem"
+    code, out = _attest(server.url, policy, trust)
+    assert code == 0 and "trusted (plain HTTP on loopback" in out, out
+    body = bytearray(good)
+    body[232:280] = bytes.fromhex(mr_config_id_v1("ab" * 32))
+    sim._body_template = bytes(body)
+    code, out = _attest(server.url, policy, trust)
+    assert code == 1 and "MRCONFIGID v1 does not carry the compose-hash" in out and not trust.exists(), out
+    assert "ACCEPTED" in out  # the quote itself verifies: only the compose binding fails

@@ -98,6 +98,27 @@ def test_serve_refuses_unsloth_without_a_gpu_before_anything_loads_or_listens(tm
         assert s.connect_ex(("127.0.0.1", srv.port)) != 0
 
 
+@no_cuda
+def test_serve_refuses_4bit_without_a_gpu_before_anything_loads_or_listens(tmp_path: Path) -> None:
+    """The HF branch loads the base 4-bit as a nightly HF run does; where it cannot, exit 2 before the port opens."""
+    srv = api_drive.Server(tmp_path, "api:\n  backend: hf\ntraining:\n  gpu:\n    quantization: 4bit\n")
+    proc = subprocess.run(srv.cmd, env=srv.env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "error: training.gpu.quantization is '4bit' but no CUDA GPU is visible" in proc.stderr
+    assert "fix: set training.gpu.quantization: none, or serve on an NVIDIA GPU" in proc.stderr
+    assert "listening on" not in proc.stdout + proc.stderr and not srv.out.exists()
+
+
+def test_the_hf_branch_loads_as_the_nightly_hf_backend() -> None:
+    """fp32 on the CPU, bf16 on a GPU that has it, 4-bit NF4 placed by device_map when configured."""
+    assert B.hf_kwargs(None, cuda=False, bf16=False) == {"local_files_only": True, "dtype": "float32"}
+    assert B.hf_kwargs(_cfg(), cuda=True, bf16=True) == {"local_files_only": True, "dtype": "bfloat16"}
+    cfg = Config.model_validate({"training": {"gpu": {"quantization": "4bit"}}})
+    kw = B.hf_kwargs(cfg, cuda=True, bf16=True)
+    assert kw["quantization_config"]["load_in_4bit"] and kw["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
+    assert kw["device_map"] == {"": 0} and kw["dtype"] == "bfloat16"
+
+
 SPY = textwrap.dedent("""
     import json, sys
     import app.api.backend as B

@@ -339,3 +339,35 @@ def test_a_state_that_does_not_open_fails_its_future_with_the_reason_and_changes
     shutil.rmtree(sealed)
     shutil.copytree(tmp_path / "kept", sealed)
     tc.load_state_with_optimizer(path).result()  # the state itself was not lost
+
+
+def test_a_save_whose_record_does_not_commit_leaves_no_state_and_no_bundle(server: Server, saved: dict[str, Any]) -> None:
+    """The checkpoint's row fails to commit after the state was sealed and its bundle published (here a trigger in the
+    server's own database aborts the insert, as a full or failing disk would): the future fails, and neither the sealed
+    state nor the bundle stays (a bundle for a checkpoint the server does not have would be a claim nobody can load).
+    The same save after the fault succeeds; the model was not changed."""
+    import tinker
+
+    records, datums = _records(server.out), saved["datums"]
+    tc = _client(server).create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
+    tc.load_state(saved["state"]).result()
+    loss = tc.forward(datums, "cross_entropy").result().metrics["loss:sum"]
+    exports = sorted(p.name for p in (server.out / "exports").iterdir())
+    sealed = sorted(p.name for p in Path(records[saved["state"]].dir).parent.iterdir())
+    db = sqlite3.connect(server.out / "state" / "runs.sqlite", timeout=30)
+    try:
+        with db:
+            db.execute("CREATE TRIGGER doomed BEFORE INSERT ON api_checkpoints WHEN NEW.name = 'doomed' "
+                       "BEGIN SELECT RAISE(ABORT, 'disk I/O error (test)'); END")
+        with pytest.raises(tinker.RequestFailedError):
+            tc.save_state("doomed").result()
+    finally:
+        with db:
+            db.execute("DROP TRIGGER IF EXISTS doomed")
+        db.close()
+    assert sorted(p.name for p in (server.out / "exports").iterdir()) == exports  # nothing published, nothing half-gone
+    assert sorted(p.name for p in Path(records[saved["state"]].dir).parent.iterdir()) == sealed
+    assert _records(server.out) == records and not _ram(server.out).exists()
+    assert tc.forward(datums, "cross_entropy").result().metrics["loss:sum"] == loss
+    path = tc.save_state("doomed").result().path  # the name was not taken by the failed save
+    assert Path(str(_records(server.out)[path].bundle)).is_dir()

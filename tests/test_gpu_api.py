@@ -5,7 +5,7 @@ by bench/gpu_train.py), in a fresh interpreter (Unsloth must be imported before 
 and under the test socket guard: cross-entropy steps with the loss falling, a greedy sample whose log-probabilities
 (Unsloth's KV-cache decode) match a forward pass, also for an adapter without MLP targets; the saved bundle verifies
 with ``cvm-tune verify --ops``, records backend ``unsloth`` and the imported Unsloth version, and its adapter is plain
-PEFT (loaded without Unsloth, same loss). The same checks run on the CPU against a stand-in ``unsloth``:
+PEFT (loaded without Unsloth, same loss). Then the HF backend with a 4-bit base (bitsandbytes NF4). The same checks run on the CPU against a stand-in ``unsloth``:
 tests/test_api_backend.py.
 
 On the lent GPU machine (see tests/test_gpu.py and docs/gpu.md):
@@ -97,3 +97,24 @@ def test_api_on_unsloth_trains_samples_and_saves_a_plain_peft_adapter(small_mode
     assert cfg["base_model_name_or_path"] == "cvm-tune/small-llama"
     plain = api_drive.plain_peft_loss(srv, small_model, adapter, run["data"])  # fp32, no Unsloth in that process
     assert not plain["unsloth"] and plain["loss"] == pytest.approx(run["forward_loss"], rel=0.03)
+
+
+def test_api_on_the_hf_backend_loads_the_base_4bit_when_configured(small_model: Path, tmp_path: Path) -> None:
+    """``api.backend: hf`` with ``training.gpu.quantization: 4bit``: bitsandbytes NF4 base, LoRA trains, the bundle
+    verifies with ``--ops`` and records the 4-bit setting it trained under."""
+    config = (f"base_model:\n  source: local-dir\n  path: {small_model}\n  hub_id: cvm-tune/small-llama\n"
+              "api:\n  backend: hf\n  max_seq_len: 256\n  max_sample_tokens: 16\n"
+              "training:\n  gpu:\n    quantization: 4bit\n")
+    srv = api_drive.Server(tmp_path, config, netguard=True)
+    try:
+        srv.start(timeout=900)
+        run = api_drive.drive(srv, small_model, steps=4)
+    finally:
+        srv.stop()
+    assert srv.net_attempts() == [], srv.log.read_text()[-4000:]
+    assert run["losses"][-1] < run["losses"][0] and len(run["sample_tokens"]) == 8, run["losses"]
+    proc = api_drive.verify(srv, run["bundle"], run["ops"])
+    assert proc.returncode == 0 and "op chain: pass: 8 ops" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]
+    manifest = json.loads((run["bundle"] / "manifest.json").read_text())
+    assert manifest["backend"]["name"] == "hf" and manifest["backend"]["device"].startswith("cuda"), manifest["backend"]
+    assert json.loads((run["bundle"] / "config.json").read_text())["training"]["gpu"]["quantization"] == "4bit"

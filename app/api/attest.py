@@ -5,7 +5,8 @@
 2. The quote under the policy (signature, TCB, RTMR replay with the event log), its report_data =
    :func:`app.api.tls.report_data` over the nonce and the SHA-256 of the SubjectPublicKeyInfo of the certificate this
    connection presented (a man in the middle, or a gateway that terminates TLS, presents another key: rejected).
-3. The app-compose hashes to the compose-hash the event log measured.
+3. The app-compose hashes to the compose-hash the event log measured, and a non-zero MRCONFIGID binds that same
+   compose-hash (v1 or v2, as the bundle verifier's ``compose.hash`` step checks it).
 4. Writes the certificate to ``--out``: the SDK trusts it with ``SSL_CERT_FILE``.
 
 Plain ``http://`` is accepted on loopback only (the server serves it only with the simulator; it binds no TLS key
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from attestation import load_policy
+from attestation.compose import check_mr_config_id
 from attestation.dcap import parse_collateral
 from attestation.http_edge import check_url
 from attestation.inputs import event_log_from_json
@@ -108,6 +110,12 @@ def attest(url_text: str, *, policy_file: Path | None, out: Path, timeout: float
     measured = [e.payload.hex() for e in events if e.event == "compose-hash"]
     if not measured or measured[-1] != hashlib.sha256(compose).hexdigest():
         problems.append("the app-compose does not hash to the compose-hash the event log measured")
+    elif verdict.findings.quote is not None and verdict.findings.boot is not None:
+        boot = verdict.findings.boot
+        bound, how = check_mr_config_id(verdict.findings.quote.td.mr_config_id, measured[-1], boot.hex("app-id"),
+                                        boot.values.get("key-provider"))
+        if not bound:
+            problems.append(how)
     print(verdict.summary())
     for c in verdict.checks:
         if c.status != "pass":

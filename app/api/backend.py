@@ -67,6 +67,7 @@ def prepare(cfg: Config) -> str:
 
     set_offline_env()
     backend = choose(cfg)
+    check_quantization(cfg)
     if backend == "unsloth":
         from app.training.backend import _import_unsloth
         from app.training.options import apply_unsloth_env, check_triton_toolchain
@@ -75,6 +76,34 @@ def prepare(cfg: Config) -> str:
         _import_unsloth()
         check_triton_toolchain(cuda=True)
     return backend
+
+
+def check_quantization(cfg: Config) -> None:
+    """``training.gpu.quantization: 4bit`` loads the API's base model 4-bit on either backend (bitsandbytes QLoRA on
+    the HF one, as a nightly run): refused where no CUDA GPU is visible, as a nightly run refuses it. Imports torch.
+
+    Raises:
+        ConfigError: 4-bit without a CUDA GPU.
+    """
+    if cfg.training.gpu.quantization != "4bit":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("training.gpu.quantization is '4bit' but no CUDA GPU is visible: the training API would load "
+                          "its base model 4-bit (bitsandbytes QLoRA is CUDA-only)",
+                          fix="set training.gpu.quantization: none, or serve on an NVIDIA GPU")
+
+
+def hf_kwargs(cfg: Config | None, *, cuda: bool, bf16: bool) -> dict[str, Any]:
+    """``AutoModelForCausalLM.from_pretrained`` arguments of the HF branch: the nightly HF backend's
+    (:func:`app.training.options.hf_load_kwargs`: bf16 on a GPU that has it, else fp32; 4-bit NF4 with
+    ``training.gpu.quantization: 4bit``, then placed by ``device_map``), ``dtype`` and ``quantization_config`` still
+    as names / keyword arguments. ``cfg`` None: the defaults (no quantization)."""
+    from app.config import TrainingSettings
+    from app.training.options import hf_load_kwargs
+
+    return hf_load_kwargs(cfg.training if cfg is not None else TrainingSettings(), cuda=cuda, bf16=bf16)
 
 
 def model_context(base_dir: Path, default: int) -> int:

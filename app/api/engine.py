@@ -66,7 +66,7 @@ class Engine:
             self.placeholder, self.device = api_backend.PLACEHOLDER, next(self.model.parameters()).device.type
             self.net = api_backend.unsloth_head(self.model)  # what forward passes and sampling call
         else:
-            self._load_hf(base_dir)
+            self._load_hf(base_dir, cfg)
         config = self.model.config
         self.vocab = int(config.vocab_size)
         self.arch = str(getattr(config, "model_type", "") or "unknown")
@@ -78,14 +78,22 @@ class Engine:
         self._thread = threading.Thread(target=self._work, name="api-engine", daemon=True)
         self._thread.start()
 
-    def _load_hf(self, base_dir: Path) -> None:
+    def _load_hf(self, base_dir: Path, cfg: Any) -> None:
         import torch
         from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = torch.bfloat16 if self.device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-        base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=dtype).to(self.device)
+        from app.api.backend import hf_kwargs
+
+        cuda = torch.cuda.is_available()
+        self.device = "cuda" if cuda else "cpu"
+        kw = hf_kwargs(cfg, cuda=cuda, bf16=cuda and torch.cuda.is_bf16_supported())
+        kw["dtype"] = getattr(torch, kw["dtype"])
+        if "quantization_config" in kw:  # placed by its device_map: quantized weights cannot be moved after loading
+            kw["quantization_config"] = BitsAndBytesConfig(**kw["quantization_config"])
+            base = AutoModelForCausalLM.from_pretrained(str(base_dir), **kw)
+        else:
+            base = AutoModelForCausalLM.from_pretrained(str(base_dir), **kw).to(self.device)
         # A placeholder adapter that stays at zero makes the model a PeftModel once; each API model adds its own.
         self.model = get_peft_model(base, LoraConfig(r=1, target_modules=["q_proj"], lora_dropout=0.0),
                                     adapter_name="base")

@@ -31,6 +31,7 @@ from app.api.store import Checkpoint, Store
 from app.api.vault import Vault
 from app.audit import utc_now
 from app.config.api import ApiSettings
+from app.fsutil import withdraw_dir
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
 JSON = "application/json"
@@ -188,11 +189,14 @@ class Service:
             with self.vault.plain() as ram:  # plaintext in RAM only; sealed onto the volume, then removed
                 self.engine.save(m, ram, optimizer=kind == "training")
                 self.vault.seal(ram, c)
+                bundle = None
                 try:
                     bundle = self.exporter.export(m, ram, path) if self.exporter else None
                     self.store.add_checkpoint(dataclasses.replace(c, bundle=str(bundle) if bundle else None))
                 except BaseException:
-                    self.vault.remove(c)  # not recorded: not kept
+                    self.vault.remove(c)  # not recorded: neither kept nor published
+                    if bundle is not None:
+                        withdraw_dir(bundle)
                     raise
             if kind == "training":
                 return self._ok(types.SaveWeightsResponse(path=path))
