@@ -1,6 +1,7 @@
 """Drive a running ``cvm-tune api serve`` with the unmodified tinker SDK: train, save, sample, verify.
 
-Shared by tests/test_api_backend.py (the Unsloth branch on the CPU, with a stand-in ``unsloth`` package) and
+:class:`Server` and the step and bundle helpers serve tests/test_api*.py too. :func:`drive` is shared by
+tests/test_api_backend.py (the Unsloth branch on the CPU, with a stand-in ``unsloth`` package) and
 tests/test_gpu_api.py (the real Unsloth on a GPU): the same checks, whatever loaded the model.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -34,37 +36,48 @@ signal.signal(signal.SIGTERM, lambda *_: (_said(), sys.exit(0)))
 
 
 class Server:
-    """``cvm-tune api serve --plain-http`` on a free loopback port, in a fresh interpreter (``preamble`` runs first;
-    with ``netguard``, under the test socket guard: :meth:`net_attempts` after :meth:`stop`)."""
+    """``cvm-tune api serve`` on a free loopback port in a fresh interpreter, its output volume ``tmp/"out"``.
 
-    def __init__(self, tmp: Path, config: str, *, env: dict[str, str] | None = None, preamble: str = "",
-                 netguard: bool = False) -> None:
+    ``config``: YAML after ``output.dir``; ``tls``: HTTPS (else ``--plain-http``); ``keys``: the API keys (the first
+    is the default client's); ``preamble``: code run before the CLI; ``netguard``: under the test socket guard
+    (:meth:`net_attempts` after :meth:`stop`). ``cmd``/``env`` also run it by hand (``subprocess.run``).
+    """
+
+    def __init__(self, tmp: Path, config: str = "", *, tls: bool = False, keys: tuple[str, ...] = (KEY,),
+                 env: dict[str, str] | None = None, preamble: str = "", netguard: bool = False) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.tmp, self.out = tmp, tmp / "out"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.tmp, self.out, self.keys = tmp, tmp / "out", keys
         self.cfg = tmp / "api.yaml"
         self.cfg.write_text(f"output:\n  dir: {self.out}\n{config}")
         self.log = tmp / "serve.log"
-        self.env = {**os.environ, "CVM_TUNE_API_KEYS": KEY, "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.env = {**os.environ, "CVM_TUNE_API_KEYS": ",".join(keys), "HF_HUB_OFFLINE": "1", **(env or {})}
         paths = [p for p in self.env.get("PYTHONPATH", "").split(os.pathsep) if p]
         self.env["PYTHONPATH"] = os.pathsep.join([*paths, str(ROOT)])
-        self.argv = ["api", "serve", "--listen", f"127.0.0.1:{self.port}", "--config", str(self.cfg), "--plain-http"]
+        self.argv = ["api", "serve", "--listen", f"127.0.0.1:{self.port}", "--config", str(self.cfg),
+                     *([] if tls else ["--plain-http"])]
         code = f"{NETGUARD if netguard else ''}{preamble}\nfrom app.cli import main\nraise SystemExit(main({self.argv!r}))"
         self.cmd = [sys.executable, "-c", code]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 300) -> str:
-        """Start and wait for ``listening on``; returns the log so far."""
+        """Start and wait for ``listening on`` in the log this start writes (a restart appends); returns that part."""
+        seen = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp)
         deadline = time.monotonic() + timeout
-        while b"listening on" not in self.log.read_bytes():
+        while b"listening on" not in (new := self.log.read_bytes()[seen:]):
             assert self.proc.poll() is None, self.log.read_text()[-6000:]
             assert time.monotonic() < deadline, self.log.read_text()[-6000:]
             time.sleep(0.2)
-        return self.log.read_text()
+        return new.decode(errors="replace")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -101,6 +114,28 @@ def _record(datums: list[Any]) -> dict[str, Any]:
          "loss_fn_inputs": {k: v.tolist() for k, v in d.loss_fn_inputs.items()}} for d in datums]}
 
 
+def _steps(tc: Any, datums: list[Any], n: int, ops: list[dict[str, Any]]) -> list[float]:
+    """``n`` cross-entropy steps with Adam; appends them to ``ops`` as the client records them. Returns the losses."""
+    from tinker import types
+
+    losses = []
+    for _ in range(n):
+        fb = tc.forward_backward(datums, "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(**ADAM))
+        losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
+        ops += [_record(datums), {"op": "optim_step", "adam_params": types.AdamParams(**ADAM).model_dump(mode="json")}]
+    return losses
+
+
+def _bundle(srv: Server, model_id: str, path: str, key: str | None = None) -> Path:
+    """The export bundle of checkpoint ``path``, as the checkpoint list reports it (``key``: the server's first)."""
+    r = httpx.get(f"{srv.url}/api/v1/training_runs/{model_id}/checkpoints", headers={"X-API-Key": key or srv.keys[0]})
+    r.raise_for_status()
+    found = {c["tinker_path"]: c for c in r.json()["checkpoints"]}
+    return Path(found[path]["user_metadata"]["bundle"])
+
+
 def drive(srv: Server, tokenizer_dir: Path, *, steps: int = 6, **lora: Any) -> dict[str, Any]:
     """Train ``steps`` cross-entropy steps, save state and sampler weights, sample greedily, and compare the sampled
     tokens' log-probabilities (KV-cache decode) with a forward pass over the same sequence.
@@ -111,16 +146,11 @@ def drive(srv: Server, tokenizer_dir: Path, *, steps: int = 6, **lora: Any) -> d
     import tinker
     from tinker import types
 
-    sc = tinker.ServiceClient(base_url=srv.url, api_key=KEY)
+    sc = tinker.ServiceClient(base_url=srv.url, api_key=srv.keys[0])
     base = sc.get_server_capabilities().supported_models[0].model_name
     tc = sc.create_lora_training_client(base_model=base, rank=8, seed=0, **lora).result()
-    datums, ops, losses = _datums(tokenizer_dir), [], []
-    for _ in range(steps):
-        fb = tc.forward_backward(datums, "cross_entropy")
-        opt = tc.optim_step(types.AdamParams(**ADAM))
-        losses.append(fb.result().metrics["loss:sum"])
-        opt.result()
-        ops += [_record(datums), {"op": "optim_step", "adam_params": types.AdamParams(**ADAM).model_dump(mode="json")}]
+    datums, ops = _datums(tokenizer_dir), []
+    losses = _steps(tc, datums, steps, ops)
     path = tc.save_state("after").result().path
     sampler = tc.save_weights_for_sampler("sampler").result().path
     fwd = tc.forward(datums, "cross_entropy").result()  # forward only: not an op
@@ -132,9 +162,7 @@ def drive(srv: Server, tokenizer_dir: Path, *, steps: int = 6, **lora: Any) -> d
     check = types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
                         loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)})
     again = tc.forward([check], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
-    r = httpx.get(f"{srv.url}/api/v1/training_runs/{tc.model_id}/checkpoints", headers={"X-API-Key": KEY})
-    r.raise_for_status()
-    bundle = Path({c["tinker_path"]: c for c in r.json()["checkpoints"]}[path]["user_metadata"]["bundle"])
+    bundle = _bundle(srv, tc.model_id, path)
     sc.close("success").result(timeout=60)  # ends the session: no heartbeat thread outlives the server
     return {"losses": losses, "path": path, "bundle": bundle, "ops": ops, "base": base,
             "forward_loss": fwd.metrics["loss:sum"], "data": _record(datums)["data"],

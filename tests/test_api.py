@@ -8,11 +8,6 @@ the saved state, then isolation between keys and bad input.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,58 +17,19 @@ import httpx
 import pytest
 
 from tests import api_drive
-from tests.api_drive import _record
+from tests.api_drive import ADAM, Server, _bundle, _record, _steps
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # the SDK's deprecation notes (load_state, …)
-ROOT = Path(__file__).resolve().parent.parent
 ALICE, BOB = "tml-alice-key", "tml-bob-key"
 BASE = "cvm-tune/tiny-llama"
-ADAM = {"learning_rate": 0.005}
+# Small limits, reached by the bad-input test (and a 1 s long poll).
+LIMITS = "api:\n  max_tokens_per_request: 512\n  max_seq_len: 128\n  max_sample_tokens: 16\n  long_poll_s: 1\n"
 
 
-class Server:
-    def __init__(self, out: Path, *, tls: bool = False, config: str = "") -> None:
-        self.out, self.tls = out, tls
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
-        self.cfg = out.parent / "api.yaml"
-        self.cfg.write_text(f"output:\n  dir: {out}\napi:\n  max_tokens_per_request: 512\n  max_seq_len: 128\n"
-                            "  max_sample_tokens: 16\n  long_poll_s: 1\n" + config)
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        env = {**os.environ, "CVM_TUNE_API_KEYS": f"{ALICE},{BOB}", "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-        log = self.out.parent / "serve.log"
-        seen = log.stat().st_size if log.exists() else 0
-        self.proc = subprocess.Popen([sys.executable, "-m", "app", "api", "serve", "--listen", f"127.0.0.1:{self.port}",
-                                      "--config", str(self.cfg), *(() if self.tls else ("--plain-http",))], env=env, stdout=open(log, "ab"),  # noqa: SIM115
-                                     stderr=subprocess.STDOUT, cwd=self.out.parent)
-        deadline = time.monotonic() + 180
-        while b"listening on" not in log.read_bytes()[seen:]:
-            assert self.proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-
-    def kill9(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def serving(out: Path, config: str = "") -> Iterator[Server]:
-    """A started server on ``out`` (``config``: more YAML for its configuration file), stopped after."""
-    srv = Server(out, config=config)
+def serving(tmp: Path, config: str = "", *, tls: bool = False) -> Iterator[Server]:
+    """A started server on ``tmp/"out"`` with the keys ALICE and BOB and :data:`LIMITS` (``config``: more YAML for
+    its configuration file), stopped after."""
+    srv = Server(tmp, LIMITS + config, tls=tls, keys=(ALICE, BOB))
     srv.start()
     try:
         yield srv
@@ -83,7 +39,7 @@ def serving(out: Path, config: str = "") -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from serving(tmp_path_factory.mktemp("api") / "out")
+    yield from serving(tmp_path_factory.mktemp("api"))
 
 
 @pytest.fixture(scope="module")
@@ -115,27 +71,6 @@ def _client(srv: Server, key: str = ALICE) -> Any:
 
 def _datums(srv: Server) -> list[Any]:
     return api_drive._datums(srv.out / "models" / "tiny-llama")
-
-
-def _steps(tc: Any, datums: list[Any], n: int, ops: list[dict[str, Any]]) -> list[float]:
-    from tinker import types
-
-    losses = []
-    for _ in range(n):
-        fb = tc.forward_backward(datums, "cross_entropy")
-        opt = tc.optim_step(types.AdamParams(**ADAM))
-        losses.append(fb.result().metrics["loss:sum"])
-        opt.result()
-        ops += [_record(datums), {"op": "optim_step", "adam_params": types.AdamParams(**ADAM).model_dump(mode="json")}]
-    return losses
-
-
-def _bundle(srv: Server, model_id: str, path: str, key: str = ALICE) -> Path:
-    """The export bundle of checkpoint ``path``, as the checkpoint list reports it."""
-    r = httpx.get(f"{srv.url}/api/v1/training_runs/{model_id}/checkpoints", headers={"X-API-Key": key})
-    r.raise_for_status()
-    found = {c["tinker_path"]: c for c in r.json()["checkpoints"]}
-    return Path(found[path]["user_metadata"]["bundle"])
 
 
 def _verify(srv: Server, bundle: Path, ops: list[dict[str, Any]], tmp: Path) -> tuple[int, str]:

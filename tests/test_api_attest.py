@@ -18,17 +18,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.test_api import Server
+from tests.api_drive import Server
+from tests.test_api import serving
 
 
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = Server(tmp_path_factory.mktemp("api-tls") / "out", tls=True)
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    yield from serving(tmp_path_factory.mktemp("api-tls"), tls=True)
 
 
 def _attest(url: str, policy: Path | None, out: Path) -> tuple[int, str]:

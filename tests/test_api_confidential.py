@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.test_api import (BASE, Server, _bundle, _client, _datums, _steps, _verify,  # noqa: F401  (the fixture)
-                            close_clients, serving)
+from tests.api_drive import Server, _bundle, _steps
+from tests.test_api import BASE, _client, _datums, _verify, close_clients, serving  # noqa: F401  (the fixture)
 from tests.test_api_sealed import _ram, _windows
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # the SDK's deprecation notes
@@ -26,7 +26,7 @@ def owner() -> Any:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, owner: Any) -> Any:
-    yield from serving(tmp_path_factory.mktemp("api-confidential") / "out",
+    yield from serving(tmp_path_factory.mktemp("api-confidential"),
                        f"export:\n  recipients: ['{owner.to_public()}']\n")
 
 

@@ -26,8 +26,8 @@ from app.api.store import Checkpoint
 from app.api.vault import GETKEY_PATH, KEY_PURPOSE, LEGACY, SEALED, Vault, open_vault
 from app.config import Config
 from app.errors import ConfigError
-from tests.test_api import (BASE, BOB, Server, _client, _datums, _steps, close_clients,  # noqa: F401  (the fixture)
-                            serving)
+from tests.api_drive import Server, _steps
+from tests.test_api import BASE, BOB, _client, _datums, close_clients, serving  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # the SDK's deprecation notes (load_state, …)
 KEY = bytes(range(32))
@@ -132,7 +132,7 @@ def test_no_ram_directory_or_no_guest_agent_is_refused_before_anything_is_create
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    yield from serving(tmp_path_factory.mktemp("sealed") / "out")
+    yield from serving(tmp_path_factory.mktemp("sealed"))
 
 
 @pytest.fixture(scope="module")

@@ -96,6 +96,20 @@ def _children(pid: int) -> list[int]:
         return []
 
 
+def _until_unlocked(out: Path, timeout: float = 60) -> None:
+    """Wait until nothing holds the volume's run lock (a process of the stopped PID namespace may still be exiting)."""
+    from app.state import Locked, run_lock
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with run_lock(out):
+                return
+        except Locked:
+            assert time.monotonic() < deadline, "the stopped service's lock was never released"
+            time.sleep(0.2)
+
+
 def _unshare_works() -> bool:
     return shutil.which("unshare") is not None and subprocess.run(
         ["unshare", "-pfr", "--mount-proc", "true"], capture_output=True).returncode == 0
@@ -134,9 +148,11 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_exits_0(tmp_path: Path, re
     assert row.status == "pending" and row.attempts == 0 and "SIGTERM received" in row.reason
     assert latest_name(next((tmp_path / "out" / "runs").glob("nightly-*/checkpoints"))) == f"checkpoint-{stopped}"
 
+    _until_unlocked(tmp_path / "out")  # as a container restart comes after the old one is gone
     proc = faults.start(cfg, log)  # restart: resumes from exactly that step
     assert proc.wait(timeout=300) == 0
     bundle = faults.bundle(cfg)
+    assert bundle is not None, log.read_text()[-3000:]
     assert json.loads((bundle / "manifest.json").read_text())["training"]["resumed_from_step"] == stopped
     assert faults.adapter_diff(bundle, reference) <= TOL
 
