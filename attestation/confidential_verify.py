@@ -5,27 +5,23 @@
                                owner named are listed; with the dataset file, its signed header names exactly those
  C2 ``confidential.plaintext`` (a recipient: ``--identity``) each weight file decrypts in memory to the bytes whose
                                SHA-256 the manifest binds
- B16 ``model.signature``       over the plaintext: the DSSE envelope of each ``model.sig`` verifies under the
-                               manifest's key and its resources are exactly the directory's files, weight files
-                               counted by their plaintext hash (the check ``model_signing verify`` makes, in memory)
+ B16 ``model.signature``       over the plaintext: each ``model.sig`` passes ``model_signing``'s own key-based
+                               verification under the manifest's key over exactly the directory's files, weight
+                               files counted by their (C2-checked) plaintext hash in place of the ciphertext's
+                               (:func:`attestation.model_sig.verify_dir`; no plaintext is written)
 
 Bundles without ``confidentiality`` go to :func:`attestation.model_sig.check` unchanged.
 """
 
 from __future__ import annotations
 
-import base64
 from pathlib import Path
 from typing import Any
-
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
 
 from attestation import bundle as B
 from attestation import confidential as C
 from attestation import model_sig
-from attestation.hashing import sha256_file, sha256_hex
+from attestation.hashing import sha256_hex
 from attestation.safe_yaml import parse_json
 from attestation.verdict import QuoteFindings
 
@@ -63,12 +59,7 @@ def check(f: QuoteFindings, root: Path, m: B.Manifest, identities: list[Any] | N
     if problems:
         f.add(model_sig.CHECK, "fail", "not checked: a weight file did not decrypt to its bound plaintext")
         return
-    sig_problems = [f"{d}/{B.SIGNATURE_NAME}: {why}" for d in (m.signing.signed if m.signing else ())
-                    if (why := signature_problem(root / d, d, m.signing.public_key_pem, plain))]
-    if m.signing is None:
-        sig_problems.append("a confidential bundle must carry model signatures (manifest has no signing)")
-    f.add(model_sig.CHECK, "fail" if sig_problems else "pass", "; ".join(sig_problems) or
-          f"{', '.join(d + '/' for d in m.signing.signed)} signed by this run's key over the decrypted plaintext")
+    model_sig.check(f, root, m, plain)  # the plaintext bundle's check, encrypted files counted by plaintext hash
 
 
 def trained_hash(m: B.Manifest, rel: str) -> str:
@@ -118,28 +109,3 @@ def dataset_recipients(path: Path) -> tuple[str, ...]:
         return C.parse_recipients(str(header.get("metadata", {}).get(C.DATASET_META_KEY, "")))
     except (OSError, ValueError, AttributeError):
         return ()
-
-
-def signature_problem(directory: Path, name: str, public_key_pem: str, plain: dict[str, str]) -> str | None:
-    """None when ``directory/model.sig`` verifies under the key over the directory's files, weight files counted
-    by their (already checked) plaintext hashes ``plain``; else why not (one line)."""
-    try:
-        env = parse_json(_read(directory / B.SIGNATURE_NAME), "model.sig", ValueError)["dsseEnvelope"]
-        payload, ptype = base64.b64decode(env["payload"]), env["payloadType"].encode()
-        pae = b"DSSEv1 %d %s %d %s" % (len(ptype), ptype, len(payload), payload)
-        key = serialization.load_pem_public_key(public_key_pem.encode())
-        if not isinstance(key, ec.EllipticCurvePublicKey) or len(env["signatures"]) != 1:
-            return "not one ECDSA signature"
-        key.verify(base64.b64decode(env["signatures"][0]["sig"]), pae, ec.ECDSA(hashes.SHA256()))
-        statement = parse_json(payload, "the signed statement", ValueError)
-        resources = {r["name"]: r["digest"] for r in statement["predicate"]["resources"] if r["algorithm"] == "sha256"}
-    except InvalidSignature:
-        return "the signature does not verify under the manifest's key"
-    except (ValueError, KeyError, TypeError, IndexError):
-        return "missing or not a model-signing DSSE signature"
-    actual = {p.name: plain.get(f"{name}/{p.name}") or sha256_file(p)
-              for p in sorted(directory.iterdir()) if p.is_file() and p.name != B.SIGNATURE_NAME}
-    if resources != actual:
-        diff = sorted(set(resources.items()) ^ set(actual.items()))
-        return f"the signed files differ from the directory's ({', '.join(sorted({n for n, _ in diff})[:3])})"
-    return None

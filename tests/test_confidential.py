@@ -181,6 +181,77 @@ def test_verify_for_anyone_and_for_a_recipient(night: dict[str, Any]) -> None:
     assert "does not decrypt" in checks["confidential.plaintext"]["reason"]
 
 
+def _plain_hashes(bundle: Path, d: str) -> dict[str, str]:
+    return {rel[len(d) + 1:]: h for rel, h in _manifest(bundle)["confidentiality"]["plaintext_sha256"].items()
+            if rel.startswith(d + "/")}
+
+
+def test_model_signing_verifies_the_encrypted_dir_with_plaintext_digests(night: dict[str, Any], tmp_path: Path) -> None:
+    """The library's own verifier, weight files counted by their plaintext hashes: passes; by their ciphertext: not."""
+    from attestation.model_sig import verify_dir
+
+    key = tmp_path / "key.pem"
+    key.write_text(_manifest(night["bundle"])["signing"]["public_key_pem"])
+    for d in ("adapter", "merged"):
+        assert verify_dir(night["bundle"] / d, key, _plain_hashes(night["bundle"], d)) is None
+        assert "Hash mismatch" in (verify_dir(night["bundle"] / d, key) or "")
+
+
+def test_a_signature_without_key_hint_verifies_and_keeps_json_clean(night: dict[str, Any], tmp_path: Path) -> None:
+    """The library's older signature format (no public-key hint: not part of what is signed) still verifies; the
+    library's print()ed warning about it must not land in the --json verdict on stdout."""
+    bundle = Path(shutil.copytree(night["bundle"], tmp_path / "bundle"))
+    for d in ("adapter", "merged"):
+        sig = json.loads((bundle / d / "model.sig").read_text())
+        del sig["verificationMaterial"]["publicKey"]["hint"]
+        (bundle / d / "model.sig").write_text(json.dumps(sig))
+    code, checks = _verify(night, "--identity", str(night["owner_key"]), bundle=bundle)  # parses stdout as JSON
+    assert checks["model.signature"]["status"] == "pass" and checks["manifest.files"]["status"] == "fail"
+
+
+SIG_CASES = ["another-key", "added-file", "changed-config", "removed-file", "garbage-sig", "missing-sig"]
+
+
+@pytest.mark.parametrize("case", SIG_CASES)
+def test_signature_tampering_is_rejected_for_a_recipient(night: dict[str, Any], tmp_path: Path, case: str) -> None:
+    """Under --identity the weights decrypt to their bound plaintext, but ``model.signature`` fails: an attacker's
+    own signature over the very same plaintext, or any added, changed or removed non-weight file of the signed dir."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from app.export.signing import public_key_pem, sign_dir
+    from attestation.model_sig import verify_dir
+
+    bundle = Path(shutil.copytree(night["bundle"], tmp_path / "bundle"))
+    adapter = bundle / "adapter"
+    if case == "another-key":  # a recipient decrypts the weights and signs them with a key of its own
+        plain = tmp_path / "plain"
+        assert cli_main(["adapter", "decrypt", str(bundle), "--identity", str(night["owner_key"]), "-o", str(plain)]) == 0
+        (plain / "model.sig").unlink()
+        other = ec.generate_private_key(ec.SECP256R1())
+        sign_dir(other, plain)
+        shutil.copyfile(plain / "model.sig", adapter / "model.sig")
+        (tmp_path / "other.pem").write_text(public_key_pem(other))
+        assert verify_dir(adapter, tmp_path / "other.pem", _plain_hashes(bundle, "adapter")) is None  # valid, but...
+    elif case == "added-file":
+        (adapter / "notes.txt").write_text("added after signing\n")
+    elif case == "changed-config":
+        cfg = json.loads((adapter / "adapter_config.json").read_text())
+        cfg["r"] = cfg["r"] * 2
+        (adapter / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+    elif case == "removed-file":
+        next(p for p in sorted(adapter.iterdir()) if p.name not in ("model.sig", "adapter_model.safetensors")).unlink()
+    elif case == "garbage-sig":
+        (adapter / "model.sig").write_text('{"not": "a sigstore bundle"}')
+    else:
+        (adapter / "model.sig").unlink()
+    code, checks = _verify(night, "--identity", str(night["owner_key"]), bundle=bundle)
+    assert code == 1 and checks["confidential.plaintext"]["status"] == "pass"
+    sig = checks["model.signature"]
+    assert sig["status"] == "fail" and sig["reason"].startswith("adapter/model.sig: ") and "\n" not in sig["reason"], sig
+    if case == "missing-sig":
+        assert sig["reason"] == "adapter/model.sig: missing"
+
+
 def test_publish_says_the_staged_weights_are_ciphertext(night: dict[str, Any], tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     repo = tmp_path / "repo"
@@ -365,3 +436,31 @@ def test_spec_section_14_vectors_are_recomputed() -> None:
 
     assert cvm_identity(lambda path, purpose: bytes.fromhex(v["getkey"])) == v["cvm_identity"]
     assert C.recipient_of(v["identity"]) == v["recipient"]
+
+
+@pytest.mark.parametrize("change, reason", [
+    ("key_path", "is not this run's"),
+    ("unsigned_merged", "merged/ is exported but not signed"),
+])
+def test_a_recipient_gets_the_plaintext_bundles_signing_checks_too(night: dict[str, Any], change: str,
+                                                                   reason: str) -> None:
+    """The signing block itself is checked as for a plaintext bundle: another run's key path, or a merged model left
+    out of the signed directories, fails ``model.signature`` even when every signature verifies (here on a manifest
+    edited in memory: on disk the quote's binding of the manifest would fail first)."""
+    from attestation import bundle as B
+    from attestation import confidential_verify
+    from attestation.verdict import QuoteFindings
+
+    doc = _manifest(night["bundle"])
+    if change == "key_path":
+        doc["signing"]["key_path"] = doc["signing"]["key_path"].rsplit("/", 1)[0] + "/nightly-2020-01-01"
+    else:
+        doc["signing"]["signed"] = ["adapter"]
+    f = QuoteFindings()
+    ids = C.load_identities(night["owner_key"])
+    confidential_verify.check(f, night["bundle"], B.Manifest.model_validate(doc), ids)
+    check = next(c for c in f.checks if c.name == "model.signature")
+    assert check.status == "fail" and reason in check.detail, check
+    genuine = QuoteFindings()
+    confidential_verify.check(genuine, night["bundle"], B.Manifest.model_validate(_manifest(night["bundle"])), ids)
+    assert next(c for c in genuine.checks if c.name == "model.signature").status == "pass"
