@@ -338,3 +338,27 @@ def test_dp_sgd_per_model_reports_epsilon_and_chains_it(server: Server, state: d
     assert code == 0 and "op chain: pass: 6 ops" in out, out
     del ops[-1]["dp_epsilon"]  # the ε is part of what the chain commits to
     assert _verify(server, bundle, ops, tmp_path)[0] == 1
+
+
+def test_one_volume_one_writer_the_nightly_run_skips_and_a_second_server_is_refused(server: Server,
+                                                                                    tmp_path: Path) -> None:
+    """The server holds the volume's run lock: a nightly ``cvm-tune run`` on it says ``skipped: locked`` and writes
+    nothing (two writers would fork the audit chain), and a second ``api serve`` on it exits 7 before it listens."""
+    import subprocess
+    import sys
+
+    log = server.out / "state" / "audit.jsonl"
+    audit = log.read_bytes() if log.exists() else None
+    exports = sorted(p.name for p in (server.out / "exports").iterdir())
+    run = subprocess.run([sys.executable, "-m", "app", "run", "--config", str(server.cfg)], env=server.env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "skipped: locked" in run.stdout, run.stdout + run.stderr
+    second = Server(tmp_path, keys=(ALICE,))
+    second.cfg.write_text(server.cfg.read_text())  # the same output volume
+    proc = subprocess.run(second.cmd, env=second.env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 7, proc.stdout + proc.stderr
+    assert f"error: the output volume {server.out.resolve()} is in use by another cvm-tune process (pid " in proc.stderr
+    assert "listening on" not in proc.stdout + proc.stderr
+    assert (log.read_bytes() if log.exists() else None) == audit
+    assert sorted(p.name for p in (server.out / "exports").iterdir()) == exports
+    assert httpx.get(f"{server.url}/api/v1/healthz").json() == {"status": "ok"}  # the first one keeps serving

@@ -14,6 +14,7 @@ import contextlib
 import ipaddress
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from pathlib import Path
 
 from app.config import Config
 from app.errors import ConfigError
@@ -40,6 +41,7 @@ def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: b
     for sub in ("state", "models", "exports", "api"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
+        _lock_volume(stack, out)
         ag = agent_stage(cfg, stack, progress)
         if ag.simulated:  # the simulator's test policy next to exports/, as `cvm-tune run` writes it
             from attestation.policy import policy_file_text, simulator_policy
@@ -73,6 +75,27 @@ def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: b
 
         yield Service(out=out, engine=engine, store=store, exporter=exporter, base_name=name, limits=cfg.api,
                       agent=ag, collateral=collateral, vault=vault)
+
+
+def _lock_volume(stack: ExitStack, out: Path) -> None:
+    """Hold the output volume's run lock (:func:`app.state.run_lock`) while the API serves: one writer of the audit
+    chain and ``exports/`` per volume; a nightly ``serve`` or ``run`` on it meanwhile says ``skipped: locked``.
+
+    Raises:
+        StateError: another cvm-tune process holds it (its pid, from ``state/lock``).
+    """
+    from app.errors import StateError
+    from app.state import Locked, run_lock
+
+    try:
+        stack.enter_context(run_lock(out))
+    except Locked:
+        try:
+            holder = f"pid {int((out / 'state' / 'lock').read_text())}"
+        except (OSError, ValueError):
+            holder = "pid unknown"
+        raise StateError(f"the output volume {out} is in use by another cvm-tune process ({holder})",
+                         fix="stop it (a nightly `serve` or `run`), or give the API its own output.dir") from None
 
 
 def check_listen(listen: str) -> tuple[str, int, bool]:
