@@ -144,7 +144,11 @@ def test_kill9_between_steps_then_continue_from_the_saved_state(server: Server, 
         "sampling_params": {"max_tokens": 4, "temperature": 0}, "base_model": BASE}).json()["request_id"]
     first = _retrieve(server, done, ALICE)
     server.kill9()  # between steps: the last op was an optim_step the client already has the result of
+    staged = server.out / "exports" / ".tmp-api-killed-mid-export-x1"  # what a save killed mid-export leaves
+    staged.mkdir()
+    (staged / "manifest.json").write_text("{}")
     server.start()
+    assert not staged.exists()  # cleared under the volume's lock at start
     assert _retrieve(server, done, ALICE) == first  # a completed result survives kill -9
     sc = _client(server)
     tc = sc.create_training_client_from_state_with_optimizer(state["path"]).result()

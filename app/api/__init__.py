@@ -33,6 +33,7 @@ def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: b
     from app.api.service import Service
     from app.api.store import Store
     from app.api.vault import open_vault
+    from app.fsutil import remove_stale_temps
     from app.run.stages import agent_stage, base_model_stage
     from app.training import threads
     from app.training.options import imported_versions, library_names
@@ -42,6 +43,7 @@ def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: b
         (out / sub).mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
         _lock_volume(stack, out)
+        remove_stale_temps(out / "exports")  # an export (or a withdrawal) cut short by a kill
         ag = agent_stage(cfg, stack, progress)
         if ag.simulated:  # the simulator's test policy next to exports/, as `cvm-tune run` writes it
             from attestation.policy import policy_file_text, simulator_policy
