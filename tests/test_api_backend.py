@@ -86,27 +86,24 @@ def test_unsloth_without_a_gpu_is_a_config_error() -> None:
 
 
 @no_cuda
-def test_serve_refuses_unsloth_without_a_gpu_before_anything_loads_or_listens(tmp_path: Path) -> None:
-    srv = api_drive.Server(tmp_path, "api:\n  backend: unsloth\n")
+@pytest.mark.parametrize("config, error, fix", [
+    ("api:\n  backend: unsloth\n", "api.backend is 'unsloth' but no CUDA GPU is visible",
+     "set api.backend to 'auto' or 'hf'"),
+    # the HF branch loads the base 4-bit as a nightly HF run does: where it cannot, refused as Unsloth is
+    ("api:\n  backend: hf\ntraining:\n  gpu:\n    quantization: 4bit\n",
+     "training.gpu.quantization is '4bit' but no CUDA GPU is visible", "set training.gpu.quantization: none, or serve on "
+     "an NVIDIA GPU"),
+], ids=["unsloth", "4bit"])
+def test_serve_refuses_what_needs_a_gpu_before_anything_loads_or_listens(tmp_path: Path, config: str, error: str,
+                                                                         fix: str) -> None:
+    srv = api_drive.Server(tmp_path, config)
     proc = subprocess.run(srv.cmd, env=srv.env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
-    assert "error: api.backend is 'unsloth' but no CUDA GPU is visible" in proc.stderr
-    assert "fix: set api.backend to 'auto' or 'hf'" in proc.stderr
+    assert f"error: {error}" in proc.stderr and f"fix: {fix}" in proc.stderr
     assert "listening on" not in proc.stdout + proc.stderr
     assert not srv.out.exists()  # no output volume, no base model, no guest agent
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", srv.port)) != 0
-
-
-@no_cuda
-def test_serve_refuses_4bit_without_a_gpu_before_anything_loads_or_listens(tmp_path: Path) -> None:
-    """The HF branch loads the base 4-bit as a nightly HF run does; where it cannot, exit 2 before the port opens."""
-    srv = api_drive.Server(tmp_path, "api:\n  backend: hf\ntraining:\n  gpu:\n    quantization: 4bit\n")
-    proc = subprocess.run(srv.cmd, env=srv.env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr
-    assert "error: training.gpu.quantization is '4bit' but no CUDA GPU is visible" in proc.stderr
-    assert "fix: set training.gpu.quantization: none, or serve on an NVIDIA GPU" in proc.stderr
-    assert "listening on" not in proc.stdout + proc.stderr and not srv.out.exists()
 
 
 def test_the_hf_branch_loads_as_the_nightly_hf_backend() -> None:
