@@ -8,12 +8,13 @@
 # (cvm-tune's own dependencies: bash bench/make-gpu-extras.sh), then
 # carry .gpu with the working tree. On the GPU machine, from the repo root:
 #     bash bench/gpu-checks.sh OUT bench [STEPS] [WARMUP]   # about 4 minutes (defaults 20 and 6)
-#     bash bench/gpu-checks.sh OUT tests                    # pytest -m gpu + the API overhead: about 6 minutes
-#     bash bench/gpu-checks.sh OUT all                      # both, about 10 minutes (too long for one device call)
-# Measured on one H200 (2026-11-26): the benchmark 3.6 min at 20 steps; pytest -m gpu about 5 min.
+#     bash bench/gpu-checks.sh OUT tests                    # pytest -m gpu but the API's: about 5 minutes
+#     bash bench/gpu-checks.sh OUT api                      # the API's GPU tests + its overhead: about 4 minutes
+#     bash bench/gpu-checks.sh OUT all                      # all three (too long for one device call)
+# Measured on one H200 (2026-11-26): the benchmark 3.6 min at 20 steps; pytest -m gpu (without the API's) about 5 min.
 set -uo pipefail
 
-OUT=${1:?usage: bench/gpu-checks.sh OUT bench|tests|all [STEPS] [WARMUP]}
+OUT=${1:?usage: bench/gpu-checks.sh OUT bench|tests|api|all [STEPS] [WARMUP]}
 PART=${2:-all}
 STEPS=${3:-20}
 WARMUP=${4:-6}
@@ -35,11 +36,19 @@ if [ "$PART" = bench ] || [ "$PART" = all ]; then
     | tee "$OUT/gpu-train.log"
   say "training benchmark: rc ${PIPESTATUS[0]}"
 fi
+# each test at most 150 s, so the run ends with its summary; failures also land at once in OUT
+gpu_pytest() {  # NAME TIMEOUT PYTEST-ARGS...
+  local name=$1 limit=$2; shift 2
+  say "pytest -m gpu $*"
+  CVM_TUNE_FAILURE_LOG="$OUT/$name-failures.txt" timeout "$limit" python3 -m pytest -m gpu -v -rs --timeout 150 \
+    --durations=0 "$@" 2>&1 | tee "$OUT/$name.log"
+  say "pytest -m gpu $*: rc ${PIPESTATUS[0]}"
+}
 if [ "$PART" = tests ] || [ "$PART" = all ]; then
-  say "pytest -m gpu"  # each test at most 150 s, so the run ends with its summary; failures also land at once in OUT
-  CVM_TUNE_FAILURE_LOG="$OUT/pytest-gpu-failures.txt" timeout 480 python3 -m pytest -m gpu -v -rs --timeout 150 \
-    --durations=0 2>&1 | tee "$OUT/pytest-gpu.log"
-  say "pytest -m gpu: rc ${PIPESTATUS[0]}"
+  gpu_pytest pytest-gpu 480 --ignore tests/test_gpu_api.py
+fi
+if [ "$PART" = api ] || [ "$PART" = all ]; then
+  gpu_pytest pytest-gpu-api 420 tests/test_gpu_api.py
   say "training API overhead on the GPU"
   timeout 60 python3 bench/api_overhead.py --steps 10 --out "$OUT/api-overhead-gpu.json" 2>&1 | tee "$OUT/api-overhead.log"
   say "training API overhead: rc ${PIPESTATUS[0]}"

@@ -34,6 +34,7 @@ LEFT_OUT = {
     "flwr": "federated rounds are not part of the GPU checks",
     "pyqwest": "12 MiB; the tinker SDK imports it only for a transport the server's client/config turns off",
     "asyncio": "dstack-sdk names the PyPI backport of a standard-library module",
+    "pytest-xdist": "the GPU checks run pytest in one process (one GPU)",
 }
 # Pinned although no distribution's metadata asks for them: the tinker SDK builds httpx clients with http2=True.
 UNDECLARED = {"h2", "hpack", "hyperframe"}
@@ -88,3 +89,27 @@ def test_gpu_extras_pins_nothing_unneeded_and_match_this_environment() -> None:
     differ = {name: (version, metadata.version(name)) for name, version in pins.items() if metadata.version(name) != version}
     assert not differ, f"gpu-extras.txt pin vs the locked version: {differ}"
     assert not (set(pins) & (IMAGE | BUNDLE)), "the image or site.tgz already has these; a second copy shadows it"
+
+
+def test_the_gpu_checks_pytest_command_lines_parse_with_only_the_plugins_that_travel() -> None:
+    """bench/gpu-checks.sh's ``pytest`` calls (options such as ``--timeout`` come from plugins) collect with plugin
+    autoloading off and only the pytest plugins pinned in gpu-extras.txt loaded: the GPU machine's image has no pytest,
+    so a plugin that does not travel turns a GPU session's test run into a usage error."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    script = (REPO / "bench" / "gpu-checks.sh").read_text()
+    common = shlex.split(re.search(r"python3 -m pytest (.*?) \\\n\s*(.*?) \"\$@\"", script, re.S).expand(r"\1 \2"))
+    calls = [shlex.split(m) for m in re.findall(r"^\s*gpu_pytest \S+ \d+ (.*)$", script, re.M)]
+    assert calls and "--timeout" in common, (common, calls)
+    plugins = [ep.value.split(":")[0] for name in _pins() for ep in metadata.distribution(name).entry_points
+               if ep.group == "pytest11"]
+    assert "pytest_timeout" in plugins, plugins
+    env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    for args in calls:
+        cmd = [sys.executable, "-m", "pytest", *(f"-p{p}" for p in plugins), *common, *args, "--collect-only", "-q"]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert " selected" in proc.stdout or "tests collected" in proc.stdout, proc.stdout[-2000:]
