@@ -108,6 +108,25 @@ def run_lock(out: Path) -> Iterator[Path]:
         os.close(fd)  # releases the flock
 
 
+def claim_volume(stack: contextlib.ExitStack, out: Path) -> None:
+    """Hold ``out``'s run lock (:func:`run_lock`) until ``stack`` closes, for a process that writes the volume's audit
+    chain and ``exports/`` outside the nightly scheduler (the training API, a federated client's round): one writer
+    per volume; a nightly ``serve`` or ``run`` on it meanwhile says ``skipped: locked``.
+
+    Raises:
+        StateError: another cvm-tune process holds it (its pid, from ``state/lock``).
+    """
+    try:
+        stack.enter_context(run_lock(out))
+    except Locked:
+        try:
+            holder = f"pid {int((Path(out) / 'state' / 'lock').read_text())}"
+        except (OSError, ValueError):
+            holder = "pid unknown"
+        raise StateError(f"the output volume {out} is in use by another cvm-tune process ({holder})",
+                         fix="stop it (a nightly `serve` or `run`), or give this one its own output.dir") from None
+
+
 @dataclass(frozen=True)
 class RunRow:
     """One row of the run database."""

@@ -730,3 +730,27 @@ def _descendants(pid: int) -> list[int]:
         out.append(p)
         todo.extend(children.get(p, []))
     return out
+
+
+def test_a_round_on_a_volume_another_process_holds_is_refused_and_writes_nothing(tmp_path: Path) -> None:
+    """A client's round takes its volume's run lock: with the nightly service (here this test) holding it, the round
+    fails with the reason (the aggregator records it as the reply's rejection) and nothing is written."""
+    from flwr.app import ConfigRecord, Message, MessageType, Metadata, RecordDict
+
+    from app.config import load_config
+    from app.errors import StateError
+    from app.federated.client_app import train_round
+    from app.state import run_lock
+
+    path = _client_config(tmp_path, 0, "clinic-a")
+    out = load_config(path).output.dir.resolve()
+    out.mkdir(parents=True)
+    meta = Metadata(run_id=1, message_id="m", src_node_id=0, dst_node_id=1, reply_to_message_id="", group_id="1",
+                    created_at=0.0, ttl=60.0, message_type=MessageType.TRAIN)  # the aggregator's train message
+    msg = Message(content=RecordDict({"config": ConfigRecord({"server-round": 1, "nonce": "ab" * 32})}), metadata=meta)
+    with run_lock(out):
+        before = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+        with pytest.raises(StateError) as err:
+            train_round(msg, path)
+        assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == before == ["state", "state/lock"]
+    assert err.value.message == f"the output volume {out} is in use by another cvm-tune process (pid {os.getpid()})"

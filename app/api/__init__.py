@@ -14,7 +14,6 @@ import contextlib
 import ipaddress
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from pathlib import Path
 
 from app.config import Config
 from app.errors import ConfigError
@@ -35,6 +34,7 @@ def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: b
     from app.api.vault import open_vault
     from app.fsutil import remove_stale_temps
     from app.run.stages import agent_stage, base_model_stage
+    from app.state import claim_volume
     from app.training import threads
     from app.training.options import imported_versions, library_names
 
@@ -42,7 +42,7 @@ def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: b
     for sub in ("state", "models", "exports", "api"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
-        _lock_volume(stack, out)
+        claim_volume(stack, out)  # one writer of the audit chain and exports/ per volume
         remove_stale_temps(out / "exports")  # an export (or a withdrawal) cut short by a kill
         ag = agent_stage(cfg, stack, progress)
         if ag.simulated:  # the simulator's test policy next to exports/, as `cvm-tune run` writes it
@@ -77,27 +77,6 @@ def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: b
 
         yield Service(out=out, engine=engine, store=store, exporter=exporter, base_name=name, limits=cfg.api,
                       agent=ag, collateral=collateral, vault=vault)
-
-
-def _lock_volume(stack: ExitStack, out: Path) -> None:
-    """Hold the output volume's run lock (:func:`app.state.run_lock`) while the API serves: one writer of the audit
-    chain and ``exports/`` per volume; a nightly ``serve`` or ``run`` on it meanwhile says ``skipped: locked``.
-
-    Raises:
-        StateError: another cvm-tune process holds it (its pid, from ``state/lock``).
-    """
-    from app.errors import StateError
-    from app.state import Locked, run_lock
-
-    try:
-        stack.enter_context(run_lock(out))
-    except Locked:
-        try:
-            holder = f"pid {int((out / 'state' / 'lock').read_text())}"
-        except (OSError, ValueError):
-            holder = "pid unknown"
-        raise StateError(f"the output volume {out} is in use by another cvm-tune process ({holder})",
-                         fix="stop it (a nightly `serve` or `run`), or give the API its own output.dir") from None
 
 
 def check_listen(listen: str) -> tuple[str, int, bool]:

@@ -63,11 +63,14 @@ def node_config_path(context: Context) -> Path:
 def train_round(msg: Message, config_path: Path) -> Message:
     """Train for the round ``msg`` announces and reply with the adapter and the attested bundle.
 
+    Holds the output volume's run lock for the round (:func:`app.state.claim_volume`).
+
     Raises:
-        CvmTuneError: the round message is malformed, or the run failed (Flower returns it to the aggregator as
-            an error reply, which it records as the rejection reason).
+        CvmTuneError: the round message is malformed, the volume is in use by another cvm-tune process, or the run
+            failed (Flower returns it to the aggregator as an error reply, which it records as the rejection reason).
     """
     from app.run.pipeline import RunHooks, run_once
+    from app.state import claim_volume
 
     cfg = load_config(config_path)
     name = cfg.federation.client_name
@@ -79,9 +82,13 @@ def train_round(msg: Message, config_path: Path) -> Message:
     if round_ < 1 or not re.fullmatch(r"[0-9a-f]{64}", nonce):
         raise DataError("the aggregator's train message has no valid round number and nonce")
     arrays = next(iter(msg.content.array_records.values()), ArrayRecord())
-    scratch = cfg.output.dir.resolve() / "federated"
-    scratch.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"round-{round_}-", dir=scratch) as tmp, ExitStack() as stack:
+    out = cfg.output.dir.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        claim_volume(stack, out)  # a nightly run on this volume meanwhile would fork its audit chain
+        scratch = out / "federated"
+        scratch.mkdir(exist_ok=True)
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"round-{round_}-", dir=scratch))
         global_dir, global_sha = None, None
         recipient = aggregator_recipient(cfg, conf, round_, Path(tmp) / "aggregator-key")  # secure aggregation
         if (sealed := conf.get(GLOBAL_FIELD)) is not None:  # the aggregate, encrypted to this CVM's key
