@@ -50,6 +50,6 @@ fi
 if [ "$PART" = api ] || [ "$PART" = all ]; then
   gpu_pytest pytest-gpu-api 420 tests/test_gpu_api.py
   say "training API overhead on the GPU"
-  timeout 60 python3 bench/api_overhead.py --steps 10 --out "$OUT/api-overhead-gpu.json" 2>&1 | tee "$OUT/api-overhead.log"
+  timeout 120 python3 bench/api_overhead.py --steps 10 --out "$OUT/api-overhead-gpu.json" 2>&1 | tee "$OUT/api-overhead.log"
   say "training API overhead: rc ${PIPESTATUS[0]}"
 fi
