@@ -210,12 +210,19 @@ SIM_OWNER_LOCK = "owner.lock"  # flock'd by the process serving the simulator, f
 @contextlib.contextmanager
 def hold_owner_lock(directory: Path) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``directory/owner.lock`` for the block: the simulator's directory is live
-    for exactly as long as its owner process is (the kernel drops the lock when the process dies, even on kill -9)."""
+    for exactly as long as its owner process is (the kernel drops the lock when the process dies, even on kill -9).
+
+    The file is locked under a private name and then renamed to ``owner.lock``: another process's
+    :func:`remove_stale_simulator_dirs` never finds it unlocked (between a create and a flock it would have judged
+    the new directory stale and removed it under its owner).
+    """
     import fcntl
 
-    fd = os.open(directory / SIM_OWNER_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    private = directory / f".{SIM_OWNER_LOCK}.{os.getpid()}.{os.urandom(4).hex()}"
+    fd = os.open(private, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(private, directory / SIM_OWNER_LOCK)
         yield
     finally:
         os.close(fd)

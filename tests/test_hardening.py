@@ -412,6 +412,28 @@ def test_a_simulator_too_busy_to_answer_is_not_judged_stale(tmp_path: Path) -> N
         sock.close()
 
 
+def test_a_simulator_directory_being_set_up_is_never_judged_stale(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process's clean-up running at the worst moment, when the new owner is about to take its lock, keeps
+    the directory: ``owner.lock`` never exists unlocked (an unlocked one reads as a dead owner)."""
+    import fcntl
+
+    from app.tee import SIM_DIR_PREFIX, hold_owner_lock, remove_stale_simulator_dirs
+
+    new = tmp_path / f"{SIM_DIR_PREFIX}new"
+    new.mkdir()
+    real, removed = fcntl.flock, []
+
+    def flock(fd: int, op: int) -> None:
+        if not op & fcntl.LOCK_NB:  # the owner's blocking lock: first, a concurrent clean-up
+            removed.extend(remove_stale_simulator_dirs(tmp_path))
+        real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    with hold_owner_lock(new):
+        assert removed == [] and new.is_dir()
+        assert remove_stale_simulator_dirs(tmp_path) == [] and sorted(p.name for p in new.iterdir()) == ["owner.lock"]
+
+
 def test_status_lists_ad_hoc_runs(tmp_path: Path, demo: tuple[Path, Path], capsys: pytest.CaptureFixture[str]) -> None:
     bundle, _ = demo
     cfg = _write(tmp_path, yaml.safe_dump({"output": {"dir": str(bundle.parent.parent)}}))
