@@ -106,14 +106,21 @@ def test_serve_refuses_what_needs_a_gpu_before_anything_loads_or_listens(tmp_pat
         assert s.connect_ex(("127.0.0.1", srv.port)) != 0
 
 
-def test_the_hf_branch_loads_as_the_nightly_hf_backend() -> None:
-    """fp32 on the CPU, bf16 on a GPU that has it, 4-bit NF4 placed by device_map when configured."""
-    assert B.hf_kwargs(None, cuda=False, bf16=False) == {"local_files_only": True, "dtype": "float32"}
-    assert B.hf_kwargs(_cfg(), cuda=True, bf16=True) == {"local_files_only": True, "dtype": "bfloat16"}
+def test_the_hf_branch_loads_as_the_nightly_hf_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's loader arguments are the nightly HF backend's (``hf_model_kwargs``): fp32 on the CPU, bf16 on a GPU
+    that has it, 4-bit NF4 placed by device_map when configured."""
+    import torch
+
+    from app.config import TrainingSettings
+    from app.training.options import hf_model_kwargs
+
+    assert hf_model_kwargs(TrainingSettings(), cuda=False) == {"local_files_only": True, "dtype": torch.float32}
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *_a, **_k: True)
+    assert hf_model_kwargs(_cfg().training, cuda=True) == {"local_files_only": True, "dtype": torch.bfloat16}
     cfg = Config.model_validate({"training": {"gpu": {"quantization": "4bit"}}})
-    kw = B.hf_kwargs(cfg, cuda=True, bf16=True)
-    assert kw["quantization_config"]["load_in_4bit"] and kw["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
-    assert kw["device_map"] == {"": 0} and kw["dtype"] == "bfloat16"
+    kw = hf_model_kwargs(cfg.training, cuda=True)
+    assert kw["quantization_config"].load_in_4bit and kw["quantization_config"].bnb_4bit_quant_type == "nf4"
+    assert kw["device_map"] == {"": 0} and kw["dtype"] == torch.bfloat16
 
 
 SPY = textwrap.dedent("""

@@ -95,29 +95,19 @@ def check_quantization(cfg: Config) -> None:
                           fix="set training.gpu.quantization: none, or serve on an NVIDIA GPU")
 
 
-def hf_kwargs(cfg: Config | None, *, cuda: bool, bf16: bool) -> dict[str, Any]:
-    """``AutoModelForCausalLM.from_pretrained`` arguments of the HF branch: the nightly HF backend's
-    (:func:`app.training.options.hf_load_kwargs`: bf16 on a GPU that has it, else fp32; 4-bit NF4 with
-    ``training.gpu.quantization: 4bit``, then placed by ``device_map``), ``dtype`` and ``quantization_config`` still
-    as names / keyword arguments. ``cfg`` None: the defaults (no quantization)."""
-    from app.config import TrainingSettings
-    from app.training.options import hf_load_kwargs
-
-    return hf_load_kwargs(cfg.training if cfg is not None else TrainingSettings(), cuda=cuda, bf16=bf16)
-
-
 def model_context(base_dir: Path, default: int) -> int:
     """The base model's ``max_position_embeddings`` (a nested ``text_config``'s too), else ``default``.
 
     Unsloth's ``max_seq_length``: above the model's own context it would add RoPE scaling to the base.
     """
+    from app.training.options import context_limit
+
     try:
         config = json.loads((Path(base_dir) / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError):
         return default
-    text = config.get("text_config") if isinstance(config, dict) else None
-    limit = (text if isinstance(text, dict) else config if isinstance(config, dict) else {}).get("max_position_embeddings")
-    return limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else default
+    limit = context_limit(config) if isinstance(config, dict) else None
+    return limit if limit is not None and limit > 0 else default
 
 
 def unsloth_kwargs(base_dir: Path, cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:

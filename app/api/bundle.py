@@ -31,7 +31,7 @@ from app.export.confidential import make_plan
 from app.run import gpu as gpu_evidence
 from app.run.stages import Agent, BaseModel
 from app.training import TrainResult
-from app.training.options import imported_versions, library_names
+from app.training.options import device_label, imported_versions, library_names
 
 OP_CHAIN_SCHEMA = "cvm-tune/op-chain/v1"
 
@@ -72,7 +72,7 @@ class Exporter:
         if self.cfg.export.recipients:  # weights encrypted to them and to the CVM, built in RAM (as a nightly run)
             train.plain.mkdir(mode=0o700)
             plan = make_plan(self.ag.agent.get_key, (), tuple(sorted(self.cfg.export.recipients)), train.plain)
-        result = TrainResult(adapter_dir=train.dir, backend=self.backend, device=str(self._device()),
+        result = TrainResult(adapter_dir=train.dir, backend=self.backend, device=_device(),
                              losses=list(m.losses), global_step=m.steps, resumed_from_step=None, train_runtime_s=0.0,
                              tokens_seen=m.tokens_seen,
                              library_versions=imported_versions(library_names(self.backend)))
@@ -97,13 +97,6 @@ class Exporter:
 
         return sorted(json.loads((adapter_dir / "adapter_config.json").read_text())["target_modules"])
 
-    @staticmethod
-    def _device() -> str:
-        """As a nightly run records it: ``cpu`` or e.g. ``cuda:0 NVIDIA H100 80GB HBM3``."""
-        import torch
-
-        return f"cuda:{torch.cuda.current_device()} {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu"
-
 
 class _Adapter:
     """The adapter files alone (the export copies every file of ``adapter_dir``; the optimizer state stays out), in
@@ -125,3 +118,10 @@ class _Adapter:
 
         for d in (self.dir, self.plain):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _device() -> str:
+    """As a nightly run records it (:func:`app.training.options.device_label`)."""
+    import torch
+
+    return device_label(torch.cuda.is_available())

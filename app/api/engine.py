@@ -81,19 +81,17 @@ class Engine:
     def _load_hf(self, base_dir: Path, cfg: Any) -> None:
         import torch
         from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+        from transformers import AutoModelForCausalLM
 
-        from app.api.backend import hf_kwargs
+        from app.config import TrainingSettings
+        from app.training.options import hf_model_kwargs
 
         cuda = torch.cuda.is_available()
         self.device = "cuda" if cuda else "cpu"
-        kw = hf_kwargs(cfg, cuda=cuda, bf16=cuda and torch.cuda.is_bf16_supported())
-        kw["dtype"] = getattr(torch, kw["dtype"])
-        if "quantization_config" in kw:  # placed by its device_map: quantized weights cannot be moved after loading
-            kw["quantization_config"] = BitsAndBytesConfig(**kw["quantization_config"])
-            base = AutoModelForCausalLM.from_pretrained(str(base_dir), **kw)
-        else:
-            base = AutoModelForCausalLM.from_pretrained(str(base_dir), **kw).to(self.device)
+        kw = hf_model_kwargs(cfg.training if cfg is not None else TrainingSettings(), cuda=cuda)
+        base = AutoModelForCausalLM.from_pretrained(str(base_dir), **kw)
+        if "device_map" not in kw:  # a 4-bit base is placed by its device_map and cannot be moved
+            base = base.to(self.device)
         # A placeholder adapter that stays at zero makes the model a PeftModel once; each API model adds its own.
         self.model = get_peft_model(base, LoraConfig(r=1, target_modules=["q_proj"], lora_dropout=0.0),
                                     adapter_name="base")

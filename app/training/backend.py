@@ -56,8 +56,9 @@ from .options import (
     first_line,
     check_options,
     check_triton_toolchain,
+    device_label,
     gradient_checkpointing,
-    hf_load_kwargs,
+    hf_model_kwargs,
     imported_versions,
     library_names,
     sft_batch_kwargs,
@@ -280,7 +281,7 @@ def _train(req: TrainRequest, scratch: Path, choice: ResumeChoice | None, *, pla
     state = trainer.state
     losses = [(int(h["step"]), float(h["loss"])) for h in state.log_history if "loss" in h and "step" in h]
     eval_losses = [(int(h["step"]), float(h["eval_loss"])) for h in state.log_history if "eval_loss" in h]
-    device = f"cuda:{torch.cuda.current_device()} {torch.cuda.get_device_name()}" if cuda else "cpu"
+    device = device_label(cuda)
     if world > 1:
         device = f"{world} x {device}"
     return TrainResult(
@@ -331,15 +332,11 @@ def _import_unsloth() -> None:
 
 
 def _load_hf(req: TrainRequest, cuda: bool) -> tuple[Any, Any, Any]:
-    import torch
     from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    s, lora = req.settings, req.settings.lora
-    kw = hf_load_kwargs(s, cuda=cuda, bf16=cuda and torch.cuda.is_bf16_supported(), local_rank=ranks.local_rank())
-    kw["dtype"] = getattr(torch, kw["dtype"])
-    if "quantization_config" in kw:
-        kw["quantization_config"] = BitsAndBytesConfig(**kw["quantization_config"])
+    lora = req.settings.lora
+    kw = hf_model_kwargs(req.settings, cuda=cuda, local_rank=ranks.local_rank())
     tok = AutoTokenizer.from_pretrained(str(req.base_model_dir), local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(str(req.base_model_dir), **kw)
     # The SFTTrainer wraps the model with this config exactly once; on resume it loads the

@@ -84,6 +84,13 @@ def check_options(backend: str, s: TrainingSettings, *, cuda: bool) -> None:
                             fix="set training.backend: hf (or auto) with devices > 1, or devices: 1 for Unsloth")
 
 
+def context_limit(model_config: Mapping[str, Any]) -> int | None:
+    """A model config's ``max_position_embeddings`` (a nested ``text_config``'s when there is one), else None."""
+    text = model_config.get("text_config")
+    limit = (text if isinstance(text, Mapping) else model_config).get("max_position_embeddings")
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
 def check_max_length(model_config: Mapping[str, Any], max_length: int) -> None:
     """Refuse ``training.max_length`` above the base model's ``max_position_embeddings``.
 
@@ -94,9 +101,8 @@ def check_max_length(model_config: Mapping[str, Any], max_length: int) -> None:
     Raises:
         TrainingError: naming both numbers.
     """
-    text = model_config.get("text_config")
-    limit = (text if isinstance(text, Mapping) else model_config).get("max_position_embeddings")
-    if isinstance(limit, int) and not isinstance(limit, bool) and max_length > limit:
+    limit = context_limit(model_config)
+    if limit is not None and max_length > limit:
         raise TrainingError(f"training.max_length {max_length} exceeds the base model's max_position_embeddings {limit}",
                             fix=f"set training.max_length to at most {limit}")
 
@@ -161,6 +167,27 @@ def hf_load_kwargs(s: TrainingSettings, *, cuda: bool, bf16: bool, local_rank: i
                                       "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": dtype}
         out["device_map"] = {"": local_rank}  # quantized weights cannot be moved after loading
     return out
+
+
+def hf_model_kwargs(s: TrainingSettings, *, cuda: bool, local_rank: int = 0) -> dict[str, Any]:
+    """``AutoModelForCausalLM.from_pretrained`` arguments of the HF backend (:func:`hf_load_kwargs`, bf16 where the GPU
+    has it), with torch's dtype and transformers' ``BitsAndBytesConfig``: the nightly run's and the training API's.
+    With 4-bit, a ``device_map`` places the weights (they cannot be moved after loading)."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    kw = hf_load_kwargs(s, cuda=cuda, bf16=cuda and torch.cuda.is_bf16_supported(), local_rank=local_rank)
+    kw["dtype"] = getattr(torch, kw["dtype"])
+    if "quantization_config" in kw:
+        kw["quantization_config"] = BitsAndBytesConfig(**kw["quantization_config"])
+    return kw
+
+
+def device_label(cuda: bool) -> str:
+    """The device as manifests record it: ``cpu`` or e.g. ``cuda:0 NVIDIA H100 80GB HBM3``."""
+    import torch
+
+    return f"cuda:{torch.cuda.current_device()} {torch.cuda.get_device_name()}" if cuda else "cpu"
 
 
 def sft_batch_kwargs(s: TrainingSettings, plan: BatchPlan, *, has_eval: bool) -> dict[str, Any]:

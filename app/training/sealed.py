@@ -155,9 +155,7 @@ def open_sealed(sealed: Path, target: Path, *, key: bytes, step: int, fingerprin
     shutil.rmtree(target, ignore_errors=True)
     try:
         _open_into(sealed, target, key, step, fingerprint, inputs, required)
-    except Unusable:
-        raise
-    except (CvmTuneError, ValueError, KeyError, TypeError) as exc:
+    except (CvmTuneError, ValueError, KeyError, TypeError) as exc:  # Unusable itself passes through
         raise Unusable(_reason(exc)) from None
     return target
 
