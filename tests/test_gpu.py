@@ -84,11 +84,13 @@ def _train(tmp: Path, model: Path, settings: dict[str, Any], **spec: Any) -> dic
 
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Built on the GPU machine, offline, by the benchmark's own builder (random init, bf16)."""
+    """Built on the GPU machine, offline, by the benchmark's own builder (random init, bf16); tests/test_gpu_api.py
+    uses it too."""
     out = tmp_path_factory.mktemp("models") / "small-llama"
     code = ("import sys, json; sys.path.insert(0, 'bench'); import gpu_train; from pathlib import Path; "
             "gpu_train.build_model(Path(sys.argv[1]), json.loads(sys.argv[2]), cuda=True)")
-    subprocess.run([sys.executable, "-c", code, str(out), json.dumps(SMALL)], cwd=REPO, env=_env(), check=True, timeout=600)
+    subprocess.run([sys.executable, "-c", code, str(out), json.dumps(SMALL)], cwd=REPO, env={**_env(), "HF_HUB_OFFLINE": "1"},
+                   check=True, timeout=600)
     return out
 
 

@@ -16,17 +16,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests import api_drive
-
-REPO = Path(__file__).resolve().parent.parent
+from tests import api_drive, test_gpu
 
 
 def _cuda() -> bool:
@@ -42,23 +37,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _cuda(), reason="needs a C
                                  reason="needs unsloth (the [gpu] extra or the offline bundle)"),
               pytest.mark.filterwarnings("ignore::FutureWarning")]
 
-# tests/test_gpu.py's small Llama (kernel-friendly sizes: head_dim 64), untied lm_head, the tiny model's tokenizer.
-SMALL = {"vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-         "tie_word_embeddings": False}
 SEVEN = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Built on the GPU machine, offline, by the benchmark's own builder (random init, bf16)."""
-    out = tmp_path_factory.mktemp("models") / "small-llama"
-    code = ("import sys, json; sys.path.insert(0, 'bench'); import gpu_train; from pathlib import Path; "
-            "gpu_train.build_model(Path(sys.argv[1]), json.loads(sys.argv[2]), cuda=True)")
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, str(REPO)]), "HF_HUB_OFFLINE": "1"}
-    subprocess.run([sys.executable, "-c", code, str(out), json.dumps(SMALL)], cwd=REPO, env=env, check=True, timeout=600)
-    return out
+small_model = test_gpu.small_model  # the fixture: tests/test_gpu.py's small Llama (head_dim 64, untied lm_head)
 
 
 def test_api_on_unsloth_trains_samples_and_saves_a_plain_peft_adapter(small_model: Path, tmp_path: Path) -> None:
