@@ -5,7 +5,7 @@ encrypted env var: webhook URLs usually embed a token), so it is neither in the 
 bundle. The payload is built here from a fixed set of fields — event, run id, slot, attempt,
 reason (the app's own one-line error message, which by construction names files, lines and
 classes but never row content), times and the service identity — and every string is cut to one
-line of at most 300 characters. Delivery goes through the HTTP edge (:mod:`attestation.http_edge`): the URL
+line of at most 300 characters. Delivery goes through the HTTP edge (:mod:`attestation.io.http_edge`): the URL
 must be https (or http on loopback), no redirect is followed and no proxy used; up to ``1 + retries`` POSTs; 2xx is
 delivered; 429, 5xx and network errors are retried with the edge's exponential backoff (``Retry-After`` honoured
 up to ``MAX_BACKOFF_S``); anything else is not; the whole delivery has a deadline.
@@ -31,7 +31,7 @@ from typing import Any
 # ``state.inconsistent``: the output volume's state disagrees with the audit chain (exports/PROMOTED or the
 # privacy ledger edited, deleted or replaced); the night stops with a state error (exit 7) and is not retried.
 
-from attestation.http_edge import Edge, EdgeError, Transient, budget_s, retry
+from attestation.io.http_edge import Edge, EdgeError, Transient, budget_s, retry
 
 from app.config import AlertSettings, check_url
 

@@ -3,7 +3,7 @@
 ``state/audit.jsonl`` is append-only (one canonical entry per line, fsynced); it continues across
 runs and reboots, and each export carries its run's slice. Every entry is also emitted to the
 guest agent as the RTMR3 event ``cvm-tune.<type>`` with the entry line as payload, when the agent
-supports EmitEvent (format and verification: ``attestation.audit``).
+supports EmitEvent (format and verification: ``attestation.bundle.audit``).
 
 Order: emit first, then append. An emit that fails leaves the chain untouched, so the measured
 events and the chain never disagree because of an agent error.
@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-from attestation.audit import GENESIS, AuditEntry, AuditFormatError, chain_problems, make_entry, parse_lines
+from attestation.bundle.audit import GENESIS, AuditEntry, AuditFormatError, chain_problems, make_entry, parse_lines
 
 from app.errors import StateError, TeeError
 from app.fsutil import atomic_write_bytes, fsync_dir

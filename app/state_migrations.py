@@ -40,7 +40,7 @@ Migration = Callable[[sqlite3.Connection, Path], None]
 MIGRATIONS: list[Migration] = []
 migration = MIGRATIONS.append
 LEGACY_STATE = "state.json"  # runs/<id>/state.json: the per-run record before schema version 2
-_RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")  # attestation.bundle.RUN_ID_PATTERN
+_RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")  # attestation.bundle.manifest.RUN_ID_PATTERN
 _DATE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
 RUN_STATUSES = ("running", "exported")
 

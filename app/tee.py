@@ -130,7 +130,7 @@ class GuestAgent:
 
     def collateral(self, quote: bytes, *, pccs_url: str, timeout_s: float) -> str | None:
         """Collateral for the bundle: the simulator's test collateral, or the PCCS's (network, through the HTTP
-        edge: :func:`attestation.pccs.fetch_collateral`, the whole fetch within ``timeout_s``).
+        edge: :func:`attestation.tdx.pccs.fetch_collateral`, the whole fetch within ``timeout_s``).
 
         Raises:
             CollateralError: the PCCS could not be reached or did not answer collateral (a ``PccsError``); the
@@ -141,7 +141,7 @@ class GuestAgent:
         if self.identity().is_cvm_tune_simulator:
             # Simulator-only extension route (documented in app.simulator): not part of dstack.
             return str(_post(self.endpoint, "SimulatorCollateral", timeout_s)["collateral"])
-        from attestation.pccs import fetch_collateral
+        from attestation.tdx.pccs import fetch_collateral
 
         return fetch_collateral(quote, pccs_url=pccs_url, timeout=timeout_s, retries=2, deadline_s=timeout_s)
 

@@ -2,7 +2,7 @@
 
 Imports only the standard library, ``cryptography``, ``dcap-qvl``, ``pydantic`` and ``PyYAML`` —
 never torch or the training stack — so a relying party can verify bundles on a small machine.
-Verification is offline; the one networked module, :mod:`attestation.pccs` (collateral from a
+Verification is offline; the one networked module, :mod:`attestation.tdx.pccs` (collateral from a
 PCCS, with ``requests``), is not imported by ``import attestation``.
 
 Public API::
@@ -15,9 +15,9 @@ Public API::
     verdict = quote_verdict(raw, policy=..., now=..., collateral=read_collateral_file(path), events=..., expected_report_data=...)
 """
 
-from attestation.bundle import Manifest, manifest_report_data
-from attestation.bundle_verify import verify_bundle
-from attestation.dcap import Collateral, parse_collateral
+from attestation.bundle.manifest import Manifest, manifest_report_data
+from attestation.bundle.verify import verify_bundle
+from attestation.tdx.dcap import Collateral, parse_collateral
 from attestation.errors import (
     AttestationError,
     BundleError,
@@ -27,8 +27,8 @@ from attestation.errors import (
     QuoteParseError,
     ReportDataError,
 )
-from attestation.eventlog import parse_event_log, replay
-from attestation.inputs import (
+from attestation.tdx.eventlog import parse_event_log, replay
+from attestation.tdx.inputs import (
     decode_quote_input,
     parse_report_data_hex,
     read_collateral_file,
@@ -37,7 +37,7 @@ from attestation.inputs import (
     read_quote_input,
 )
 from attestation.policy import DEFAULT_POLICY, Policy, TrustedRoot, load_policy
-from attestation.quote import Quote
+from attestation.tdx.quote import Quote
 from attestation.verify import Check, Verdict, verify_quote
 
 __all__ = [

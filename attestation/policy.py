@@ -28,10 +28,10 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from attestation.audit import ENTRY_TYPES, EVENT_PREFIX
 from attestation.errors import PolicyError
-from attestation.inputs import read_bounded
-from attestation.safe_yaml import parse_yaml
+from attestation.io.safe_yaml import parse_yaml
+from attestation.tdx.eventlog import ENTRY_TYPES, EVENT_PREFIX
+from attestation.tdx.inputs import read_bounded
 
 TCB_STATUSES = (
     "UpToDate",

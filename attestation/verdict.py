@@ -13,9 +13,9 @@ from typing import Any, Literal
 
 import dcap_qvl
 
-from attestation.dcap import Collateral
-from attestation.eventlog import BootInfo
-from attestation.quote import Quote
+from attestation.tdx.dcap import Collateral
+from attestation.tdx.eventlog import BootInfo
+from attestation.tdx.quote import Quote
 
 Status = Literal["pass", "fail", "skip"]
 

@@ -31,13 +31,13 @@ Steps (quote level):
 
 from __future__ import annotations
 
-from attestation.compose import check_mr_config_id
-from attestation.dcap import Collateral, DcapResult, collateral_chain_problems, dcap_verify, quote_chain_problems
+from attestation.compose.app_compose import check_mr_config_id
+from attestation.tdx.dcap import Collateral, DcapResult, collateral_chain_problems, dcap_verify, quote_chain_problems
 from attestation.errors import QuoteParseError
-from attestation.eventlog import Event, boot_info, name_problems, replay
+from attestation.tdx.eventlog import Event, boot_info, name_problems, replay
 from attestation.policy import Policy
-from attestation.quote import Quote, TdReport
-from attestation.roots import INTEL_SGX_ROOT_CA_DER
+from attestation.tdx.quote import Quote, TdReport
+from attestation.tdx.roots import INTEL_SGX_ROOT_CA_DER
 from attestation.verdict import Check, QuoteFindings, Status, Verdict, iso_utc
 
 __all__ = ["Check", "QuoteFindings", "Status", "Verdict", "quote_verdict", "verify_quote"]

@@ -6,7 +6,7 @@ Rows (project / bound / ratio; times as min and median of the samples, throughpu
 
 * ``verify_bundle`` with cold caches on a fresh demo bundle / bare ``dcap_qvl.verify_with_root_ca`` on the same
   quote and collateral (the one call a verifier cannot skip);
-* hashing every file of that bundle with ``attestation.hashing.sha256_file`` / ``hashlib.sha256`` over the same
+* hashing every file of that bundle with ``attestation.io.hashing.sha256_file`` / ``hashlib.sha256`` over the same
   bytes already in memory; the same for one 256 MiB file (read from the page cache);
 * the whole ``cvm-tune verify BUNDLE`` process / ``python -c 'import dcap_qvl'``;
 * ``cvm-tune --help`` / ``python -c pass``;
@@ -65,8 +65,8 @@ def verify_rows(tmp: Path, n: int) -> list[dict]:
     import dcap_qvl
 
     from attestation import load_policy, verify_bundle
-    from attestation.dcap import parse_collateral
-    from attestation.hashing import sha256_file
+    from attestation.tdx.dcap import parse_collateral
+    from attestation.io.hashing import sha256_file
 
     bundle, policy_file = _make_bundle(tmp)
     policy = load_policy(policy_file)

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "encrypt-cpu.json")
     args = ap.parse_args(argv)
-    from attestation import confidential as C
+    from attestation.outputs import confidential as C
 
     ids = [C.identity_from_secret(bytes([i]) * 32) for i in (1, 2, 3)]
     recipients = tuple(sorted(C.recipient_of(i) for i in ids))

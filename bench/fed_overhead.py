@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.app import Message, MessageType, Metadata, MetricRecord, RecordDict
 
 from attestation.policy import simulator_policy
-from attestation.round_verify import verify_round_head
+from attestation.rounds.verify import verify_round_head
 
 from app.config import Config
 from app.dataset import encrypt_stream

@@ -26,7 +26,7 @@ def times_ms(fn: Callable[[], object], n: int, before: Callable[[], None] = lamb
 
 def clear_dcap_caches() -> None:
     """Forget every memo of the chain checks (parsed chains, issuer signatures, CRLs): a cold verification."""
-    import attestation.dcap as dcap
+    import attestation.tdx.dcap as dcap
 
     for cached in vars(dcap).values():
         if hasattr(cached, "cache_clear"):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from attestation import Policy, parse_collateral
-from attestation.dcap import Collateral
+from attestation.tdx.dcap import Collateral
 from attestation.policy import simulator_policy
 
 from app.simulator import pki

@@ -166,7 +166,7 @@ def test_attest_rejects_a_config_id_that_binds_another_compose(serve: Any, tmp_p
     The same document with the right MRCONFIGID is trusted, so the rejection is the binding's alone."""
     import urllib.parse
 
-    from attestation.compose import mr_config_id_v1
+    from attestation.compose.app_compose import mr_config_id_v1
     from attestation.policy import policy_file_text, simulator_policy
 
     from app.api.tls import SCHEMA, report_data

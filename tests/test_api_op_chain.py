@@ -1,4 +1,4 @@
-"""The op chain (attestation.op_chain): the documented test vector, and that any change to what was sent changes
+"""The op chain (attestation.outputs.op_chain): the documented test vector, and that any change to what was sent changes
 the head; ops with no canonical form are refused with the reason."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from attestation import op_chain
+from attestation.outputs import op_chain
 
 ROOT = Path(__file__).resolve().parent.parent
 FB = {"op": "forward_backward", "loss_fn": "cross_entropy", "data": [

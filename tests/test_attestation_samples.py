@@ -14,9 +14,9 @@ import pytest
 
 from attestation import Policy, TrustedRoot, parse_collateral, parse_event_log, replay, verify_quote
 from attestation.errors import QuoteParseError
-from attestation.eventlog import boot_info
-from attestation.inputs import decode_quote_input
-from attestation.quote import Quote
+from attestation.tdx.eventlog import boot_info
+from attestation.tdx.inputs import decode_quote_input
+from attestation.tdx.quote import Quote
 
 from .conftest_data import TESTDATA, load_manifest
 

@@ -4,7 +4,16 @@ an import inside a function), no library module over ~400 lines.
 All of it is read from the source with ``ast`` (nothing is imported), so the test is fast and says which modules to
 look at. The layers, lowest first (docs/development.md has the map):
 
-    attestation            the verifier: imports nothing of app
+    attestation            the verifier: imports nothing of app. Inside it, lowest first:
+      attestation.errors, attestation.io          exceptions; bounded YAML/JSON, the HTTP edge, hashing
+      attestation.tdx, attestation.compose        quote, collateral, event log, GPU evidence; app-compose
+      attestation (policy, verdict, verify)       the policy and one quote's verification
+      attestation.outputs                         confidential (age) weights, the op chain
+      attestation.bundle                          the export bundle: manifest, audit chain, signatures, input checks
+      attestation.privacy                         epsilon recomputed, the privacy step (reads the manifest)
+      attestation.bundle.verify                   the bundle verifier, which runs all of the above
+      attestation.bundle.lineage                  parent links and chains of bundles (verifies each)
+      attestation.rounds                          federated round bundles (verify their client bundles)
     app (base)             app/*.py and app/config/, app/simulator/: errors, files, settings, guest agent, audit
     app.dataset
     app.training
@@ -38,7 +47,15 @@ def _modules() -> dict[str, Path]:
 
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("attestation",),
+    ("attestation.errors", "attestation.io"),
+    ("attestation.tdx", "attestation.compose"),
+    ("attestation",),  # its top modules: policy, verdict, verify (one quote); its __init__ re-exports the API
+    ("attestation.outputs",),
+    ("attestation.bundle",),
+    ("attestation.privacy",),
+    ("attestation.bundle.verify",),
+    ("attestation.bundle.lineage",),
+    ("attestation.rounds",),
     ("app", "app.config", "app.simulator"),  # the base: one layer, its modules may import each other
     ("app.dataset",),
     ("app.training",),
@@ -51,7 +68,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 
 
-BASE = 1  # LAYERS index of the base
+BASE = next(i for i, layer in enumerate(LAYERS) if "app" in layer)  # LAYERS index of the app's base
 
 
 def _folder(module: str) -> str:
@@ -140,6 +157,8 @@ def test_imports_point_one_way_between_folders() -> None:
     for name, path in known.items():
         here = _folder(name)
         for dep in _imports(name, path, known, nested=True):
+            if path.name == "__init__.py" and dep.startswith(name + "."):
+                continue  # a package's __init__ re-exporting its own parts is its public API, not a dependency
             there = _folder(dep)
             if there != here and (_layer(there) > _layer(here) or (_layer(there) == _layer(here) != BASE)):
                 wrong.append(f"{name} -> {dep}")
@@ -148,8 +167,12 @@ def test_imports_point_one_way_between_folders() -> None:
 
 def test_the_layer_rule_can_fail() -> None:
     assert _folder("app.run.pipeline") == "app.run" and _folder("app.errors") == "app"
-    assert _folder("app.config.base") == "app.config" and _folder("attestation.bundle") == "attestation"
+    assert _folder("app.config.base") == "app.config" and _folder("attestation.policy") == "attestation"
     assert _layer(_folder("app.cli.verify")) > _layer(_folder("app.run.pipeline")) > _layer(_folder("app.export.stage"))
+    assert _folder("attestation.bundle.manifest") == "attestation.bundle"
+    assert _layer(_folder("attestation.rounds.verify")) > _layer(_folder("attestation.bundle.verify")) > _layer(
+        _folder("attestation.privacy.dp")) > _layer(_folder("attestation.bundle.manifest")) > _layer(
+        _folder("attestation.tdx.quote"))
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
@@ -160,3 +183,10 @@ def test_no_module_is_over_about_400_lines() -> None:
     long = {name: n for name, path in _modules().items()
             if (n := len(path.read_text().splitlines())) > MAX_LINES and name not in LONG_OK}
     assert long == {}
+
+
+def test_the_verifier_shows_its_parts() -> None:
+    """At most 12 entries at the top of the verifier package (modules and sub-packages, __init__ included)."""
+    top = [p.name for p in (ROOT / "attestation").iterdir()
+           if (p.suffix == ".py") or (p.is_dir() and (p / "__init__.py").exists())]
+    assert len(top) <= 12, sorted(top)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from attestation import compose as C
-from attestation import compose_yaml as Y
-from attestation.compose_audit import audit, canonical, compose_problems, exposes
+from attestation.compose import app_compose as C
+from attestation.compose import located_yaml as Y
+from attestation.compose.audit import audit, canonical, compose_problems, exposes
 
 from app.deploy.app_compose import render_deployment
 
@@ -190,7 +190,7 @@ def test_deeply_nested_compose_is_refused_not_a_crash(loader: type) -> None:
     with pytest.raises(C.ComposeError, match="nested more than 32 levels"):
         compose_problems(hostile, loader)
     doc = {**_good(), "docker_compose_file": hostile}
-    code = ("import json, sys\nfrom attestation import compose as C\n"
+    code = ("import json, sys\nfrom attestation.compose import app_compose as C\n"
             "try:\n    C.images(json.loads(sys.stdin.read()))\nexcept C.ComposeError as e:\n    print(e.message)\n")
     run = subprocess.run([sys.executable, "-c", code], input=json.dumps(doc), capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and "nested more than 32 levels" in run.stdout, (run.returncode, run.stderr[-500:])

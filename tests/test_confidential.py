@@ -24,8 +24,8 @@ from app.dataset.format_header import read_header
 from app.errors import CiphertextRejected, ConfigError, DatasetFormatError, NotARecipientError
 from app.run.inputs import scratch_dir
 from app.run.pipeline import RunHooks, run_once
-from attestation import confidential as C
-from attestation.confidential_verify import dataset_recipients
+from attestation.outputs import confidential as C
+from attestation.bundle.confidential import dataset_recipients
 from tests.owner_fixtures import KEY, jsonl, owner_key
 
 SAMPLE = [json.loads(line) for line in (Path(__file__).resolve().parent.parent / "app" / "data" / "sample.jsonl")
@@ -188,7 +188,7 @@ def _plain_hashes(bundle: Path, d: str) -> dict[str, str]:
 
 def test_model_signing_verifies_the_encrypted_dir_with_plaintext_digests(night: dict[str, Any], tmp_path: Path) -> None:
     """The library's own verifier, weight files counted by their plaintext hashes: passes; by their ciphertext: not."""
-    from attestation.model_sig import verify_dir
+    from attestation.bundle.model_sig import verify_dir
 
     key = tmp_path / "key.pem"
     key.write_text(_manifest(night["bundle"])["signing"]["public_key_pem"])
@@ -219,7 +219,7 @@ def test_signature_tampering_is_rejected_for_a_recipient(night: dict[str, Any], 
     from cryptography.hazmat.primitives.asymmetric import ec
 
     from app.export.signing import public_key_pem, sign_dir
-    from attestation.model_sig import verify_dir
+    from attestation.bundle.model_sig import verify_dir
 
     bundle = Path(shutil.copytree(night["bundle"], tmp_path / "bundle"))
     adapter = bundle / "adapter"
@@ -396,7 +396,7 @@ def test_warm_start_gate_and_resume_on_an_encrypted_parent(night: dict[str, Any]
 
 
 def _bech32(hrp: str, data: bytes) -> str:
-    """BIP-173 Bech32, written out again from the BIP (independent of attestation.confidential)."""
+    """BIP-173 Bech32, written out again from the BIP (independent of attestation.outputs.confidential)."""
     charset, gen = "qpzry9x8gf2tvdw0s3jn54khce6mua7l", (0x3B6A57B2, 0x26508E6D, 0x1EA119FA, 0x3D4233DD, 0x2A1462B3)
     bits = "".join(f"{b:08b}" for b in data)
     words = [int(bits[i:i + 5].ljust(5, "0"), 2) for i in range(0, len(bits), 5)]
@@ -447,8 +447,8 @@ def test_a_recipient_gets_the_plaintext_bundles_signing_checks_too(night: dict[s
     """The signing block itself is checked as for a plaintext bundle: another run's key path, or a merged model left
     out of the signed directories, fails ``model.signature`` even when every signature verifies (here on a manifest
     edited in memory: on disk the quote's binding of the manifest would fail first)."""
-    from attestation import bundle as B
-    from attestation import confidential_verify
+    from attestation.bundle import manifest as B
+    from attestation.bundle import confidential as confidential_verify
     from attestation.verdict import QuoteFindings
 
     doc = _manifest(night["bundle"])

@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 import yaml
 
-from attestation import bundle as B
-from attestation import confidential as C
-from attestation import round_bundle as R
-from attestation.hashing import sha256_hex
+from attestation.bundle import manifest as B
+from attestation.outputs import confidential as C
+from attestation.rounds import manifest as R
+from attestation.io.hashing import sha256_hex
 from attestation.policy import simulator_policy
-from attestation.round_verify import verify_round
+from attestation.rounds.verify import verify_round
 from tests.owner_fixtures import KEY, jsonl, owner_key
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -334,8 +334,8 @@ def test_chain_names_the_first_broken_link(chain: dict[str, Any], tmp_path: Path
 
 
 def test_promotion_decision_is_recomputed_by_the_verifier(chain: dict[str, Any]) -> None:
-    from attestation import bundle as B
-    from attestation.input_checks import evaluation
+    from attestation.bundle import manifest as B
+    from attestation.bundle.input_checks import evaluation
     from attestation.verify import QuoteFindings
 
     c = chain["c"].bundle_dir

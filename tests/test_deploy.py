@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import yaml
 
-from attestation import compose as C
-from attestation.compose_audit import audit as compose_audit
-from attestation.bundle import BuildInfo, Manifest
-from attestation.bundle_verify import _build
+from attestation.compose import app_compose as C
+from attestation.compose.audit import audit as compose_audit
+from attestation.bundle.manifest import BuildInfo, Manifest
+from attestation.bundle.verify import _build
 from attestation.policy import simulator_policy
 from attestation.verify import QuoteFindings
 

@@ -12,10 +12,10 @@ import dcap_qvl
 import pytest
 import yaml
 
-from attestation import safe_yaml
-from attestation.dcap import dcap_verify, parse_collateral
+from attestation.io import safe_yaml
+from attestation.tdx.dcap import dcap_verify, parse_collateral
 from attestation.errors import PolicyError
-from attestation.hashing import sha256_file
+from attestation.io.hashing import sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "tests" / "data" / "attestation"

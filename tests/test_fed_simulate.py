@@ -19,7 +19,7 @@ from typing import Any
 import psutil
 import pytest
 
-from attestation import round_bundle as R
+from attestation.rounds import manifest as R
 
 RAY_PROCESSES = ("raylet", "gcs_server", "plasma_store", "default_worker", "ray::")
 

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import yaml
 
-from attestation import bundle as B
-from attestation import round_bundle as R
+from attestation.bundle import manifest as B
+from attestation.rounds import manifest as R
 from attestation.policy import simulator_policy
-from attestation.round_verify import verify_round
+from attestation.rounds.verify import verify_round
 from tests.owner_fixtures import KEY, encrypt_to, jsonl, owner_key
 
 ROOT = Path(__file__).resolve().parent.parent

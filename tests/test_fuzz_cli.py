@@ -121,7 +121,7 @@ def _same_content(name: str, mutated: bytes, original: bytes) -> bool:
         return True
     if name != "event_log.json":
         return False
-    from attestation.eventlog import parse_event_log
+    from attestation.tdx.eventlog import parse_event_log
 
     try:
         return parse_event_log(mutated.decode()) == parse_event_log(original.decode())

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from attestation.bundle_verify import _gpu
-from attestation.eventlog import RUNTIME_EVENT_TYPE, parse_event_log
-from attestation.gpu_dstack import boot_gpu_attestation
+from attestation.bundle.verify import _gpu
+from attestation.tdx.eventlog import RUNTIME_EVENT_TYPE, parse_event_log
+from attestation.tdx.gpu_dstack import boot_gpu_attestation
 from attestation.verdict import QuoteFindings
 
 SUMMARY = {"version": 1, "provider": "nvidia", "devices": 1, "cc_mode": "on", "devtools": False,

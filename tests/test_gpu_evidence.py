@@ -23,8 +23,8 @@ import yaml
 from app.run import gpu as collect_mod
 from app.cli import main
 from app.errors import TeeError
-from attestation import gpu as G
-from attestation.audit import GENESIS, make_entry
+from attestation.tdx import gpu as G
+from attestation.bundle.audit import GENESIS, make_entry
 
 DATA = Path(__file__).parent / "data"
 GPU = DATA / "gpu"
@@ -325,8 +325,8 @@ def test_required_gpu_evidence_refuses_to_train_without_a_cc_gpu(tmp_path: Path,
 
 
 def test_bundles_from_before_gpu_evidence_are_a_skip_not_a_failure(tmp_path: Path) -> None:
-    from attestation import bundle as B
-    from attestation.bundle_verify import _gpu
+    from attestation.bundle import manifest as B
+    from attestation.bundle.verify import _gpu
     from attestation.verify import QuoteFindings
 
     old = B.Manifest.model_construct(gpu=None, files={})

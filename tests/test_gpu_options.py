@@ -138,7 +138,7 @@ def test_an_hf_run_does_not_record_unsloth_versions() -> None:
 def test_defaults_change_nothing_and_light_imports() -> None:
     g = Config().training.gpu
     assert (g.devices, g.quantization, g.gradient_checkpointing, g.batching, g.auto_batch_size) == (1, "none", "auto", "padded", False)
-    code = ("import sys, app.training.options, app.training.batch, app.training.launch, app.run.gpu, attestation.gpu; "
+    code = ("import sys, app.training.options, app.training.batch, app.training.launch, app.run.gpu, attestation.tdx.gpu; "
             "print([m for m in ('torch', 'transformers', 'trl', 'peft', 'unsloth') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, check=True)

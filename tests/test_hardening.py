@@ -14,7 +14,7 @@ import app.training
 from app.cli import main
 from app.config import Config
 from app.tee import GuestAgent
-from attestation import bundle as B
+from attestation.bundle import manifest as B
 
 
 def _cfg(tmp: Path, **output: object) -> Path:

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from app.cli import main
-from attestation import compose as C
-from attestation import safe_yaml
+from attestation.compose import app_compose as C
+from attestation.io import safe_yaml
 from attestation.errors import PolicyError
 
 DATA = Path(__file__).resolve().parent / "data" / "attestation"

@@ -105,7 +105,7 @@ def test_status_with_a_damaged_ledger_is_a_state_error(dp_volume: dict[str, Any]
 def test_a_run_that_died_after_its_start_keeps_its_reservation_in_the_chain(dp_volume: dict[str, Any]) -> None:
     """run.start commits to the planned epsilon, so a deleted ledger is rebuilt with the reservation of a run that
     never recorded privacy.spent."""
-    from attestation.audit import make_entry
+    from attestation.bundle.audit import make_entry
 
     from app.run.privacy_budget import trusted_spend
 

@@ -1,4 +1,4 @@
-"""The one HTTP edge (`attestation.http_edge`): its retry policy, and its rules against loopback servers the tests
+"""The one HTTP edge (`attestation.io.http_edge`): its retry policy, and its rules against loopback servers the tests
 start (a server that drips, redirects, answers too much, a proxy named by the environment, a self-signed TLS
 server). Every loop is bounded; nothing leaves loopback."""
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from attestation.http_edge import (
+from attestation.io.http_edge import (
     DeadlineExceeded,
     Edge,
     EdgeError,

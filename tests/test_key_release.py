@@ -37,8 +37,8 @@ from app.run.pipeline import run_once
 from app.simulator import GuestAgentSimulator, SimulatorServer, SimulatorSettings
 from app.tee import open_guest_agent
 from attestation import DEFAULT_POLICY
-from attestation.dataset_sig import owner_key_id
-from attestation.hashing import canonical_json
+from attestation.bundle.dataset_sig import owner_key_id
+from attestation.io.hashing import canonical_json
 from attestation.policy import policy_file_text, simulator_policy
 from tests.owner_fixtures import CANARY, INJECTION, all_logs, chat_row, encrypt_to, files_containing, jsonl, tiny_model_dir
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from Crypto.Hash import keccak
 
-from attestation import compose as C
-from attestation.dcap import parse_collateral
-from attestation.eventlog import parse_event_log
+from attestation.compose import app_compose as C
+from attestation.tdx.dcap import parse_collateral
+from attestation.tdx.eventlog import parse_event_log
 from attestation.policy import Policy
 from attestation.verify import verify_quote
 

@@ -1,4 +1,4 @@
-"""Dataset format version 2: the owner-signature trailer (app.dataset.format, attestation.dataset_sig).
+"""Dataset format version 2: the owner-signature trailer (app.dataset.format, attestation.bundle.dataset_sig).
 
 An independent decoder written from the format docstring checks the version-2 test vector; every
 single-bit flip and every truncation of a small signed file is detected without releasing the
@@ -34,7 +34,7 @@ from app.errors import (
     UnsignedDatasetError,
     WrongKeyError,
 )
-from attestation.dataset_sig import TRAILER_LEN, TrailerError, owner_key_id, read_signed_file
+from attestation.bundle.dataset_sig import TRAILER_LEN, TrailerError, owner_key_id, read_signed_file
 
 KEY = bytes(range(32))
 OWNER = Ed25519PrivateKey.from_private_bytes(b"\x22" * 32)

@@ -21,7 +21,7 @@ import pytest
 
 from attestation import parse_collateral
 from attestation.errors import QuoteParseError
-from attestation.pccs import PccsError, fetch_collateral
+from attestation.tdx.pccs import PccsError, fetch_collateral
 
 from app.cli import main
 
@@ -213,7 +213,7 @@ def test_verifier_import_stays_offline() -> None:
     import subprocess
     import sys
 
-    code = "import sys, attestation, attestation.verify; print(sorted(m for m in ('requests', 'attestation.pccs') if m in sys.modules))"
+    code = "import sys, attestation, attestation.verify; print(sorted(m for m in ('requests', 'attestation.tdx.pccs') if m in sys.modules))"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert res.stdout.strip() == "[]"
 

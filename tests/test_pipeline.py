@@ -18,7 +18,7 @@ from app.dataset import encrypt_file, write_key_file
 from app.errors import StateError, TeeError
 from app.simulator import GuestAgentSimulator, SimulatorServer, SimulatorSettings
 from app.tee import open_guest_agent
-from attestation.audit import GENESIS
+from attestation.bundle.audit import GENESIS
 
 CANARY = "CANARY-4e1d-plaintext-must-not-leak"
 

@@ -343,7 +343,7 @@ def test_pipeline_resumes_records_verifies_and_budgets_dp(tmp_path: Path, capsys
 
 
 def test_policy_max_epsilon_rejects_a_bundle_without_dp() -> None:
-    from attestation import privacy
+    from attestation.privacy import dp as privacy
     from attestation.policy import Policy
     from attestation.verify import QuoteFindings
 
@@ -359,8 +359,8 @@ def test_policy_max_epsilon_rejects_a_bundle_without_dp() -> None:
 def _tampered_blocks_fail(bundle: Path, manifest: dict[str, Any]) -> None:
     """privacy.dp recomputes what it can: a block that does not match its parameters, the config or the manifest
     fails (whatever the quote says); the untouched block passes."""
-    from attestation import privacy
-    from attestation.bundle import Manifest
+    from attestation.privacy import dp as privacy
+    from attestation.bundle.manifest import Manifest
     from attestation.policy import Policy
     from attestation.verify import QuoteFindings
 

@@ -23,7 +23,7 @@ from app.config import TeeSettings
 from app.errors import KeySourceError
 from app.export.signing import derive_key, public_key_pem, sign_dir
 from app.tee import open_guest_agent
-from attestation.model_sig import run_key_path
+from attestation.bundle.model_sig import run_key_path
 
 HUB_ID = "test-org/tiny-llama"
 
@@ -333,7 +333,7 @@ def test_cvm_self_verification_covers_the_model_signature(run: dict, tmp_path: P
     from app.errors import ExportError
     from app.export.stage import publish_gate
     from attestation import DEFAULT_POLICY, verify_bundle
-    from attestation.bundle_verify import INTEGRITY_CHECKS
+    from attestation.bundle.verify import INTEGRITY_CHECKS
 
     assert "model.signature" in INTEGRITY_CHECKS
     bundle = _copy(run, tmp_path)

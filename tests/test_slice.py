@@ -245,7 +245,7 @@ def test_adapter_loads_with_plain_peft_offline(demo: dict, tmp_path: Path, monke
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from app.training import build_tiny_model
-    from attestation.hashing import tree_digest
+    from attestation.io.hashing import tree_digest
 
     adapter = demo["bundle"] / "adapter"
     name = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]

@@ -22,7 +22,7 @@ from app.dataset import open_encrypted, parse_jsonl
 from app.dataset.row_sets import rows_sha256
 from app.dataset.tabular import ARROW, PARQUET, parse_table, read_table, rows_of_table
 from app.errors import EmptyDatasetError, RowError, TableError
-from attestation.hashing import canonical_json
+from attestation.io.hashing import canonical_json
 from tests.owner_fixtures import CANARY, KEY, encrypt_to, files_containing, jsonl, owner_key
 
 REPO = Path(__file__).resolve().parent.parent

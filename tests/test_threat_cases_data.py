@@ -45,7 +45,7 @@ from app.errors import (
 )
 from app.run.pipeline import run_once
 from app.simulator import GuestAgentSimulator
-from attestation.dataset_sig import TRAILER_LEN, public_key_bytes
+from attestation.bundle.dataset_sig import TRAILER_LEN, public_key_bytes
 from tests.owner_fixtures import (
     CANARY,
     INJECTION,

@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from attestation import Policy, parse_collateral, parse_event_log, verify_quote
-from attestation.eventlog import boot_info, name_problems, runtime_digest
+from attestation.tdx.eventlog import boot_info, name_problems, runtime_digest
 from attestation.policy import CVM_TUNE_APP_EVENTS, DEFAULT_POLICY
-from attestation.quote import Quote
+from attestation.tdx.quote import Quote
 
 from app.cli import main
 from app.simulator import GuestAgentSimulator

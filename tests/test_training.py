@@ -43,7 +43,7 @@ from app.training.checkpoints import (  # noqa: E402
     seal_checkpoint,
 )
 from app.training.sealed import MANIFEST  # noqa: E402
-from attestation.hashing import sha256_file, tree_digest  # noqa: E402
+from attestation.io.hashing import sha256_file, tree_digest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "app" / "data" / "sample.jsonl"

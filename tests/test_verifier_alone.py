@@ -86,7 +86,7 @@ def test_verify_quote_and_round_bundles_need_no_training_stack(verifier: Path, t
     (round_dir / "round-manifest.json").write_text("{}")
     rejected = _run(verifier / "cvm-tune", "verify", str(round_dir), "--policy", str(POLICY), "--now", NOW)
     assert rejected.returncode in (1, 2) and "internal error" not in rejected.stderr, rejected.stderr
-    probe = "import attestation.round_verify, app.cli.verify, numpy, safetensors.numpy, dp_accounting"
+    probe = "import attestation.rounds.verify, app.cli.verify, numpy, safetensors.numpy, dp_accounting"
     assert _run(verifier / "python", "-c", probe).returncode == 0
 
 
@@ -119,7 +119,7 @@ def test_rdp_epsilon_without_torch_is_opacus_figure(sigma: float, q: float, step
     pytest.importorskip("opacus")
     from opacus.accountants import RDPAccountant
 
-    from attestation.privacy import recompute_epsilon
+    from attestation.privacy.dp import recompute_epsilon
 
     acc = RDPAccountant()
     acc.history = [(sigma, q, steps)]
@@ -132,7 +132,7 @@ def test_prv_epsilon_from_dp_accounting_agrees_with_opacus(sigma: float, q: floa
     pytest.importorskip("opacus")
     from opacus.accountants import PRVAccountant
 
-    from attestation.privacy import PRV_ABS_TOL, epsilon_agrees, recompute_epsilon
+    from attestation.privacy.dp import PRV_ABS_TOL, epsilon_agrees, recompute_epsilon
 
     acc = PRVAccountant()
     acc.history = [(sigma, q, steps)]
@@ -146,7 +146,7 @@ def test_prv_mesh_points_without_torch_is_opacus_mesh() -> None:
     pytest.importorskip("opacus")
     from opacus.accountants.analysis.prv import PoissonSubsampledGaussianPRV, compute_safe_domain_size
 
-    from attestation.privacy import prv_mesh_points
+    from attestation.privacy.dp import prv_mesh_points
 
     sigma, q, steps, delta = 0.7, 0.05, 1000, 1e-6
     half = compute_safe_domain_size([PoissonSubsampledGaussianPRV(q, sigma)], [steps], eps_error=0.01,
@@ -156,7 +156,7 @@ def test_prv_mesh_points_without_torch_is_opacus_mesh() -> None:
 
 
 def test_recomputing_epsilon_imports_no_torch() -> None:
-    code = ("import sys; from attestation.privacy import recompute_epsilon as r; r('rdp', [(1.0, 0.01, 100)], 1e-5); "
+    code = ("import sys; from attestation.privacy.dp import recompute_epsilon as r; r('rdp', [(1.0, 0.01, 100)], 1e-5); "
             "r('prv', [(1.0, 0.01, 100)], 1e-5); print(sorted(m for m in ('torch', 'opacus') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert done.stdout.strip() == "[]"

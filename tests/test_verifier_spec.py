@@ -171,9 +171,9 @@ def test_files_list_is_exactly_the_spec_list() -> None:
 
 
 def test_product_verifier_agrees_with_the_spec() -> None:
-    from attestation.bundle import manifest_report_data
-    from attestation.eventlog import parse_event_log, replay
-    from attestation.hashing import files_digest
+    from attestation.bundle.manifest import manifest_report_data
+    from attestation.tdx.eventlog import parse_event_log, replay
+    from attestation.io.hashing import files_digest
 
     v = spec_vectors()
     assert manifest_report_data(read("manifest.json")).hex() == v["report_data"]
@@ -195,9 +195,9 @@ def test_keccak_is_not_sha3() -> None:
 
 
 def test_product_agrees_on_mr_config_id_v2_and_the_tree() -> None:
-    from attestation.compose import check_mr_config_id
-    from attestation.eventlog import boot_info, parse_event_log
-    from attestation.hashing import files_digest
+    from attestation.compose.app_compose import check_mr_config_id
+    from attestation.tdx.eventlog import boot_info, parse_event_log
+    from attestation.io.hashing import files_digest
 
     v = spec_vectors()
     boot = boot_info(parse_event_log(read("event_log.json"))).values
@@ -205,8 +205,8 @@ def test_product_agrees_on_mr_config_id_v2_and_the_tree() -> None:
                                boot["key-provider"])
     assert ok
     assert files_digest(json.loads(read("manifest.json"))["base_model"]["files"]) == v["base_model_tree"]
-    from attestation.dcap import parse_collateral
-    from attestation.gpu import summarize
+    from attestation.tdx.dcap import parse_collateral
+    from attestation.tdx.gpu import summarize
     from attestation.verdict import iso_utc
 
     c = parse_collateral(read("collateral.json"))
@@ -220,9 +220,9 @@ def test_product_agrees_on_mr_config_id_v2_and_the_tree() -> None:
                                                      ("dataset_id", "another-dataset", False),
                                                      ("dataset_version", 2, False)])
 def test_an_opening_entry_naming_another_dataset_version_is_refused(member: str, value: object, accepted: bool) -> None:
-    from attestation.audit import parse_entry
-    from attestation.bundle import Manifest
-    from attestation.bundle_verify import _entry_contents
+    from attestation.bundle.audit import parse_entry
+    from attestation.bundle.manifest import Manifest
+    from attestation.bundle.verify import _entry_contents
 
     m = Manifest.model_validate_json(read("manifest.json"))
     entries = [parse_entry(line) for line in read("audit.jsonl").split(b"\n")[:-1]]
@@ -232,7 +232,7 @@ def test_an_opening_entry_naming_another_dataset_version_is_refused(member: str,
 
 
 def test_td_attributes_rule_matches_the_sample_quotes_and_the_product() -> None:
-    from attestation.quote import Quote
+    from attestation.tdx.quote import Quote
 
     q = Quote.from_bytes(read("quote.bin"))
     assert q.td.td_attributes_u64 & 0x7FFFFFFF3FFFFFFF == 0x10000000 and q.td.attribute_problems() == []

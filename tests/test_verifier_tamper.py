@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from attestation import Policy, parse_collateral, parse_event_log, verify_quote
 from attestation.errors import CollateralError, QuoteParseError
-from attestation.quote import Quote
+from attestation.tdx.quote import Quote
 
 from .conftest_data import TESTDATA
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from attestation import Policy, TrustedRoot
-from attestation.quote import Quote
+from attestation.tdx.quote import Quote
 
 from app.cli import main
 

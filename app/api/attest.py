@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from attestation import load_policy
-from attestation.compose import check_mr_config_id
-from attestation.dcap import parse_collateral
-from attestation.http_edge import check_url
-from attestation.inputs import event_log_from_json
-from attestation.safe_yaml import parse_json
+from attestation.compose.app_compose import check_mr_config_id
+from attestation.tdx.dcap import parse_collateral
+from attestation.io.http_edge import check_url
+from attestation.tdx.inputs import event_log_from_json
+from attestation.io.safe_yaml import parse_json
 from attestation.verify import quote_verdict
 
 from app.api.tls import SCHEMA, report_data, spki_sha256

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from attestation.hashing import sha256_file, sha256_hex
+from attestation.io.hashing import sha256_file, sha256_hex
 
 from app import export
 from app.api.engine import LORA_ALPHA, LORA_DROPOUT

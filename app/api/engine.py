@@ -2,7 +2,7 @@
 in arrival order on one worker thread (so a model's operations apply in the order they were accepted).
 
 Each model keeps its adapter (PEFT, named ``m<N>``), its Adam optimizer over that adapter's parameters and its op
-chain head (:mod:`attestation.op_chain`): ``forward_backward`` accumulates gradients, ``optim_step`` applies them with
+chain head (:mod:`attestation.outputs.op_chain`): ``forward_backward`` accumulates gradients, ``optim_step`` applies them with
 the request's Adam parameters and clears them. Sampler checkpoints are loaded as adapters of their own, once.
 
 The base is loaded by transformers + PEFT (backend ``hf``) or by Unsloth (``unsloth``, :mod:`app.api.backend`); the
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from attestation import op_chain
+from attestation.outputs import op_chain
 
 from app.api import dp as dpsgd
 from app.api import losses, sampling, wire

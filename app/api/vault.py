@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from attestation.hashing import canonical_json, sha256_hex
+from attestation.io.hashing import canonical_json, sha256_hex
 
 from app.api.errors import BadRequest
 from app.api.store import Checkpoint

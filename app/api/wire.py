@@ -3,7 +3,7 @@
 ``forward_backward``/``forward`` bodies arrive as ``tinker_public_pb2.ForwardBackwardRequest`` (zstd only when the
 server's client config asks for it; it does not); ``ForwardBackwardOutput`` and ``SampleResponse`` results go back as
 protobuf, the only form SDK 0.38 accepts for them. Decoded requests are plain Python (:class:`Op`), the form the op
-chain (:mod:`attestation.op_chain`) hashes and the engine runs.
+chain (:mod:`attestation.outputs.op_chain`) hashes and the engine runs.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Op:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
-        """The op as the client's JSONL records it (:mod:`attestation.op_chain`)."""
+        """The op as the client's JSONL records it (:mod:`attestation.outputs.op_chain`)."""
         return {"op": "forward_backward", "loss_fn": self.loss_fn, "loss_fn_config": self.loss_fn_config,
                 "data": [{"model_input": d.tokens,
                           "loss_fn_inputs": {k: v.tolist() for k, v in d.inputs.items()}} for d in self.data]}

@@ -41,15 +41,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def identities(path: Path | None) -> list | None:
     """The age identities of ``--identity`` (None without it)."""
-    from attestation.confidential import load_identities
+    from attestation.outputs.confidential import load_identities
 
     return load_identities(path) if path is not None else None
 
 
 def _decrypt(args: argparse.Namespace) -> int:
-    from attestation import bundle as B
-    from attestation.hashing import sha256_file
-    from attestation.model_sig import verify_dir
+    from attestation.bundle import manifest as B
+    from attestation.io.hashing import sha256_file
+    from attestation.bundle.model_sig import verify_dir
 
     from app.export.confidential import decrypt_dir
 

@@ -60,7 +60,7 @@ def check_ops(bundle: Path, ops_file: Path, *, quiet: bool = False) -> bool:
     import json
     import sys
 
-    from attestation import op_chain
+    from attestation.outputs import op_chain
 
     from app.errors import ConfigError
 

@@ -12,10 +12,10 @@ from app.errors import ConfigError
 
 
 def _compose_hash(args: argparse.Namespace) -> int:
-    from attestation import compose as C
-    from attestation.compose_audit import audit as compose_audit
-    from attestation.inputs import read_bounded
-    from attestation.safe_yaml import MAX_JSON_BYTES
+    from attestation.compose import app_compose as C
+    from attestation.compose.audit import audit as compose_audit
+    from attestation.tdx.inputs import read_bounded
+    from attestation.io.safe_yaml import MAX_JSON_BYTES
 
     raw = read_bounded(args.app_compose, MAX_JSON_BYTES if args.from_info else C.MAX_APP_COMPOSE, C.ComposeError,
                        "Info document" if args.from_info else "app-compose.json")
@@ -49,7 +49,7 @@ def _compose_hash(args: argparse.Namespace) -> int:
 
 
 def _app_compose(args: argparse.Namespace) -> int:
-    from attestation.compose import AppComposeSettings
+    from attestation.compose.app_compose import AppComposeSettings
 
     from app.deploy.app_compose import bundles_token_sha256, describe, render_deployment
 
@@ -85,8 +85,8 @@ def _deploy_plan(args: argparse.Namespace) -> int:
 
 
 def _env(args: argparse.Namespace) -> int:
-    from attestation.compose import MAX_APP_COMPOSE, ComposeError, load
-    from attestation.inputs import read_bounded
+    from attestation.compose.app_compose import MAX_APP_COMPOSE, ComposeError, load
+    from attestation.tdx.inputs import read_bounded
 
     from app.deploy.app_compose import check_env, encrypt_env, read_env_file, verify_public_key
 

@@ -98,7 +98,7 @@ def _encrypt(args: argparse.Namespace) -> int:
             raise ConfigError(f"--meta {item!r} is not KEY=VALUE", fix="pass metadata as --meta KEY=VALUE (repeatable)")
         meta[name] = value
     if args.recipient:
-        from attestation.confidential import DATASET_META_KEY, parse_recipients
+        from attestation.outputs.confidential import DATASET_META_KEY, parse_recipients
 
         try:
             meta[DATASET_META_KEY] = " ".join(parse_recipients(args.recipient))
@@ -150,7 +150,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from app.dataset.owner import load_public_key
     from app.errors import DatasetSignatureError, DataError
     from app.fsutil import open_regular
-    from attestation.dataset_sig import TrailerError, read_signed_file
+    from attestation.bundle.dataset_sig import TrailerError, read_signed_file
 
     try:
         with open_regular(args.file) as fh:

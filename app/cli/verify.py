@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.cli import EXIT_REJECTED, _silence_stdout
 from app.errors import ConfigError
-from attestation.safe_yaml import parse_json
+from attestation.io.safe_yaml import parse_json
 
 if TYPE_CHECKING:
     from attestation import Verdict
@@ -33,7 +33,7 @@ def _verify(args: argparse.Namespace) -> int:
     if args.chain is not None:
         return _verify_chain(args.chain, policy, now, as_json=args.json, hint=args.policy is None)
     coll = read_collateral_file(args.collateral) if args.collateral is not None else None
-    from attestation.round_verify import is_round_bundle
+    from attestation.rounds.verify import is_round_bundle
 
     if is_round_bundle(args.bundle) and not (args.base_model or args.dataset):  # a federated round (docs/federated.md)
         if args.ops is not None:
@@ -55,7 +55,7 @@ def _verify(args: argparse.Namespace) -> int:
         if args.policy is None:
             _simulator_hint([(args.bundle, verdict)])
         return code
-    from attestation.lineage import check_link
+    from attestation.bundle.lineage import check_link
 
     parent = verify_bundle(args.parent, policy=policy, now=now)
     code = _print_with_parent(verdict, parent, check_link(args.bundle, args.parent), as_json=args.json,
@@ -140,7 +140,7 @@ def _simulator_chain(pem: bytes) -> bool:
 
 
 def _verify_chain(exports: Path, policy: Any, now: int, *, as_json: bool, hint: bool = False) -> int:
-    from attestation.lineage import verify_chain
+    from attestation.bundle.lineage import verify_chain
 
     report = verify_chain(exports, policy=policy, now=now)
     broken = report.first_broken
@@ -231,7 +231,7 @@ def _write_verdict(verdict: Verdict, *, as_json: bool) -> None:
 
 def _verify_quote(args: argparse.Namespace) -> int:
     from attestation import load_policy, parse_report_data_hex, read_collateral_file, read_event_log_file, read_quote_input
-    from attestation.inputs import event_log_from_json
+    from attestation.tdx.inputs import event_log_from_json
     from attestation.verify import quote_verdict
 
     policy = load_policy(args.policy)
@@ -251,7 +251,7 @@ def _verify_quote(args: argparse.Namespace) -> int:
 
 def _collateral(args: argparse.Namespace) -> int:
     from attestation import read_quote_file
-    from attestation.pccs import PHALA_PCCS_URL, fetch_collateral, save_collateral
+    from attestation.tdx.pccs import PHALA_PCCS_URL, fetch_collateral, save_collateral
 
     raw = read_quote_file(args.quote)
     url = args.pccs or PHALA_PCCS_URL
@@ -267,7 +267,7 @@ def _collateral(args: argparse.Namespace) -> int:
 
 def _verify_round(args: argparse.Namespace, policy: Any, now: int, collateral: Any) -> int:
     """Verify ``args.bundle`` (and with ``--parent``, the previous round and the link); 0 accepted, 1 rejected."""
-    from attestation.round_verify import check_round_link, verify_round
+    from attestation.rounds.verify import check_round_link, verify_round
 
     from app.cli.adapter import identities
 

@@ -28,8 +28,8 @@ from app.config.training import (
 from app.errors import ConfigError
 from app.config.federation import FederationSettings
 from app.config.api import ApiSettings
-from attestation.http_edge import check_url as _edge_check_url
-from attestation.safe_yaml import parse_yaml
+from attestation.io.http_edge import check_url as _edge_check_url
+from attestation.io.safe_yaml import parse_yaml
 
 __all__ = [  # with the training and evaluation sections of app.config.training
     "AlertSettings", "BaseModelSettings", "Config", "DatasetSettings", "DownloadSettings", "EvaluationSettings",
@@ -107,7 +107,7 @@ class KeySettings(_Closed):
 def check_url(url: str, what: str) -> urllib.parse.SplitResult:
     """Parse a URL cvm-tune will fetch and check the host it will contact: ``https://``, or ``http://`` only on
     loopback; printable ASCII without spaces or backslashes; no user name or password. The one rule of the HTTP
-    edge (:func:`attestation.http_edge.check_url`), which then contacts exactly the host parsed here.
+    edge (:func:`attestation.io.http_edge.check_url`), which then contacts exactly the host parsed here.
 
     Raises:
         ValueError: anything else (the message names ``what``).

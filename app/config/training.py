@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from attestation.privacy import NOISE_MAX, NOISE_MIN, PRV_MAX_STEPS
+from attestation.privacy.dp import NOISE_MAX, NOISE_MIN, PRV_MAX_STEPS
 
 from app.config.base import _Closed
 

@@ -24,7 +24,7 @@ version 2"); this reader rejects every other version byte the same way.
 | `key_check`  | 32                | `HMAC-SHA256(K_check, "cvm-tune key check")` |
 | `header_mac` | 32                | `HMAC-SHA256(K_header, magic ‖ header_len ‖ header ‖ key_check)` |
 | `chunk_0 … chunk_n` | rest       | `AES-256-GCM(K_payload, nonce_i, plaintext_i, aad = header_mac)`, ciphertext ‖ 16-byte tag |
-| `trailer`    | 176 (version 2)   | owner signature (`attestation.dataset_sig`): `"CVMTDSIG"` ‖ owner Ed25519 public key (32) ‖ plaintext size (u64 BE) ‖ plaintext SHA-256 ‖ body SHA-256 ‖ signature (64) |
+| `trailer`    | 176 (version 2)   | owner signature (`attestation.bundle.dataset_sig`): `"CVMTDSIG"` ‖ owner Ed25519 public key (32) ‖ plaintext size (u64 BE) ‖ plaintext SHA-256 ‖ body SHA-256 ‖ signature (64) |
 
 In version 2, *body* = every byte before the trailer, the *statement* = the trailer's first 112
 bytes, the signature = `Ed25519(owner key, "cvm-tune/dataset-signature/v2" ‖ 0x00 ‖ statement)`,
@@ -238,7 +238,7 @@ from app.errors import (
     WrongKeyError,
 )
 from app.fsutil import fsync_dir
-from attestation.hashing import canonical_json
+from attestation.io.hashing import canonical_json
 
 __all__ = [
     "ALG", "BLOB_CONTENT_TYPE", "CONTENT_TYPE", "CONTENT_TYPES", "DEFAULT_CHUNK_SIZE", "FORMAT_MAGIC", "FORMAT_MAGIC_V2",

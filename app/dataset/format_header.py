@@ -18,9 +18,9 @@ from cryptography.hazmat.primitives import hashes, hmac
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from app.errors import CvmTuneError, DatasetFormatError, KeySourceError
-from attestation.confidential import DATASET_META_KEY, parse_recipients
-from attestation.dataset_sig import OwnerSignature
-from attestation.hashing import canonical_json
+from attestation.outputs.confidential import DATASET_META_KEY, parse_recipients
+from attestation.bundle.dataset_sig import OwnerSignature
+from attestation.io.hashing import canonical_json
 
 FORMAT_MAGIC = b"CVMTDS\x00\x01"  # version 1: unsigned
 FORMAT_MAGIC_V2 = b"CVMTDS\x00\x02"  # version 2: version 1 + the owner-signature trailer

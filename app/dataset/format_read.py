@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from app.dataset.format_blocks import BlockReader
 from app.dataset.format_header import TAG_LEN, TRAILING_SEARCH, DatasetHeader, _nonce
 from app.errors import ChunkIntegrityError, DatasetFormatError, DatasetSignatureError, TrailingDataError, TruncatedDatasetError
-from attestation.dataset_sig import OwnerSignature
+from attestation.bundle.dataset_sig import OwnerSignature
 
 # Chunks at least this large are read, hashed and opened on a worker thread (hashlib and reads release the GIL):
 # the ciphertext hash overlaps the plaintext hash; smaller chunks are handled inline.

@@ -1,6 +1,6 @@
 """Dataset format version 2: reading the owner-signature trailer (decoding step 1, version 2).
 
-The trailer itself (layout, signature) is :mod:`attestation.dataset_sig`; the normative file
+The trailer itself (layout, signature) is :mod:`attestation.bundle.dataset_sig`; the normative file
 format is the docstring of :mod:`app.dataset.format`.
 """
 
@@ -11,7 +11,7 @@ from typing import BinaryIO
 
 from app.dataset.format_header import MAC_LEN, TRAILING_SEARCH, _parse_header, _read_prefix, _read_upto
 from app.errors import DatasetFormatError, DatasetSignatureError, TrailingDataError, TruncatedDatasetError
-from attestation.dataset_sig import TRAILER_LEN, TRAILER_MAGIC, OwnerSignature, TrailerError, parse_trailer
+from attestation.bundle.dataset_sig import TRAILER_LEN, TRAILER_MAGIC, OwnerSignature, TrailerError, parse_trailer
 
 
 class _Bounded:

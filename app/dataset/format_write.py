@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from app.dataset.format_header import DatasetHeader, EncryptResult, _nonce, _read_upto
-from attestation.dataset_sig import make_trailer, parse_trailer
+from attestation.bundle.dataset_sig import make_trailer, parse_trailer
 
 
 def write_chunks(src: BinaryIO, dst: BinaryIO, *, header: DatasetHeader, head: bytes, aead: AESGCM, aad: bytes,

@@ -43,9 +43,9 @@ from app.dataset.release import (
 )
 from app.errors import DatasetFormatError, KeyGrantError, KeyReleasePendingError, KeySourceError, StateError
 from app.fsutil import atomic_write_bytes, open_regular
-from attestation.dataset_sig import owner_key_id
+from attestation.bundle.dataset_sig import owner_key_id
 from attestation.errors import CollateralError
-from attestation.hashing import canonical_json
+from attestation.io.hashing import canonical_json
 
 logger = logging.getLogger(__name__)
 

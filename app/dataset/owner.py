@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from app.dataset.keys import read_private_file, write_private_file
 from app.errors import ConfigError, KeySourceError
-from attestation.dataset_sig import owner_key_id, public_key_bytes
+from attestation.bundle.dataset_sig import owner_key_id, public_key_bytes
 
 _MAX_PEM = 4096
 _HEX64 = re.compile(r"[0-9a-f]{64}")

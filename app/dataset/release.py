@@ -47,9 +47,9 @@ from app.dataset.format import open_encrypted, read_header
 from app.errors import ConfigError, KeyReleaseRefusedError, WrongKeyError
 from app.fsutil import open_regular
 from attestation import Policy, parse_collateral, parse_event_log, verify_quote
-from attestation.dataset_sig import owner_key_id, public_key_bytes
+from attestation.bundle.dataset_sig import owner_key_id, public_key_bytes
 from attestation.errors import AttestationError
-from attestation.hashing import canonical_json
+from attestation.io.hashing import canonical_json
 
 REQUEST_SCHEMA = "cvm-tune/key-request/v1"
 REQUEST_FILE_SCHEMA = "cvm-tune/key-request-file/v1"

@@ -9,7 +9,7 @@ from typing import Any
 
 from app.dataset.rows import PREFERENCE
 from app.errors import RowError
-from attestation.hashing import canonical_json
+from attestation.io.hashing import canonical_json
 
 KINDS = {"sft": ("text", "messages"), "dpo": ("preference",)}
 

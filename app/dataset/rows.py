@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from app.errors import ConfigError, DatasetTooLargeError, EmptyDatasetError, RowError
-from attestation.hashing import canonical_json
+from attestation.io.hashing import canonical_json
 
 Dedup = Literal["exact", "normalized", "off"]
 

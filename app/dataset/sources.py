@@ -7,7 +7,7 @@
   versions are ignored; a newest version older than one already trained on is refused later, as for a file;
 * a **URL** the owner controls (``dataset.source: url``): the current version is downloaded (ciphertext only, with
   timeouts, retries that resume with HTTP ``Range``, a size cap and an overall deadline; https, or http on
-  loopback, for the URL and every redirect; all through the one HTTP edge, :mod:`attestation.http_edge`) into ``<output>/datasets/fetched/``, checked
+  loopback, for the URL and every redirect; all through the one HTTP edge, :mod:`attestation.io.http_edge`) into ``<output>/datasets/fetched/``, checked
   (owner signature, body hash, dataset id) and only then renamed into place under its version. The transport is
   untrusted: nothing from it is used before those checks, and the dataset key is not needed for them. When the URL
   cannot be reached or serves something invalid, the newest valid version fetched before is used, and the caller
@@ -25,8 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from attestation.dataset_sig import TrailerError, read_signed_file
-from attestation.http_edge import Answer, DeadlineExceeded, Edge, EdgeError, GaveUp, Redirected, Transient, retry
+from attestation.bundle.dataset_sig import TrailerError, read_signed_file
+from attestation.io.http_edge import Answer, DeadlineExceeded, Edge, EdgeError, GaveUp, Redirected, Transient, retry
 
 from app.config import check_url
 from app.errors import (
@@ -143,7 +143,7 @@ def download(url: str, inbox: Path, *, dataset_id: str, owner_public_key: bytes,
              sleep: Callable[[float], None] = time.sleep) -> Path:
     """Fetch the owner's current version into ``inbox`` (resumable) and keep it only if it checks out.
 
-    Through the HTTP edge (:mod:`attestation.http_edge`): ``url`` and every redirect target must pass
+    Through the HTTP edge (:mod:`attestation.io.http_edge`): ``url`` and every redirect target must pass
     :func:`app.config.check_url` and the connection goes to exactly the host that check parsed; retries follow the
     edge's one policy (network errors, 429 and 5xx; ``Retry-After`` honoured up to ``MAX_BACKOFF_S``), each resuming
     with ``Range``. ``deadline_s`` bounds the whole download, attempts and waits included: the edge shuts the

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from attestation.safe_yaml import parse_json
+from attestation.io.safe_yaml import parse_json
 
 from app.errors import DatasetRollbackError, StateError
 from app.fsutil import atomic_write_bytes

@@ -1,7 +1,7 @@
 """Operator tooling for dstack: the deployable compose + app-compose.json, and encrypted environment variables.
 
 * :func:`render_deployment`: the repository's ``docker-compose.yaml`` with the pushed image's digest put in place
-  of the placeholder, and the ``app-compose.json`` dstack will measure (``attestation.compose``), refused when the
+  of the placeholder, and the ``app-compose.json`` dstack will measure (``attestation.compose.app_compose``), refused when the
   audit finds anything (unpinned image, public logs, secrets in clear, socket in two containers).
 * :func:`encrypt_env`: dstack's encrypted environment, made with the SDK's own ``encrypt_env_vars_sync``
   (dstack-sdk 0.5.4: X25519 + AES-256-GCM to the CVM's env public key). dstack checks names against the
@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from attestation import compose as C
-from attestation.compose_audit import audit as compose_audit
+from attestation.compose import app_compose as C
+from attestation.compose.audit import audit as compose_audit
 
 from app.service.bundles import TOKEN_ENV, read_token, token_sha256
 from app.errors import ConfigError

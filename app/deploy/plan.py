@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from attestation import compose as C
-from attestation.compose_audit import audit as compose_audit
+from attestation.compose import app_compose as C
+from attestation.compose.audit import audit as compose_audit
 
 from app.deploy.app_compose import check_env, read_env_file
 from app.errors import ConfigError
@@ -88,7 +88,7 @@ class Plan:
 
 def _check_inputs(app_compose: Path, env_file: Path) -> list[str]:
     """The app-compose passes its audit and keeps the alert variable; the env file holds only allowed names."""
-    from attestation.inputs import read_bounded
+    from attestation.tdx.inputs import read_bounded
 
     if not app_compose.is_file():
         raise ConfigError(f"cannot read {app_compose}: no such file", fix="run cvm-tune app-compose first")

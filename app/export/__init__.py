@@ -2,7 +2,7 @@
 
 The pipeline stages a bundle with these, binds ``manifest.json`` into the quote's report_data and
 publishes the directory atomically (``app.fsutil.staged_dir``); the layout is documented in
-``attestation.bundle``.
+``attestation.bundle.manifest``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from attestation import bundle as B
-from attestation import model_sig
-from attestation.hashing import files_digest, sha256_file
+from attestation.bundle import manifest as B
+from attestation.bundle import model_sig
+from attestation.io.hashing import files_digest, sha256_file
 
 import app
 from app.export import signing
@@ -115,7 +115,7 @@ def _write_merged(out: Path, base_dir: Path, adapter: Path, tokenizer: Any, max_
 
 
 def _check_names(directory: Path) -> None:
-    """Only plain files with names the manifest can list (one level: ``attestation.bundle.LISTED_FILE``)."""
+    """Only plain files with names the manifest can list (one level: ``attestation.bundle.manifest.LISTED_FILE``)."""
     if odd := sorted(p.name for p in directory.iterdir() if not p.is_file() or not B.LISTED_NAME.fullmatch(p.name)):
         raise ExportError(f"{directory.name}/ holds entries a bundle cannot list: {odd}",
                           fix="report this (an unexpected transformers/peft version)")

@@ -2,7 +2,7 @@
 
 A run whose dataset header names age recipients (``cvm-tune dataset encrypt --recipient``), or whose configuration
 adds some (``export.recipients``), writes every weight file of its bundle only as age v1 ciphertext to those
-recipients plus the CVM's own key (``attestation.confidential``: derivation, manifest block, verifier steps). The
+recipients plus the CVM's own key (``attestation.outputs.confidential``: derivation, manifest block, verifier steps). The
 plaintext model directories are built, signed and hashed in a RAM directory (the scratch's sibling) and encrypted
 from there into the staged bundle, so no plaintext weight byte reaches the output volume. The CVM's identity is
 derived from GetKey when needed and kept in memory only.
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pyrage
-from attestation import confidential as C
-from attestation.hashing import sha256_file, sha256_hex
+from attestation.outputs import confidential as C
+from attestation.io.hashing import sha256_file, sha256_hex
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -30,7 +30,7 @@ GETKEY_PURPOSE = "cvm-tune-outputs"
 
 
 def cvm_identity(get_key: Callable[[str, str], bytes]) -> str:
-    """The CVM's age identity (``AGE-SECRET-KEY-1…``): HKDF of GetKey(:data:`attestation.confidential.CVM_KEY_PATH`).
+    """The CVM's age identity (``AGE-SECRET-KEY-1…``): HKDF of GetKey(:data:`attestation.outputs.confidential.CVM_KEY_PATH`).
 
     Raises:
         KeySourceError: GetKey returned fewer than 32 bytes.

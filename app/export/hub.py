@@ -13,7 +13,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from attestation import bundle as B
+from attestation.bundle import manifest as B
 
 from app.errors import ConfigError, ExportError
 

@@ -1,7 +1,7 @@
 """OpenSSF model signatures of the exported model directories, made with a key that only the CVM can derive.
 
 The key is ECDSA P-256, one per run: derived from dstack ``GetKey`` at ``cvm-tune/model-signing/v1/runs/<run_id>``
-(:func:`attestation.model_sig.run_key_path`; GetKey binds it to the app id, so nothing outside the deployment can
+(:func:`attestation.bundle.model_sig.run_key_path`; GetKey binds it to the app id, so nothing outside the deployment can
 derive it, and two runs never share a key: a directory copied from another run fails the library's own check), then::
 
     scalar = HKDF-SHA256(ikm=GetKey bytes, salt=None, info=b"cvm-tune/model-signing/v1 P-256", length=48)
@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from attestation import bundle as B
+from attestation.bundle import manifest as B
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -33,7 +33,7 @@ _P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
 
 
 def derive_key(get_key: Callable[[str, str], bytes], path: str) -> ec.EllipticCurvePrivateKey:
-    """A model-signing key from GetKey(``path``) (a run's: :func:`attestation.model_sig.run_key_path`).
+    """A model-signing key from GetKey(``path``) (a run's: :func:`attestation.bundle.model_sig.run_key_path`).
 
     Raises:
         KeySourceError: GetKey returned fewer than 32 bytes.

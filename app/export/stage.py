@@ -3,7 +3,7 @@ quote, verify the staged bundle the way a relying party will, and only then publ
 
 A bundle appears under its final name complete (staged, fsynced, renamed) and only if it passes its own
 verification: for the simulator, the whole test-CA policy; in a CVM, every integrity check of the default
-policy (:data:`attestation.bundle_verify.INTEGRITY_CHECKS`).
+policy (:data:`attestation.bundle.verify.INTEGRITY_CHECKS`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from attestation import DEFAULT_POLICY, Verdict, verify_bundle
-from attestation import bundle as B
-from attestation.bundle_verify import INTEGRITY_CHECKS
-from attestation.hashing import files_digest, sha256_file
+from attestation.bundle import manifest as B
+from attestation.bundle.verify import INTEGRITY_CHECKS
+from attestation.io.hashing import files_digest, sha256_file
 from attestation.policy import policy_file_text, simulator_policy
 
 import app

@@ -32,13 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attestation import bundle as B
+from attestation.bundle import manifest as B
 from attestation import verify_bundle
 from attestation.errors import AttestationError
-from attestation.hashing import sha256_file, sha256_hex
+from attestation.io.hashing import sha256_file, sha256_hex
 from attestation.policy import Policy
-from attestation.round_bundle import client_privacy, quote_identity
-from attestation.safe_yaml import parse_json
+from attestation.rounds.manifest import client_privacy, quote_identity
+from attestation.io.safe_yaml import parse_json
 
 from app.errors import CvmTuneError
 from app.config.federation import CLIENT_NAME, FederationSettings

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from attestation.policy import Policy, load_policy, simulator_policy
-from attestation.round_confidential import verify_key_head
-from attestation.round_verify import verify_round_head
+from attestation.rounds.confidential import verify_key_head
+from attestation.rounds.verify import verify_round_head
 
 from app.config import Config
 from app.errors import TeeError

@@ -23,8 +23,8 @@ from pathlib import Path
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from attestation import bundle as B
-from attestation.hashing import sha256_hex
+from attestation.bundle import manifest as B
+from attestation.io.hashing import sha256_hex
 
 from app.config import load_config
 from app.errors import ConfigError, DataError

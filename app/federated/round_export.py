@@ -1,4 +1,4 @@
-"""Write a round bundle (``attestation.round_bundle``): the aggregate, the admitted client bundles, the rejections,
+"""Write a round bundle (``attestation.rounds.manifest``): the aggregate, the admitted client bundles, the rejections,
 bound into the aggregator's own quote, verified the way a relying party will, and only then published.
 """
 
@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from attestation import DEFAULT_POLICY
-from attestation import bundle as B
-from attestation import round_bundle as R
-from attestation.bundle_verify import INTEGRITY_CHECKS
-from attestation.hashing import sha256_file, sha256_hex
+from attestation.bundle import manifest as B
+from attestation.rounds import manifest as R
+from attestation.bundle.verify import INTEGRITY_CHECKS
+from attestation.io.hashing import sha256_file, sha256_hex
 from attestation.policy import Policy, simulator_policy
-from attestation.round_verify import verify_round
+from attestation.rounds.verify import verify_round
 
 import app
 from app import export
@@ -27,7 +27,7 @@ from app.errors import ExportError
 from app.federated.admission import Admitted, Rejected
 from app.federated.secure import global_recipients
 from app.federated.transport import arrays_to_safetensors
-from attestation import confidential as C
+from attestation.outputs import confidential as C
 from app.fsutil import staged_dir
 from app.tee import GuestAgent, Identity
 

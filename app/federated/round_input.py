@@ -30,7 +30,7 @@ class RoundInput:
     aggregator_recipient: str | None = None
 
     def manifest_block(self) -> dict[str, Any]:
-        """The manifest's ``federation`` section (``attestation.bundle.FederationInfo``)."""
+        """The manifest's ``federation`` section (``attestation.bundle.manifest.FederationInfo``)."""
         return {"round": self.round, "nonce": self.nonce, "global_adapter_sha256": self.global_adapter_sha256,
                 "proximal_mu": self.proximal_mu}
 

@@ -1,7 +1,7 @@
 """Secure aggregation through the TEE (``federation.secure_aggregation``; docs/federated.md, "What each party sees").
 
 1. Before round 1 the aggregator derives its age key from GetKey (``app.export.confidential.cvm_identity``) and
-   attests the recipient: ``aggregator-key.json`` (``attestation.round_bundle.AggregatorKey``) bound by its quote,
+   attests the recipient: ``aggregator-key.json`` (``attestation.rounds.manifest.AggregatorKey``) bound by its quote,
    sent with the event log, app-compose and collateral in every train message (``aggregator-key``).
 2. A client checks that quote (``app.federated.aggregator_check.aggregator_recipient``) and trains with the recipient
    added to its run's recipients: its bundle's weight files are age ciphertext to it (and to the client's own CVM key
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attestation import bundle as B
-from attestation import confidential as C
-from attestation import round_bundle as R
-from attestation.hashing import sha256_hex
+from attestation.bundle import manifest as B
+from attestation.outputs import confidential as C
+from attestation.rounds import manifest as R
+from attestation.io.hashing import sha256_hex
 
 from app.audit import utc_now
 from app.errors import DataError

@@ -154,7 +154,7 @@ def _initial_adapter(d: Path) -> tuple[Path, str]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from attestation.hashing import sha256_hex
+    from attestation.io.hashing import sha256_hex
 
     from app.config import load_config
     from app.federated.transport import arrays_to_safetensors, safetensors_to_arrays
@@ -307,7 +307,7 @@ def verify_last(prepared: Prepared, rounds: list[tuple[int, Path]], *, now: int 
         StateError: the round bundle is rejected or does not continue the previous round (exit 7).
     """
     from attestation.policy import load_policy
-    from attestation.round_verify import check_round_link, verify_round
+    from attestation.rounds.verify import check_round_link, verify_round
 
     last = rounds[-1][1]
     verdict = verify_round(last, policy=load_policy(prepared.policy_file), now=int(time.time()) if now is None else now)

@@ -18,7 +18,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg, FedProx, FedYogi, Strategy
 
-from attestation.hashing import sha256_hex
+from attestation.io.hashing import sha256_hex
 
 from app.errors import ConfigError, RoundFailedError
 from app.federated.admission import WEIGHT_KEY, Admission, Admitted, Rejected, RoundTerms
@@ -26,7 +26,7 @@ from app.federated.round_export import Aggregator, RoundRecord, export_round, he
 from app.config.federation import FederationSettings
 from app.federated import secure
 from app.federated.transport import arrays_to_safetensors, pack_bundle
-from attestation.round_bundle import GLOBAL_ADAPTER
+from attestation.rounds.manifest import GLOBAL_ADAPTER
 
 log = logging.getLogger("cvm-tune.federated")
 

@@ -19,8 +19,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from attestation import compose as C
-from attestation.hashing import sha256_file
+from attestation.compose import app_compose as C
+from attestation.io.hashing import sha256_file
 
 from app.errors import ConfigError
 

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attestation import bundle as B
-from attestation.audit import AuditEntry
-from attestation.hashing import sha256_file
-from attestation.safe_yaml import parse_json
+from attestation.bundle import manifest as B
+from attestation.bundle.audit import AuditEntry
+from attestation.io.hashing import sha256_file
+from attestation.io.safe_yaml import parse_json
 
 from app.config import Config
 from app.errors import InputsUnchanged, PromotionStateError, StateError, TrainingError

@@ -1,4 +1,4 @@
-"""Collect what attests the GPUs at the start of a run (the parsing lives in ``attestation.gpu``).
+"""Collect what attests the GPUs at the start of a run (the parsing lives in ``attestation.tdx.gpu``).
 
 ``collect(nonce)`` runs, with a timeout each and without a shell:
 
@@ -11,7 +11,7 @@
   network, and only if the operator installed it. The deprecated Python ``nv-attestation-sdk`` is not
   used (end of support 2026-09-15; it pins cryptography 43.0.1, which cannot share our environment).
 
-Nothing is interpreted here beyond :func:`attestation.gpu.summarize`; every raw output goes into
+Nothing is interpreted here beyond :func:`attestation.tdx.gpu.summarize`; every raw output goes into
 ``gpu-evidence.json`` so that a verifier can re-derive the manifest's ``gpu`` object.
 """
 
@@ -22,7 +22,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any
 
-from attestation import gpu as G
+from attestation.tdx import gpu as G
 
 from app.errors import TeeError
 
@@ -44,7 +44,7 @@ class GpuEvidence:
 
     Attributes:
         data: ``gpu-evidence.json`` bytes (canonical JSON).
-        info: The manifest's ``gpu`` object (``attestation.gpu.summarize(data)``).
+        info: The manifest's ``gpu`` object (``attestation.tdx.gpu.summarize(data)``).
     """
 
     data: bytes

@@ -10,7 +10,7 @@ from importlib import resources
 from pathlib import Path
 from typing import BinaryIO
 
-from attestation.hashing import sha256_file, sha256_hex
+from attestation.io.hashing import sha256_file, sha256_hex
 
 from app.config import Config
 from app.dataset import DerivedKeySource, KeyFileSource, KeySource, encrypt_file

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from attestation import Verdict
-from attestation.gpu import describe as describe_gpu
-from attestation.hashing import sha256_file, sha256_hex
+from attestation.tdx.gpu import describe as describe_gpu
+from attestation.io.hashing import sha256_file, sha256_hex
 
 from app import alerts, export
 from app.run import confidential, continual

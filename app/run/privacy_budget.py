@@ -26,8 +26,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from attestation.audit import AuditEntry, AuditFormatError, parse_lines
-from attestation.safe_yaml import parse_json
+from attestation.bundle.audit import AuditEntry, AuditFormatError, parse_lines
+from attestation.io.safe_yaml import parse_json
 
 from app.dataset.versions import load_state, save_state
 from app.errors import PrivacyBudgetError, PrivacyLedgerError

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attestation.hashing import sha256_hex, tree_digest
+from attestation.io.hashing import sha256_hex, tree_digest
 
 from app import alerts
 from app.audit import AuditLog

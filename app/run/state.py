@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
-from attestation import bundle as B
+from attestation.bundle import manifest as B
 
 from app.audit import AuditLog, utc_now
 from app.errors import StateError

@@ -14,7 +14,7 @@ with ``CVM_TUNE_BUNDLES_TOKEN_SHA256``, a value in the measured compose file. Un
 host cannot swap it without changing the compose-hash (dstack.md §5.4). A bundle needs no secrecy to be
 *checked* (``cvm-tune verify`` trusts nothing the transport says); the token keeps the adapter to its operator.
 
-The client (``cvm-tune bundles list``/``fetch``) goes through the HTTP edge (:mod:`attestation.http_edge`): it sends
+The client (``cvm-tune bundles list``/``fetch``) goes through the HTTP edge (:mod:`attestation.io.http_edge`): it sends
 the token only to the host its URL names (https, or http on loopback; no user name in the URL, no redirect followed,
 no proxy), retries network errors, 429 and 5xx a bounded number of times, reads bounded answers under an overall
 deadline, checks every name and size the server lists, and writes a fetched bundle complete or not at all. A bad
@@ -37,9 +37,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
 
-from attestation.bundle import RUN_ID_PATTERN
-from attestation.http_edge import Answer, DeadlineExceeded, Edge, EdgeError, GaveUp, Redirected, budget_s, retry
-from attestation.safe_yaml import parse_json
+from attestation.bundle.manifest import RUN_ID_PATTERN
+from attestation.io.http_edge import Answer, DeadlineExceeded, Edge, EdgeError, GaveUp, Redirected, budget_s, retry
+from attestation.io.safe_yaml import parse_json
 
 from app.config import check_url
 from app.errors import ConfigError, StateError

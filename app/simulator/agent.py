@@ -29,8 +29,8 @@ from eth_keys import keys as eth_keys
 from eth_utils import ValidationError as EthValidationError
 from eth_utils import keccak
 
-from attestation.compose import key_provider_kind, mr_config_id_v1, mr_config_id_v2
-from attestation.safe_yaml import parse_json
+from attestation.compose.app_compose import key_provider_kind, mr_config_id_v1, mr_config_id_v2
+from attestation.io.safe_yaml import parse_json
 
 import app
 import app.simulator.pki as pki

@@ -41,7 +41,7 @@ from typing import Any
 
 from app.errors import StateError, TrainingError
 from app.fsutil import atomic_write_bytes, fsync_dir, fsync_tree, staged_dir
-from attestation.hashing import sha256_hex
+from attestation.io.hashing import sha256_hex
 
 from .sealed import Unusable, open_sealed, seal_files
 

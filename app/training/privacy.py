@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from attestation.privacy import accountant_epsilon
+from attestation.privacy.dp import accountant_epsilon
 
 from app.errors import ConfigError, TrainingError
 

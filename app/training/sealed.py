@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from attestation.hashing import canonical_json
+from attestation.io.hashing import canonical_json
 
 from app.dataset.format import BLOB_CONTENT_TYPE, encrypt_stream, open_encrypted
 from app.errors import CvmTuneError, DatasetIntegrityError, HeaderIntegrityError, WrongKeyError

@@ -13,14 +13,14 @@ Bundle steps (after ``attestation.verify``'s quote steps):
  B10 ``base_model.tree`` the base-model tree hash is recomputed (and compared with a local copy if given)
  B11 ``dataset.file``    the encrypted dataset hash (only when the file is given)
  B12 ``gpu.evidence``    gpu-evidence.json re-summarised = the manifest's ``gpu``, committed by the last
-                         ``gpu.evidence`` audit entry, nonce = that entry's prev (``attestation.gpu.check``); plus
-                         dstack's own measured GPU attestation when the OS made one (``attestation.gpu_dstack``)
+                         ``gpu.evidence`` audit entry, nonce = that entry's prev (``attestation.tdx.gpu.check``); plus
+                         dstack's own measured GPU attestation when the OS made one (``attestation.tdx.gpu_dstack``)
  B13 ``dataset.owner``   owner key id = SHA-256(owner public key); with the file: its owner signature
                          verifies under that key and its statement, header and hashes match the manifest
  B14 ``build.image``     the manifest's image is the cvm-tune service's image in app-compose.json, pinned by digest
  B15 ``build.lock``      the run's environment matched the hash lock the image was built from
- B16 ``model.signature`` adapter/ (and merged/) verify with model-signing under the manifest's key (``attestation.model_sig``)
- B17 ``privacy.dp``      DP-SGD as run (``attestation.privacy``): epsilon recomputed without torch (``attestation.epsilon``),
+ B16 ``model.signature`` adapter/ (and merged/) verify with model-signing under the manifest's key (``attestation.bundle.model_sig``)
+ B17 ``privacy.dp``      DP-SGD as run (``attestation.privacy.dp``): epsilon recomputed without torch (``attestation.privacy.epsilon``),
                          parameters = the bundle config, rows/steps/sample rate = the manifest's; policy ``max_epsilon``
 """
 
@@ -32,19 +32,21 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from attestation import bundle as B
-from attestation import compose as C
-from attestation import confidential_verify, input_checks, privacy
-from attestation.audit import AuditEntry, AuditFormatError, chain_problems, parse_entry, parse_lines
-from attestation.dcap import Collateral, parse_collateral
+from attestation.bundle import manifest as B
+from attestation.compose import app_compose as C
+from attestation.bundle import confidential as confidential_verify
+from attestation.bundle import input_checks
+from attestation.privacy import dp as privacy
+from attestation.bundle.audit import AuditEntry, AuditFormatError, chain_problems, parse_entry, parse_lines
+from attestation.tdx.dcap import Collateral, parse_collateral
 from attestation.errors import AttestationError, BundleError
-from attestation.eventlog import Event, parse_event_log
-from attestation.gpu import check as gpu_check
-from attestation.gpu_dstack import boot_gpu_attestation
-from attestation.hashing import files_digest, sha256_file, sha256_hex
+from attestation.tdx.eventlog import Event, parse_event_log
+from attestation.tdx.gpu import check as gpu_check
+from attestation.tdx.gpu_dstack import boot_gpu_attestation
+from attestation.io.hashing import files_digest, sha256_file, sha256_hex
 from attestation.policy import Policy
-from attestation.quote import MAX_QUOTE_BYTES
-from attestation.safe_yaml import MAX_DEPTH, depth
+from attestation.tdx.quote import MAX_QUOTE_BYTES
+from attestation.io.safe_yaml import MAX_DEPTH, depth
 from attestation.verify import QuoteFindings, Verdict, verify_quote
 
 MAX_FILE = 64 << 20
@@ -66,7 +68,7 @@ def verify_bundle(
     collateral: Collateral | None = None,
     base_model_dir: Path | None = None,
     dataset_file: Path | None = None,
-    identities: list | None = None,  # age identities (attestation.confidential.load_identities): decrypt the weights
+    identities: list | None = None,  # age identities (attestation.outputs.confidential.load_identities): decrypt the weights
 ) -> Verdict:
     """Verify ``bundle_dir`` under ``policy`` at unix time ``now``.
 

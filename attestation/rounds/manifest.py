@@ -6,7 +6,7 @@ The aggregator of a federated round writes ``rounds/<federation>/round-<NNNN>/``
     adapter/adapter_model.safetensors   the aggregated global adapter (safetensors bytes; their SHA-256 is the
                                    ``global_adapter_sha256`` the next round's clients record)
     app-compose.json               the aggregator CVM's measured app-compose (raw bytes)
-    clients/<name>/                each admitted client's complete export bundle (``attestation.bundle``); its
+    clients/<name>/                each admitted client's complete export bundle (``attestation.bundle.manifest``); its
                                    quote is identified by the SHA-256 of its signed region (``quote_identity``)
     quote.bin, quote.hex           the aggregator's TDX quote, report_data = round_report_data(round-manifest.json)
     event_log.json                 the event log returned with that quote
@@ -21,7 +21,7 @@ and sends it, with its quote, event log, app-compose and collateral, in every tr
 encrypts its bundle's weights to that recipient too. The round manifest then names ``aggregator_recipient`` and a
 ``confidentiality`` block: the global adapter file is age ciphertext to the admitted clients' CVM keys and the
 aggregator's, ``global_adapter_sha256`` is the SHA-256 of its plaintext (what the next round's clients record), and
-the client bundles hold their adapters only as ciphertext (``attestation.confidential``).
+the client bundles hold their adapters only as ciphertext (``attestation.outputs.confidential``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from attestation.bundle import RUN_ID_PATTERN, CodeInfo, TeeInfo
-from attestation.confidential import RECIPIENT
+from attestation.bundle.manifest import RUN_ID_PATTERN, CodeInfo, TeeInfo
+from attestation.outputs.confidential import RECIPIENT
 
 ROUND_SCHEMA = "cvm-tune/round-manifest/v1"
 KEY_SCHEMA = "cvm-tune/aggregator-key/v1"
@@ -65,7 +65,7 @@ def quote_identity(raw: bytes) -> str:
     Raises:
         QuoteParseError: ``raw`` is not a quote.
     """
-    from attestation.quote import Quote
+    from attestation.tdx.quote import Quote
 
     return hashlib.sha256(raw[:Quote.from_bytes(raw).signed_end]).hexdigest()
 

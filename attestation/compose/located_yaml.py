@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from yaml.resolver import BaseResolver
 
-from attestation.safe_yaml import MAX_DEPTH, MAX_NODES, YAMLLimitError, load_bounded
+from attestation.io.safe_yaml import MAX_DEPTH, MAX_NODES, YAMLLimitError, load_bounded
 
 BASE_LOADER: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _CORE = "tag:yaml.org,2002:"

@@ -27,8 +27,8 @@ import posixpath
 import re
 from typing import Any
 
-from attestation import compose_yaml as Y
-from attestation.compose import (DSTACK_SOCKET, PLACEHOLDER_DIGEST, SECRET_NAME, SERVICE, ComposeError, compose_document,
+from attestation.compose import located_yaml as Y
+from attestation.compose.app_compose import (DSTACK_SOCKET, PLACEHOLDER_DIGEST, SECRET_NAME, SERVICE, ComposeError, compose_document,
                                  env_entries, image_digest)
 
 # Paths inside the CVM a container must not see (``/var/run`` is a symlink to ``/run``), with what each exposes.

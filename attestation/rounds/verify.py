@@ -1,4 +1,4 @@
-"""Verify a federated round bundle (``attestation.round_bundle``) and, recursively, every client bundle in it.
+"""Verify a federated round bundle (``attestation.rounds.manifest``) and, recursively, every client bundle in it.
 
 Steps (after ``attestation.verify``'s quote steps on the aggregator's quote):
  R1 ``round.files``      exactly the expected files and directories, one ``clients/<name>/`` per admitted client;
@@ -16,7 +16,7 @@ Steps (after ``attestation.verify``'s quote steps on the aggregator's quote):
  R9 ``round.aggregate``  FedAvg/FedProx: the global adapter is recomputed from the client adapters (weighted mean);
                          FedYogi: skipped (server optimizer state is not in the bundle; the quote attests it)
  R10 ``round.confidential`` secure aggregation: updates encrypted to the aggregator, the global adapter to the admitted
-                         clients' CVM keys; R9 then only with identities that decrypt them (``attestation.round_confidential``)
+                         clients' CVM keys; R9 then only with identities that decrypt them (``attestation.rounds.confidential``)
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from attestation import bundle as B
-from attestation import round_bundle as R
-from attestation import round_confidential
-from attestation.bundle_verify import (
+from attestation.bundle import manifest as B
+from attestation.rounds import manifest as R
+from attestation.rounds import confidential as round_confidential
+from attestation.bundle.verify import (
     _bundle_collateral,
     _compose_and_app_id,
     _events,
@@ -39,11 +39,11 @@ from attestation.bundle_verify import (
     file_problems,
     verify_bundle,
 )
-from attestation.dcap import Collateral
+from attestation.tdx.dcap import Collateral
 from attestation.errors import AttestationError, BundleError
-from attestation.hashing import sha256_file, sha256_hex
+from attestation.io.hashing import sha256_file, sha256_hex
 from attestation.policy import Policy
-from attestation.safe_yaml import parse_json
+from attestation.io.safe_yaml import parse_json
 from attestation.verify import QuoteFindings, Verdict, verify_quote
 
 _TOP = {R.ROUND_MANIFEST, B.QUOTE_BIN, B.QUOTE_HEX, B.EVENT_LOG, B.APP_COMPOSE, R.GLOBAL_ADAPTER}

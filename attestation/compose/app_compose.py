@@ -30,7 +30,7 @@ from typing import Any, Literal
 import yaml
 
 from attestation.errors import AttestationError
-from attestation.safe_yaml import error_text, parse_json
+from attestation.io.safe_yaml import error_text, parse_json
 
 SERVICE = "cvm-tune"  # the compose service that runs cvm-tune (its image is recorded in every manifest)
 DSTACK_SOCKET = "/var/run/dstack.sock"
@@ -222,7 +222,7 @@ def compose_document(docker_compose_text: str, loader: type | None = None) -> tu
     Raises:
         ComposeError: not YAML or no services mapping.
     """
-    from attestation import compose_yaml
+    from attestation.compose import located_yaml as compose_yaml
 
     try:
         doc = compose_yaml.parse(docker_compose_text, loader or compose_yaml.LOADER)

@@ -5,7 +5,7 @@
   :data:`MAX_QUOTE_INPUT_BYTES`;
 * an event log file: the JSON list, or any JSON object with an ``event_log`` member (a GetQuote
   response, Info's ``tcb_info``), at most :data:`MAX_EVENT_LOG_BYTES`;
-* a collateral file (dcap-qvl ``QuoteCollateralV3`` JSON, see :mod:`attestation.dcap`);
+* a collateral file (dcap-qvl ``QuoteCollateralV3`` JSON, see :mod:`attestation.tdx.dcap`);
 * an expected report_data as hex (at most 64 bytes; shorter values are right-padded with zeros,
   as dstack's GetQuote does).
 
@@ -19,9 +19,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from attestation.dcap import MAX_COLLATERAL_BYTES, Collateral, parse_collateral
+from attestation.tdx.dcap import MAX_COLLATERAL_BYTES, Collateral, parse_collateral
 from attestation.errors import AttestationError, CollateralError, EventLogError, QuoteParseError, ReportDataError
-from attestation.eventlog import Event, parse_event_log
+from attestation.tdx.eventlog import Event, parse_event_log
 
 MAX_QUOTE_INPUT_BYTES = 4 << 20  # a quote file: raw, hex, or a GetQuote JSON response with its event log
 MAX_EVENT_LOG_BYTES = 16 << 20

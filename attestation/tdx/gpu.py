@@ -335,7 +335,7 @@ def check(data: bytes | None, recorded: GpuInfo, audit_entries: list[Any]) -> tu
     Args:
         data: gpu-evidence.json bytes (None: missing or unreadable).
         recorded: The manifest's ``gpu`` object.
-        audit_entries: The bundle's audit slice (``attestation.audit.AuditEntry`` objects).
+        audit_entries: The bundle's audit slice (``attestation.bundle.audit.AuditEntry`` objects).
 
     Returns:
         ``(status, detail)``: fail when the file is missing or altered, the manifest's summary is not

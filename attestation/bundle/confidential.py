@@ -8,9 +8,9 @@
  B16 ``model.signature``       over the plaintext: each ``model.sig`` passes ``model_signing``'s own key-based
                                verification under the manifest's key over exactly the directory's files, weight
                                files counted by their (C2-checked) plaintext hash in place of the ciphertext's
-                               (:func:`attestation.model_sig.verify_dir`; no plaintext is written)
+                               (:func:`attestation.bundle.model_sig.verify_dir`; no plaintext is written)
 
-Bundles without ``confidentiality`` go to :func:`attestation.model_sig.check` unchanged.
+Bundles without ``confidentiality`` go to :func:`attestation.bundle.model_sig.check` unchanged.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from attestation import bundle as B
-from attestation import confidential as C
-from attestation import model_sig
-from attestation.hashing import sha256_hex
-from attestation.safe_yaml import parse_json
+from attestation.bundle import manifest as B
+from attestation.outputs import confidential as C
+from attestation.bundle import model_sig
+from attestation.io.hashing import sha256_hex
+from attestation.io.safe_yaml import parse_json
 from attestation.verdict import QuoteFindings
 
 OUTPUTS = "confidential.outputs"

@@ -18,7 +18,7 @@ import json
 import re
 from collections.abc import Iterable
 
-from attestation.eventlog import Event
+from attestation.tdx.eventlog import Event
 
 EVENT = "gpu-attestation"
 SYSTEM_READY = "system-ready"

@@ -4,7 +4,7 @@ A run on a dataset whose owner-signed header names age X25519 recipients (or wit
 weight file of its bundle (``*.safetensors`` under ``adapter/`` and ``merged/``) as age v1 ciphertext to those
 recipients plus the CVM's own key, under the file's usual name. The manifest's ``files`` hash the ciphertext (so
 anyone can check it); ``confidentiality.plaintext_sha256`` hashes the plaintext (a recipient checks it after
-decrypting in memory); the model signature covers the plaintext (``attestation.confidential_verify``).
+decrypting in memory); the model signature covers the plaintext (``attestation.bundle.confidential``).
 
 The CVM's key is an age X25519 identity derived from dstack GetKey at :data:`CVM_KEY_PATH`::
 

@@ -112,7 +112,7 @@ def deeper_than(text: str | bytes, limit: int) -> bool:
 
     libyaml's parser keeps its own stack (no recursion) and this stops at the first level past the limit, so
     the composer, which recurses on the C stack, never sees input deeper than a real file. Every libyaml load of
-    untrusted text goes through this first (``parse_yaml`` here, ``attestation.compose_yaml.parse``)."""
+    untrusted text goes through this first (``parse_yaml`` here, ``attestation.compose.located_yaml.parse``)."""
     level = 0
     for event in yaml.parse(text, Loader=_CSafeLoader or yaml.SafeLoader):
         if isinstance(event, yaml.CollectionStartEvent):

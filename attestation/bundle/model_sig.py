@@ -6,7 +6,7 @@ and the signed directories (``adapter``, and ``merged`` when exported). Each ``<
 the library's key-based verifier under that key, over exactly the files in the directory (an added, removed or
 changed file, git files included, or a signature made with any other key, fails). The same check as
 ``model_signing verify key <dir> --signature <dir>/model.sig --public_key KEY.pem --no-ignore-git-paths``.
-Confidential bundles (:mod:`attestation.confidential_verify`) go through the same verifier, with one difference:
+Confidential bundles (:mod:`attestation.bundle.confidential`) go through the same verifier, with one difference:
 the signature covers the plaintext, so each age-encrypted weight file is counted by its plaintext SHA-256 (already
 checked by decrypting it in memory) in place of the hash of its bytes on disk; no plaintext is written.
 ``model_signing`` (the sigstore stack) is imported only when a bundle carries signatures, so ``import attestation``
@@ -23,7 +23,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-import attestation.bundle as B
+import attestation.bundle.manifest as B
 from attestation.verdict import QuoteFindings
 
 CHECK = "model.signature"

@@ -24,6 +24,14 @@ from typing import Any
 
 from attestation.errors import EventLogError
 
+# The runtime events a cvm-tune CVM emits into RTMR3: its audit chain's entry types (attestation.bundle.audit), each
+# measured under this prefix. The default policy allows exactly these.
+EVENT_PREFIX = "cvm-tune."
+ENTRY_TYPES = ("run.start", "run.resume", "gpu.evidence", "train.batch", "train.done", "export",
+               "checkpoint", "checkpoint.rejected", "run.abort",  # these three: metadata only
+               "privacy.spent",  # DP-SGD: the manifest's privacy block (parameters and (epsilon, delta) spent)
+               "promote")  # continual retraining: exports/PROMOTED moved to this run's bundle (after its export entry)
+
 RUNTIME_EVENT_TYPE = 0x08000001
 BOOT_TRUSTED_NAMES = ("app-id", "compose-hash", "instance-id", "key-provider")
 SYSTEM_READY = "system-ready"

@@ -25,7 +25,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from attestation.safe_yaml import parse_json
+from attestation.io.safe_yaml import parse_json
 
 TAG = b"cvm-tune-op-chain-v1:"
 GENESIS = "0" * 64

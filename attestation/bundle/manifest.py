@@ -18,7 +18,7 @@ A bundle ``exports/<run_id>/`` holds::
     quote.bin, quote.hex              TDX quote whose report_data = manifest_report_data(manifest.json)
     event_log.json                    the event log returned with the quote (RTMR0-3 replay)
     collateral.json                   Intel (or test-CA) collateral for offline verification, when available
-    gpu-evidence.json                 raw GPU captures (nvidia-smi CC state, NVIDIA report): ``attestation.gpu``
+    gpu-evidence.json                 raw GPU captures (nvidia-smi CC state, NVIDIA report): ``attestation.tdx.gpu``
 
 **report_data** (64 bytes) = ``SHA-512(b"cvm-tune-manifest-v1:" || manifest.json bytes)`` — dstack's
 typed-content convention ``hash(tag ":" content)`` with a cvm-tune tag, over the exact file bytes.
@@ -32,9 +32,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from attestation.confidential import ConfidentialityInfo
-from attestation.gpu import FILE as GPU_EVIDENCE
-from attestation.gpu import GpuInfo
+from attestation.outputs.confidential import ConfidentialityInfo
+from attestation.tdx.gpu import FILE as GPU_EVIDENCE
+from attestation.tdx.gpu import GpuInfo
 
 MANIFEST_SCHEMA = "cvm-tune/manifest/v1"
 REPORT_DATA_TAG = b"cvm-tune-manifest-v1"
@@ -140,7 +140,7 @@ class DatasetInfo(_Closed):
     plaintext_size: int
     rows: int
     key_source: str
-    # Owner-signed datasets (format version 2; attestation.dataset_sig). None: the dataset was unsigned.
+    # Owner-signed datasets (format version 2; attestation.bundle.dataset_sig). None: the dataset was unsigned.
     owner_public_key: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     owner_key_id: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
     commitment: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the owner-signed statement")
@@ -322,7 +322,7 @@ class PrivacyInfo(_Closed):
 
 class OpChainInfo(_Closed):
     """A training-API checkpoint (``cvm-tune api serve``): the head of the SHA-256 chain over every
-    forward_backward and optim_step applied to the model, in order (``attestation.op_chain``), the LoRA and the
+    forward_backward and optim_step applied to the model, in order (``attestation.outputs.op_chain``), the LoRA and the
     last Adam parameters. ``cvm-tune verify BUNDLE --ops OPS.jsonl`` recomputes the head from the client's record."""
 
     schema_: Literal["cvm-tune/op-chain/v1"] = Field("cvm-tune/op-chain/v1", alias="schema")
@@ -360,4 +360,4 @@ class Manifest(_Closed):
     privacy: PrivacyInfo | None = None  # absent: trained without differential privacy
     federation: FederationInfo | None = None  # None: not trained for a federated round
     op_chain: OpChainInfo | None = None  # None: not a training-API checkpoint
-    confidentiality: ConfidentialityInfo | None = None  # None: weights in plaintext (attestation.confidential)
+    confidentiality: ConfidentialityInfo | None = None  # None: weights in plaintext (attestation.outputs.confidential)

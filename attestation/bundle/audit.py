@@ -1,6 +1,6 @@
 """The cvm-tune audit chain: format, hashing and verification (pure; shared by writer and verifier).
 
-Each audit entry is one line of canonical JSON (``attestation.hashing.canonical_json``)::
+Each audit entry is one line of canonical JSON (``attestation.io.hashing.canonical_json``)::
 
     {"data":{...},"prev":"<hex sha256 of the previous line>","run_id":"...","seq":N,"time":"...Z","type":"run.start","v":1}
 
@@ -16,14 +16,10 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from attestation.hashing import canonical_json, sha256_hex
+from attestation.io.hashing import canonical_json, sha256_hex
+from attestation.tdx.eventlog import ENTRY_TYPES, EVENT_PREFIX
 
 GENESIS = "0" * 64
-EVENT_PREFIX = "cvm-tune."
-ENTRY_TYPES = ("run.start", "run.resume", "gpu.evidence", "train.batch", "train.done", "export",
-               "checkpoint", "checkpoint.rejected", "run.abort",  # these three: metadata only
-               "privacy.spent",  # DP-SGD: the manifest's privacy block (parameters and (epsilon, delta) spent)
-               "promote")  # continual retraining: exports/PROMOTED moved to this run's bundle (after its export entry)
 _KEYS = {"v", "seq", "run_id", "type", "time", "data", "prev"}
 
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from attestation import bundle as B
-from attestation.bundle_verify import verify_bundle
+from attestation.bundle import manifest as B
+from attestation.bundle.verify import verify_bundle
 from attestation.errors import BundleError
 from attestation.policy import Policy
-from attestation.safe_yaml import parse_json
+from attestation.io.safe_yaml import parse_json
 from attestation.verify import Verdict
 
 CHAIN_SCHEMA = "cvm-tune/chain/v1"

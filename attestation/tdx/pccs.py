@@ -19,7 +19,7 @@ bytes of the inner objects as served (Intel signs those bytes; they are never re
 FMSPC and CA type come from the quote's PCK certificate, and the quote's own PCK chain becomes
 ``pck_certificate_chain``, as dcap-qvl does. PEM chains are written in canonical form.
 
-HTTP goes through the project's one HTTP edge (:mod:`attestation.http_edge`): no proxy or credentials
+HTTP goes through the project's one HTTP edge (:mod:`attestation.io.http_edge`): no proxy or credentials
 from the environment, TLS verified, at most 3 redirects (each target checked again), bounded bodies, a per-request timeout, an
 overall deadline, and the one retry policy (connection errors, 429 and 5xx; ``Retry-After`` honoured up
 to 10 s). Nothing here is trusted: the verifier checks every signature. Every failure is a
@@ -40,10 +40,10 @@ import dcap_qvl
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from attestation.dcap import MAX_COLLATERAL_BYTES, parse_collateral
+from attestation.tdx.dcap import MAX_COLLATERAL_BYTES, parse_collateral
 from attestation.errors import CollateralError
-from attestation.http_edge import DeadlineExceeded, Edge, EdgeError, GaveUp, TooLarge, budget_s, check_url, retry
-from attestation.quote import Quote
+from attestation.io.http_edge import DeadlineExceeded, Edge, EdgeError, GaveUp, TooLarge, budget_s, check_url, retry
+from attestation.tdx.quote import Quote
 
 PHALA_PCCS_URL = "https://pccs.phala.network"  # dcap-qvl's default
 INTEL_PCS_URL = "https://api.trustedservices.intel.com"

@@ -1,4 +1,4 @@
-"""Epsilon of DP-SGD recomputed without torch: what ``privacy.dp`` (:mod:`attestation.privacy`) shows and bounds.
+"""Epsilon of DP-SGD recomputed without torch: what ``privacy.dp`` (:mod:`attestation.privacy.dp`) shows and bounds.
 
 The training side accounts with Opacus (which imports torch); the verifier recomputes the figure here, from the
 manifest's (noise multiplier σ, sample rate q, steps T) at δ, with numpy, scipy and Google's ``dp-accounting``:

@@ -1,7 +1,7 @@
 """Bundle checks of what went into a run, beyond the bytes of the bundle: the promotion decision
 (``evaluation.decision``), the base model tree (``base_model.tree``), and, when the relying party has them, the
 encrypted dataset file and its owner signature (``dataset.file``, ``dataset.owner``). Run by
-:func:`attestation.bundle_verify.verify_bundle`.
+:func:`attestation.bundle.verify.verify_bundle`.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from attestation import bundle as B
-from attestation.dataset_sig import TrailerError, owner_key_id, read_signed_file
-from attestation.hashing import files_digest, sha256_file, tree_files
+from attestation.bundle import manifest as B
+from attestation.bundle.dataset_sig import TrailerError, owner_key_id, read_signed_file
+from attestation.io.hashing import files_digest, sha256_file, tree_files
 from attestation.verdict import QuoteFindings
 
 

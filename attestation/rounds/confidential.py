@@ -1,4 +1,4 @@
-"""Secure aggregation in a round bundle (``attestation.round_bundle``; docs/verifier-spec.md §14, "Rounds").
+"""Secure aggregation in a round bundle (``attestation.rounds.manifest``; docs/verifier-spec.md §14, "Rounds").
 
  R4' ``round.file_hashes``  (secure) the global adapter file is age ciphertext with one X25519 stanza per listed
                             recipient; ``global_adapter_sha256`` is its plaintext's hash (checked by a recipient)
@@ -18,13 +18,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from attestation import bundle as B
-from attestation import confidential as C
-from attestation import round_bundle as R
-from attestation.bundle_verify import _bundle_collateral, _compose_and_app_id, _events, _quote_bytes, _read
-from attestation.hashing import sha256_hex
+from attestation.bundle import manifest as B
+from attestation.outputs import confidential as C
+from attestation.rounds import manifest as R
+from attestation.bundle.verify import _bundle_collateral, _compose_and_app_id, _events, _quote_bytes, _read
+from attestation.io.hashing import sha256_hex
 from attestation.policy import Policy
-from attestation.safe_yaml import parse_json
+from attestation.io.safe_yaml import parse_json
 from attestation.verify import QuoteFindings, Verdict, verify_quote
 
 

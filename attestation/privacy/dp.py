@@ -10,7 +10,7 @@ quote binds the manifest, so the block says what the measured code did, not what
   ``sample_rate`` = ``expected_batch_size / rows``, ``delta`` < 1/N;
 * clipping norm, accountant, target epsilon, a configured noise multiplier and the batch are the bundle config's
   ``training`` section (``config.json``, hashed in the manifest);
-* epsilon is recomputed without torch (:mod:`attestation.epsilon`: RDP as Opacus evaluates it, PRV with
+* epsilon is recomputed without torch (:mod:`attestation.privacy.epsilon`: RDP as Opacus evaluates it, PRV with
   ``dp-accounting``'s independent PLD accountant) from (noise multiplier, sample rate, steps) at delta, and the
   recorded figure (the training side's Opacus accountant, :func:`accountant_epsilon`) must agree with it: within
   float noise for ``rdp``, within ``PRV_ABS_TOL + PRV_REL_TOL * epsilon`` for ``prv``; the recomputed figure is
@@ -31,9 +31,9 @@ import math
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from attestation.bundle import Manifest, PrivacyInfo
-from attestation.epsilon import PRV_ABS_TOL, PRV_REL_TOL, pld_epsilon, prv_half_width, rdp_epsilon
-from attestation.safe_yaml import parse_json
+from attestation.bundle.manifest import Manifest, PrivacyInfo
+from attestation.privacy.epsilon import PRV_ABS_TOL, PRV_REL_TOL, pld_epsilon, prv_half_width, rdp_epsilon
+from attestation.io.safe_yaml import parse_json
 from attestation.verdict import QuoteFindings
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ def prv_mesh_points(history: list[tuple[float, float, int]], delta: float) -> fl
 
 def recompute_epsilon(accountant: str, history: list[tuple[float, float, int]], delta: float) -> float:
     """Epsilon spent at ``delta`` by ``history`` [(noise multiplier, sample rate, steps)], recomputed without torch
-    (:mod:`attestation.epsilon`): what the verifier shows.
+    (:mod:`attestation.privacy.epsilon`): what the verifier shows.
 
     Raises:
         ValueError: the parameters are outside the bounds above, or the accountant cannot compute them.

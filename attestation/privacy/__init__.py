@@ -1,0 +1,1 @@
+"""Differential privacy: epsilon recomputed without torch and the manifest's ``privacy`` step."""

@@ -1,0 +1,1 @@
+"""Federated round bundles: the round manifest, secure aggregation, and the round verifier."""
