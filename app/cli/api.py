@@ -17,8 +17,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     asub = a.add_subparsers(dest="api_command", required=True, metavar="ACTION")
     s = asub.add_parser("serve", help="serve the training API (prints 'listening on' when ready)",
                         description="Load the configured base model once and serve the Tinker REST API on HOST:PORT "
-                        "(plain HTTP, loopback only). Accepted keys: env CVM_TUNE_API_KEYS (comma-separated) and "
-                        "api.key_sha256 in the config. Every saved state is also an export bundle under exports/.")
+                        "over TLS, with a key derived inside the CVM (the simulator's, locally) that `cvm-tune api "
+                        "attest` checks against the quote; --plain-http serves plain HTTP instead (loopback with the "
+                        "simulator only). Accepted keys: env CVM_TUNE_API_KEYS (comma-separated) and api.key_sha256 in "
+                        "the config. Every saved state is also an export bundle under exports/.")
     s.add_argument("--listen", default="127.0.0.1:8443", metavar="HOST:PORT",
                    help="address and port (default 127.0.0.1:8443; port 0 picks a free one)")
     s.add_argument("--config", type=Path, metavar="FILE", help="YAML configuration (see `cvm-tune schema`)")

@@ -1,4 +1,4 @@
-"""The data owner's commands: ``cvm-tune keys new`` and ``cvm-tune dataset encrypt | inspect | release``.
+"""The data owner's commands: ``cvm-tune keys new | age`` and ``cvm-tune dataset encrypt | inspect | release``.
 
 Registered by :mod:`app.cli` (which catches errors and maps exit codes); like it, this module
 prints. Nothing here prints dataset content or key bytes.
@@ -17,11 +17,20 @@ from app.errors import ConfigError
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add ``keys`` and ``dataset`` to the top-level subparsers."""
-    k = sub.add_parser("keys", help="data owner: create a signing key pair",
-                       description="Create the data owner's Ed25519 key pair (signs datasets and key grants).")
+    k = sub.add_parser("keys", help="data owner: create a signing key pair or an age identity",
+                       description="Create the data owner's Ed25519 key pair (signs datasets and key grants), or an "
+                       "age X25519 identity whose recipient may read confidential weights.")
     ksub = k.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
     kn = ksub.add_parser("new", help="write PREFIX.key (private, 0600) and PREFIX.pub (64 hex: pin it in the CVM config)")
     kn.add_argument("-o", "--out", type=Path, required=True, metavar="PREFIX", help="path prefix of the two files (never overwritten)")
+    ka = ksub.add_parser("age", help="write an age identity file (0600) and print its recipient (age1…)",
+                         description="Write a new age X25519 identity in the format age-keygen writes (comments, then "
+                         "AGE-SECRET-KEY-1…), or print the recipient of an existing one. The recipient goes to "
+                         "`dataset encrypt --recipient` or export.recipients; the file to `--identity`.")
+    what = ka.add_mutually_exclusive_group(required=True)
+    what.add_argument("-o", "--out", type=Path, metavar="FILE", help="identity file to create (0600, never overwritten)")
+    what.add_argument("-y", "--recipient-of", type=Path, metavar="FILE", help="print the recipient of this identity "
+                      "file (as age-keygen -y)")
 
     d = sub.add_parser("dataset", help="data owner: encrypt, inspect, release the key to an attested CVM",
                        description="The data owner's side: encrypt and sign a dataset (JSONL, Parquet or Arrow), inspect an encrypted "
@@ -64,7 +73,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from app.dataset.owner import new_owner_key, owner_key_id
+    from app.dataset.owner import new_age_identity, new_owner_key, owner_key_id
+
+    if args.keys_command == "age":
+        if args.recipient_of is not None:
+            from attestation.outputs.confidential import load_identities
+
+            for identity in load_identities(args.recipient_of):
+                print(identity.to_public())
+            return 0
+        recipient = new_age_identity(args.out)
+        print(f"age identity: {args.out} (private, 0600: whoever holds it reads the weights encrypted to it)")
+        print(f"recipient: {recipient}")
+        return 0
 
     key_path, pub_path, pub = new_owner_key(args.out)
     print(f"owner key: {key_path} (private, 0600: keep it offline)")
@@ -104,7 +125,7 @@ def _encrypt(args: argparse.Namespace) -> int:
             meta[DATASET_META_KEY] = " ".join(parse_recipients(args.recipient))
         except ValueError as exc:
             raise ConfigError(f"--recipient: {exc}",
-                              fix="pass the public key printed by `age-keygen -y KEY` (age1…)") from None
+                              fix="pass a recipient printed by `cvm-tune keys age` (age1…)") from None
     owner = load_owner_key(args.owner_key)
     if not args.input.is_file():
         raise ConfigError(f"{args.input} is not a file", fix="pass the plaintext JSONL, Parquet or Arrow file")

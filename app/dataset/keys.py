@@ -72,11 +72,13 @@ class KeyFileSource:
         return _parse_key_file(read_private_file(self.path, "key file", _MAX_KEY_FILE), self.path.name)
 
 
-def read_private_file(path: Path, what: str, max_len: int) -> bytes:
+def read_private_file(path: Path, what: str, max_len: int, *, check: Callable[[bytes], None] | None = None) -> bytes:
     """Read at most ``max_len + 1`` bytes of a secret file that only its owner may read (0600 or stricter).
+    ``check`` sees the bytes before the mode is judged, so a file that is not a secret at all (a public key given
+    where the private key belongs) is named as such rather than answered with ``chmod 600``.
 
     Raises:
-        KeySourceError: missing, not a regular file, or readable by group or others.
+        KeySourceError: missing, not a regular file, refused by ``check``, or readable by group or others.
     """
     path = Path(path)
     name = path.name
@@ -90,10 +92,13 @@ def read_private_file(path: Path, what: str, max_len: int) -> bytes:
         st = os.fstat(fd)  # fstat on the open file: no race between the check and the read
         if not stat.S_ISREG(st.st_mode):
             raise KeySourceError(f"{what} {name} is not a regular file")
+        data = os.read(fd, max_len + 1)
+        if check is not None:
+            check(data)
         if st.st_mode & 0o077:
             raise KeySourceError(f"{what} {name} is readable by group or others (mode {stat.S_IMODE(st.st_mode):04o})",
                                  fix=f"chmod 600 {path}")
-        return os.read(fd, max_len + 1)
+        return data
     finally:
         os.close(fd)
 

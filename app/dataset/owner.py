@@ -8,11 +8,15 @@
   ``inspect`` shows and the export manifest records.
 
 The owner signs each encrypted dataset (format version 2) and each key grant with this key.
+
+``cvm-tune keys age -o FILE`` writes an age X25519 identity file (the format ``age-keygen`` writes): its recipient
+(``age1…``) is what ``dataset encrypt --recipient`` takes, and the file is what ``--identity`` reads.
 """
 
 from __future__ import annotations
 
 import re
+from datetime import datetime
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
@@ -54,13 +58,30 @@ def new_owner_key(prefix: Path) -> tuple[Path, Path, bytes]:
     return key_path, pub_path, pub
 
 
+def new_age_identity(path: Path, *, now: datetime | None = None) -> str:
+    """Write a new age X25519 identity file as ``age-keygen -o`` does (``# created: <RFC 3339>``, ``# public key:
+    age1…``, ``AGE-SECRET-KEY-1…``), mode 0600, atomically, never over an existing file; return its recipient.
+
+    Raises:
+        KeySourceError: ``path`` exists, or the file cannot be written (nothing is left behind).
+    """
+    import pyrage
+
+    identity = pyrage.x25519.Identity.generate()
+    recipient = str(identity.to_public())
+    created = (now or datetime.now().astimezone()).isoformat(timespec="seconds").replace("+00:00", "Z")
+    text = f"# created: {created}\n# public key: {recipient}\n{identity}\n"
+    write_private_file(Path(path), text.encode("ascii"), "age identity file")
+    return recipient
+
+
 def load_owner_key(path: Path) -> Ed25519PrivateKey:
     """Load an owner private key file (PKCS#8 PEM, Ed25519, mode 0600 or stricter).
 
     Raises:
         KeySourceError: missing, readable by others, or not an Ed25519 private key.
     """
-    data = read_private_file(Path(path), "owner key file", _MAX_PEM)
+    data = read_private_file(Path(path), "owner key file", _MAX_PEM, check=lambda raw: _not_public(Path(path), raw))
     problem = None
     try:
         key = serialization.load_pem_private_key(data, password=None)
@@ -72,6 +93,24 @@ def load_owner_key(path: Path) -> Ed25519PrivateKey:
     if not isinstance(key, Ed25519PrivateKey):
         raise KeySourceError(f"owner key file {Path(path).name} holds a {type(key).__name__}, not an Ed25519 key")
     return key
+
+
+def _not_public(path: Path, data: bytes) -> None:
+    """Refuse a public key (a ``.pub`` file's 64 hex, or a PEM public key) given as the owner's private key.
+
+    Raises:
+        KeySourceError: ``data`` is a public key (or a dataset key: 64 hex too).
+    """
+    text = data.strip().decode("ascii", "replace")
+    if _HEX64.fullmatch(text):
+        what = "the owner's public key" if path.suffix == ".pub" else "64 hex characters (an owner public key or a dataset key)"
+    elif re.match(r"-----BEGIN [A-Z0-9 ]*PUBLIC KEY-----", text):
+        what = "a PEM public key"
+    else:
+        return
+    private = path.with_suffix(".key") if path.suffix == ".pub" else Path("PREFIX.key")
+    raise KeySourceError(f"owner key file {path.name} holds {what}, not the owner's private key",
+                         fix=f"pass the private key {private} (the PEM file `cvm-tune keys new` wrote next to the .pub)")
 
 
 def parse_public_key(value: str) -> bytes:
@@ -101,4 +140,4 @@ def load_public_key(arg: str) -> bytes:
     return parse_public_key(text)
 
 
-__all__ = ["load_owner_key", "load_public_key", "new_owner_key", "owner_key_id", "parse_public_key"]
+__all__ = ["load_owner_key", "load_public_key", "new_age_identity", "new_owner_key", "owner_key_id", "parse_public_key"]
