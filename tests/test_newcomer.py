@@ -110,3 +110,99 @@ def test_files_the_docs_create_are_ignored_by_git(path: str) -> None:
     proc = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", "-q", path], env={
         **os.environ, "GIT_CONFIG_GLOBAL": os.devnull}, capture_output=True)
     assert proc.returncode == 0, f"{path} is not ignored by .gitignore"
+
+
+# ---- bundle server: token, local serve, API saves in the list and in status -----------------------------------------
+
+def _volume(tmp_path: Path) -> Path:
+    """An output volume with one exported run and one training-API save (each with its bundle's manifest)."""
+    from app.api.store import Checkpoint, Store
+    from app.state import RunDB
+
+    out = tmp_path / "out"
+    db = RunDB(out)
+    db.start_run("run-1", fingerprint="f" * 64, started_at="2026-11-28T01:00:00Z")
+    db.finish_run("run-1", bundle=str(out / "exports" / "run-1"), finished_at="2026-11-28T01:05:00Z", promoted=True)
+    db.close()
+    store = Store(out)
+    store.add_checkpoint(Checkpoint("tinker://m1/weights/ckpt-1", "owner", "m1", "training", "ckpt-1", str(out / "api"),
+                                    str(out / "exports" / "api-m1-ckpt-1"), "ab" * 32, 7, {"rank": 8},
+                                    "2026-11-28T02:00:00Z"))
+    store.close()
+    for run_id in ("run-1", "api-m1-ckpt-1"):
+        (out / "exports" / run_id).mkdir(parents=True)
+        (out / "exports" / run_id / "manifest.json").write_text("{}")
+    (out / "exports" / "PROMOTED").write_text("run-1\n")
+    return out
+
+
+def test_bundles_token_hash_is_the_sha256sum_of_its_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import hashlib
+
+    from app.service.bundles import read_token, serve_token_sha256, token_sha256
+
+    tok = tmp_path / "t"
+    assert main(["bundles", "token", str(tok)]) == 0
+    printed = re.search(r"SHA-256 .* is ([0-9a-f]{64})", capsys.readouterr().out).group(1)
+    assert printed == hashlib.sha256(tok.read_bytes()).hexdigest() == serve_token_sha256(tok, None)
+    # a token file of an earlier release (with a newline) keeps the hash its compose pins: that of the token
+    old = tmp_path / "old"
+    old.write_text("earlier-token\n")
+    old.chmod(0o600)
+    assert serve_token_sha256(old, None) == token_sha256(read_token(old)) == hashlib.sha256(b"earlier-token").hexdigest()
+
+
+def test_bundles_serve_takes_its_token_from_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.errors import ConfigError
+    from app.service.bundles import TOKEN_ENV, serve_token_sha256, token_sha256
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    tok = tmp_path / "t"
+    assert main(["bundles", "token", str(tok)]) == 0
+    digest = token_sha256(tok.read_text())
+    assert serve_token_sha256(tok, digest) == digest  # the file and the compose's pin agree
+    for token_file, pinned, says in ((None, None, "needs a token"), (tok, "cd" * 32, "is not the one"),
+                                     (tmp_path / "missing", None, "cannot read a token")):
+        with pytest.raises(ConfigError) as exc:
+            serve_token_sha256(token_file, pinned)
+        assert type(exc.value) is ConfigError and says in exc.value.message
+    # the command refuses to start without a token: one error line, nothing served, nothing written
+    assert main(["bundles", "serve", "--output", str(tmp_path / "out"), "--host", "127.0.0.1", "--port", "0"]) == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_bundles_list_has_a_header_and_the_api_saves(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from app.service.bundles import BundleServer, serve_token_sha256
+
+    out = _volume(tmp_path)
+    tok = tmp_path / "t"
+    assert main(["bundles", "token", str(tok)]) == 0
+    capsys.readouterr()
+    server = BundleServer(out, serve_token_sha256(tok, None), host="127.0.0.1", port=0).start()
+    try:
+        assert main(["bundles", "list", server.url, "--token-file", str(tok)]) == 0
+    finally:
+        server.stop()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["RUN", "ID", "KIND", "STATUS", "STARTED", "(UTC)", "BUNDLE"]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    assert rows["run-1"] == ["run-1", "run", "exported", "2026-11-28", "01:00:00", "yes", "(promoted)"]
+    assert rows["api-m1-ckpt-1"] == ["api-m1-ckpt-1", "api", "saved", "2026-11-28", "02:00:00", "yes"]
+    assert all(line.count("exported") <= 1 for line in lines)
+
+
+def test_status_lists_the_training_api_saves(tmp_path: Path) -> None:
+    import json
+
+    from app.config import Config
+    from app.service.status import render_status
+
+    out = _volume(tmp_path)
+    cfg = Config.model_validate({"output": {"dir": str(out)}})
+    text = render_status(cfg)
+    saves = text.split("training API saves (cvm-tune api serve), newest first:\n", 1)[1].splitlines()
+    assert saves[0].split()[:3] == ["RUN", "ID", "CHECKPOINT"]
+    assert saves[1].split() == ["api-m1-ckpt-1", "tinker://m1/weights/ckpt-1", "training", "7", "2026-11-28", "02:00:00",
+                                str(out.resolve() / "exports" / "api-m1-ckpt-1")]
+    doc = json.loads(render_status(cfg, as_json=True))
+    assert [(s["run_id"], s["ops"], s["exported"]) for s in doc["api_saves"]] == [("api-m1-ckpt-1", 7, True)]

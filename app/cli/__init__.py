@@ -220,11 +220,17 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
         dest="bundles_command", required=True, metavar="ACTION")
     bt = b.add_parser("token", help="write a new bearer token file and print its SHA-256 (pinned by cvm-tune app-compose)")
     bt.add_argument("file", type=Path, metavar="FILE")
-    bs = b.add_parser("serve", help="read-only HTTP server over the output volume (the compose's bundles service)")
+    bs = b.add_parser("serve", help="read-only HTTP server over the output volume (the compose's bundles service)",
+                      description="Serve the runs and bundles of an output volume (runs and the training API's saves) "
+                      "to clients with the bearer token. The token's SHA-256 comes from --token-file, or from "
+                      "CVM_TUNE_BUNDLES_TOKEN_SHA256, which the measured compose sets; given both, they must agree.")
     bs.add_argument("--output", type=Path, default=Path("/data/output"), metavar="DIR", help="output volume (default: %(default)s)")
+    bs.add_argument("--token-file", type=Path, metavar="FILE", help="the token file `cvm-tune bundles token FILE` wrote")
     bs.add_argument("--port", type=int, default=8000)
-    bs.add_argument("--host", default="0.0.0.0")
-    for name, what in (("list", "list the server's runs"), ("fetch", "download a bundle (then: cvm-tune verify DIR/RUN_ID)")):
+    bs.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s; 127.0.0.1: this "
+                    "machine only)")
+    for name, what in (("list", "list the server's runs and API saves"),
+                       ("fetch", "download a bundle (then: cvm-tune verify DIR/RUN_ID)")):
         bc = b.add_parser(name, help=what)
         bc.add_argument("url", metavar="URL", help="the bundle server, e.g. https://<app-id>-8000.<gateway domain>")
         bc.add_argument("--token-file", type=Path, required=True, metavar="FILE")
@@ -304,12 +310,11 @@ def _silence_stdout() -> None:
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     **{name: _lazy("app.cli.service", fn) for name, fn in (
         ("run", "_run"), ("serve", "_serve"), ("status", "_status"), ("simulator", "_simulator"), ("schema", "_schema"),
-        ("validate-config", "_validate_config"))},
+        ("validate-config", "_validate_config"), ("bundles", "_bundles"))},
     **{name: _lazy("app.cli.verify", fn) for name, fn in (
         ("verify", "_verify"), ("publish", "_publish"), ("verify-quote", "_verify_quote"), ("collateral", "_collateral"))},
     **{name: _lazy("app.cli.deploy", fn) for name, fn in (
-        ("compose-hash", "_compose_hash"), ("app-compose", "_app_compose"), ("deploy-plan", "_deploy_plan"), ("env", "_env"),
-        ("bundles", "_bundles"))},
+        ("compose-hash", "_compose_hash"), ("app-compose", "_app_compose"), ("deploy-plan", "_deploy_plan"), ("env", "_env"))},
     **cli_owner.COMMANDS,
     **cli_federated.COMMANDS,
     **cli_api.COMMANDS,

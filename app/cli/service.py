@@ -1,4 +1,5 @@
-"""``cvm-tune`` service commands: run, serve, status, simulator, schema, validate-config (imported when used)."""
+"""``cvm-tune`` service commands: run, serve, status, bundles, simulator, schema, validate-config (imported when
+used)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,45 @@ def _status(args: argparse.Namespace) -> int:
     print(render_status(cfg, limit=args.n, as_json=args.json))
     return 0
 
+
+
+def _bundles(args: argparse.Namespace) -> int:
+    from app.service import bundles
+
+    if args.bundles_command == "token":
+        digest = bundles.new_token(args.file)
+        print(f"wrote {args.file} (mode 0600); its SHA-256 (= sha256sum {args.file}) is {digest}")
+        print(f"pin it in the measured compose: cvm-tune app-compose --image IMAGE@sha256:DIGEST --bundles-token {args.file}")
+        return 0
+    if args.bundles_command == "serve":
+        digest = bundles.serve_token_sha256(args.token_file, os.environ.get(bundles.TOKEN_ENV))
+        server = bundles.BundleServer(args.output, digest, host=args.host, port=args.port)
+        print(f"cvm-tune bundle server (read-only) on {server.url} for {args.output}", flush=True)
+        try:
+            server.serve_forever()
+        finally:
+            server.server_close()
+        return 0
+    token = bundles.read_token(args.token_file)
+    if args.bundles_command == "list":
+        print(bundles_table(bundles.list_runs(args.url, token)))
+        return 0
+    out = bundles.fetch(args.url, args.run_id, args.out_dir, token)
+    print(f"fetched {out}")
+    print(f"what it says: cvm-tune show {out}")
+    print(f"verify it: cvm-tune verify {out} --policy YOUR_POLICY.yaml")
+    return 0
+
+
+def bundles_table(runs: list[dict]) -> str:
+    """``bundles list``: a header, then one line per run or API save (run id, kind, status, start time, whether its
+    bundle can be fetched and whether it is the promoted one)."""
+    from app.service.status import columns
+
+    lines = columns([("RUN ID", "KIND", "STATUS", "STARTED (UTC)", "BUNDLE")] + [
+        (r["run_id"], r["kind"], r["status"] or "", (r["started_at"] or "").replace("T", " ").rstrip("Z"),
+         ("yes" if r["exported"] else "no") + (" (promoted)" if r["promoted"] else "")) for r in runs])
+    return "\n".join(lines if runs else [*lines, "no runs yet"])
 
 
 def _simulator(args: argparse.Namespace) -> int:

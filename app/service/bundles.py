@@ -4,14 +4,16 @@ In a dstack CVM nothing but the gateway reaches a container (``https://<app-id>-
 logs stay private (``public_logs: false``). ``cvm-tune bundles serve`` (the ``bundles`` service of
 docker-compose.yaml: output volume mounted read-only, no guest-agent socket) answers:
 
-    GET /v1/runs                      [{run_id, status, started_at, exported, promoted}] from the run database (state/runs.sqlite)
+    GET /v1/runs                      [{run_id, kind, status, started_at, exported, promoted}] from the run database
+                                      (state/runs.sqlite): runs (kind run) and the training API's saves (kind api)
     GET /v1/promoted                  {"run_id", "files"} of the bundle exports/PROMOTED names (continual retraining)
     GET /v1/bundles/<run_id>          {"files": {path: size}} of exports/<run_id>/
     GET /v1/bundles/<run_id>/<path>   one file of that bundle
 
 Every request carries ``Authorization: Bearer <token>``. The server holds no secret: it compares SHA-256(token)
 with ``CVM_TUNE_BUNDLES_TOKEN_SHA256``, a value in the measured compose file. Unlike an encrypted env var, the
-host cannot swap it without changing the compose-hash (dstack.md §5.4). A bundle needs no secrecy to be
+host cannot swap it without changing the compose-hash (dstack.md §5.4). Outside a CVM, ``bundles serve
+--token-file FILE`` takes the hash of the token in FILE instead. A bundle needs no secrecy to be
 *checked* (``cvm-tune verify`` trusts nothing the transport says); the token keeps the adapter to its operator.
 
 The client (``cvm-tune bundles list``/``fetch``) goes through the HTTP edge (:mod:`attestation.io.http_edge`): it sends
@@ -44,6 +46,7 @@ from attestation.io.safe_yaml import parse_json
 from app.config import check_url
 from app.errors import ConfigError, StateError
 from app.fsutil import open_regular, staged_dir
+from app.service.api_saves import api_saves
 from app.state import run_list
 
 TOKEN_ENV = "CVM_TUNE_BUNDLES_TOKEN_SHA256"
@@ -69,6 +72,9 @@ def token_sha256(token: str) -> str:
 def new_token(path: Path) -> str:
     """Write a fresh random token to ``path`` (mode 0600, never overwritten); return its SHA-256 (hex).
 
+    The file holds the token alone, without a newline, so the hash is also ``sha256sum`` of the file. (Files of
+    earlier releases end with a newline; :func:`read_token` strips it, and the hash pinned for them stays valid.)
+
     Raises:
         ConfigError: ``path`` exists or cannot be created.
     """
@@ -78,8 +84,28 @@ def new_token(path: Path) -> str:
     except OSError as exc:
         raise ConfigError(f"cannot create {path}: {exc.strerror}", fix="choose a new file name (tokens are never overwritten)") from exc
     with os.fdopen(fd, "w") as fh:
-        fh.write(token + "\n")
+        fh.write(token)
     return token_sha256(token)
+
+
+def serve_token_sha256(token_file: Path | None, pinned: str | None) -> str:
+    """The token hash ``bundles serve`` compares bearer tokens to: the SHA-256 of the token in ``token_file``
+    (a local server), or ``pinned`` (``CVM_TUNE_BUNDLES_TOKEN_SHA256``, set by the measured compose); both may be
+    given only when they agree.
+
+    Raises:
+        ConfigError: neither is given, the file holds no token, or the file's token is not the one pinned.
+    """
+    if token_file is None:
+        if not pinned:
+            raise ConfigError(f"the bundle server needs a token: --token-file FILE, or {TOKEN_ENV} (the compose sets it)",
+                              fix="write one with `cvm-tune bundles token FILE` and pass --token-file FILE")
+        return pinned
+    digest = token_sha256(read_token(token_file))
+    if pinned and pinned != digest:
+        raise ConfigError(f"the token in {token_file} is not the one {TOKEN_ENV} pins ({pinned[:12]}…)",
+                          fix=f"pass the token file the compose pins, or unset {TOKEN_ENV}")
+    return digest
 
 
 def read_token(path: Path) -> str:
@@ -113,9 +139,13 @@ def bundle_files(root: Path) -> dict[str, int]:
 
 
 def runs(output: Path) -> list[dict[str, Any]]:
-    """One line per run of the run database (read-only): id, status, start time, whether its bundle is exported
-    and whether it is the one exports/PROMOTED names."""
-    return run_list(output, promoted=_promoted(output))
+    """One line per run of the run database and per save of the training API (read-only), by run id: id, ``kind``
+    (``run``: nightly or ad hoc; ``api``: a training-API checkpoint, status ``saved``), status, start (save) time,
+    whether its bundle is exported and whether it is the one exports/PROMOTED names."""
+    found = [{**r, "kind": "run"} for r in run_list(output, promoted=_promoted(output))]
+    found += [{"run_id": a["run_id"], "kind": "api", "status": "saved", "started_at": a["saved_at"],
+               "exported": a["exported"], "promoted": False} for a in api_saves(output)]
+    return sorted(found, key=lambda r: r["run_id"])
 
 
 def _promoted(output: Path) -> str | None:
@@ -283,8 +313,9 @@ def _safe_rel(rel: object) -> str:
 
 
 def list_runs(base_url: str, token: str, *, timeout: float = 60.0) -> list[dict[str, Any]]:
-    """The server's run list: ``run_id`` (a safe run id), ``status``, ``started_at`` (short printable text or
-    None), ``exported``, ``promoted`` (booleans).
+    """The server's run list: ``run_id`` (a safe run id), ``kind`` (``run`` or ``api``; ``run`` from a server of
+    an earlier release), ``status``, ``started_at`` (short printable text or None), ``exported``, ``promoted``
+    (booleans).
 
     Raises:
         ConfigError: a URL that is not https (or http on loopback), or that carries a user name.
@@ -299,7 +330,8 @@ def list_runs(base_url: str, token: str, *, timeout: float = 60.0) -> list[dict[
             raise _bad_answer("run list holds an entry without a valid run_id")
         text = {k: r.get(k) if isinstance(r.get(k), str) and r[k].isprintable() else None
                 for k in ("status", "started_at")}
-        out.append({"run_id": r["run_id"], **{k: v[:40] if v else v for k, v in text.items()},
+        out.append({"run_id": r["run_id"], "kind": "api" if r.get("kind") == "api" else "run",
+                    **{k: v[:40] if v else v for k, v in text.items()},
                     "exported": r.get("exported") is True, "promoted": r.get("promoted") is True})
     return out
 

@@ -1,4 +1,5 @@
-"""``cvm-tune status``: the last runs from the run database, the heartbeat and the next slot."""
+"""``cvm-tune status``: the last runs from the run database, the training API's saves, the heartbeat and the next
+slot."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ from typing import Any
 from app.config import Config
 from app.run.privacy_budget import chain_entries, privacy_lines, trusted_spend
 from app.run.privacy_budget import summary as privacy_summary
+from app.service.api_saves import api_saves
 from app.service.scheduler import DailySchedule
 from app.state import RunDB, iso, read_heartbeat
 
 STATUS_SCHEMA = "cvm-tune/status/v1"
 _HEAD = ("RUN ID", "SLOT (UTC)", "STATUS", "TRY", "FINISHED (UTC)", "STEPS", "LOSS", "REASON / BUNDLE")
+_SAVES_HEAD = ("RUN ID", "CHECKPOINT", "KIND", "OPS", "SAVED (UTC)", "BUNDLE")
 
 
 def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: datetime | None = None) -> str:
@@ -28,6 +31,7 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
     finally:
         if db is not None:
             db.close()
+    saves = api_saves(out, limit)
     beat = read_heartbeat(out)
     budget = privacy_summary(out / "state", trusted_spend(chain_entries(out / "state" / "audit.jsonl"),
                                                         out / "exports"))
@@ -36,7 +40,7 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
         return json.dumps({"schema": STATUS_SCHEMA, "output": str(out), "heartbeat": beat,
                            "next_slot": {"run_id": nxt.run_id, "at": iso(nxt.at)},
                            "runs": [r.__dict__ for r in rows], "adapters": adapters(out),
-                           "adhoc_runs": adhoc, "privacy_budget": budget},
+                           "adhoc_runs": adhoc, "api_saves": saves, "privacy_budget": budget},
                           indent=2, sort_keys=True)
     lines = [f"cvm-tune service on {out}  (schedule {cfg.schedule.time} {cfg.schedule.timezone})"]
     if beat is None:
@@ -67,17 +71,26 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
         table.append((r.id, r.slot_time.replace("T", " ").rstrip("Z"), r.status, str(r.attempts),
                       (r.finished_at or "").replace("T", " ").rstrip("Z"),
                       str(losses[-1][0]) if losses else "", f"{losses[-1][1]:.4f}" if losses else "", tail))
-    if len(table) == 1 and not adhoc:
+    if len(table) == 1 and not adhoc and not saves:
         lines.append("no runs yet")
     elif len(table) > 1:
-        widths = [max(len(row[i]) for row in table) for i in range(len(_HEAD) - 1)]
-        for row in table:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
+        lines += columns(table)
     if adhoc:
         lines += ([] if lines[-1] == "" else [""]) + ["ad-hoc runs (cvm-tune run), newest first:"]
         lines += [f"  {a['run_id']}  {a['status']:8}  started {a['started_at']}  {a.get('bundle') or ''}".rstrip()
                   for a in adhoc]
+    if saves:
+        lines += ([] if lines[-1] == "" else [""]) + ["training API saves (cvm-tune api serve), newest first:"]
+        lines += ["  " + line for line in columns([_SAVES_HEAD] + [
+            (a["run_id"], a["checkpoint"], a["kind"], str(a["ops"]), a["saved_at"].replace("T", " ").rstrip("Z"),
+             str(out / "exports" / a["run_id"]) if a["exported"] else "(bundle missing)") for a in saves])]
     return "\n".join(lines)
+
+
+def columns(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows as text columns, each as wide as its longest cell (the last one unpadded)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1] for row in rows]
 
 
 def adhoc_runs(db: RunDB | None, scheduled: set[str], limit: int) -> list[dict[str, str]]:
