@@ -1,0 +1,88 @@
+// Rendering: the verdict at a glance, every check with its reason, and what the bundle says about its run.
+import { isObj, utf8 } from "./util.js";
+
+const $ = (id) => document.getElementById(id);
+
+function el(tag, attrs = {}, ...kids) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  for (const k of kids) if (k != null) e.append(k);
+  return e;
+}
+
+const WORDS = { accepted: "ACCEPTED", rejected: "REJECTED", incomplete: "NOT ACCEPTED: INCOMPLETE" };
+
+function lossCurve(points) {
+  if (!Array.isArray(points) || points.length < 1) return null;
+  const W = 480, H = 160, P = 28;
+  const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
+  const [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
+  const sx = (x) => P + ((x - x0) / (x1 - x0 || 1)) * (W - 2 * P), sy = (y) => H - P - ((y - y0) / (y1 - y0 || 1)) * (H - 2 * P);
+  const ns = "http://www.w3.org/2000/svg";
+  const svg = document.createElementNS(ns, "svg");
+  svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
+  svg.setAttribute("class", "curve");
+  svg.setAttribute("role", "img");
+  svg.setAttribute("aria-label", "training loss by step");
+  const path = document.createElementNS(ns, "polyline");
+  path.setAttribute("points", points.map((p) => `${sx(p[0]).toFixed(1)},${sy(p[1]).toFixed(1)}`).join(" "));
+  svg.append(path);
+  for (const [x, y, text] of [[P, H - 8, `step ${x0}`], [W - P, H - 8, `step ${x1}`], [2, P - 10, `loss ${y1.toPrecision(4)}`], [2, H - P + 4, `${y0.toPrecision(4)}`]]) {
+    const t = document.createElementNS(ns, "text");
+    t.setAttribute("x", x); t.setAttribute("y", y);
+    if (x === W - P) t.setAttribute("text-anchor", "end");
+    t.textContent = text;
+    svg.append(t);
+  }
+  return svg;
+}
+
+function summary(bundle) {
+  let m = null, report = null;
+  try { m = JSON.parse(utf8(bundle.files.get("manifest.json"))); } catch { m = null; }
+  try { report = JSON.parse(utf8(bundle.files.get("report/report.json"))); } catch { report = null; }
+  if (!isObj(m)) return el("p", {}, "The manifest could not be read.");
+  const rows = [];
+  const add = (k, v) => { if (v !== undefined && v !== null && v !== "") rows.push(el("tr", {}, el("th", {}, k), el("td", {}, String(v)))); };
+  const t = m.training || {}, d = m.dataset || {}, bm = m.base_model || {};
+  add("run", m.run_id);
+  add("created", m.created_at);
+  add("base model", bm.hub_id || bm.name);
+  add("dataset", d.dataset_id !== undefined ? `${d.dataset_id} v${d.dataset_version} (${d.rows} rows)` : null);
+  add("objective", t.objective || "sft");
+  add("steps", t.global_step);
+  if (m.lineage) add("continued from", m.lineage.parent_run_id);
+  if (m.evaluation) add("promotion", `${m.evaluation.promote ? "promoted" : "not promoted"} (${m.evaluation.metric} ${m.evaluation.candidate_loss} vs ${m.evaluation.parent_loss})`);
+  if (m.privacy) add("differential privacy", `ε = ${m.privacy.epsilon} at δ = ${m.privacy.delta} (${m.privacy.accountant}, as recorded)`);
+  if (m.op_chain) add("training API", `${m.op_chain.ops} ops, ${m.op_chain.optimizer_steps} optimizer steps, ${m.op_chain.checkpoint}`);
+  if (m.op_chain && isObj(m.op_chain.dp)) add("differential privacy", `ε = ${m.op_chain.dp.epsilon} at δ = ${m.op_chain.dp.delta} (as recorded)`);
+  if (m.confidentiality) add("recipients", (m.confidentiality.recipients || []).join(" "));
+  if (m.federation) add("federated round", m.federation.round);
+  add("TEE", m.tee && `${m.tee.mode}, app-id ${m.tee.app_id}`);
+  const losses = (report && report.losses) || t.losses;
+  const box = el("div", {}, el("table", { class: "kv" }, ...rows));
+  const curve = lossCurve(losses);
+  if (curve) box.append(el("h3", {}, "Training loss (from the bundle's run report)"), curve);
+  return box;
+}
+
+export function render(v, { bundle, bundleName, policyName, opsName, ms }) {
+  const out = $("result");
+  out.replaceChildren();
+  const failed = v.checks.filter((c) => c.status === "fail");
+  const head = el("section", { class: `verdict ${v.verdict}`, id: "verdict" },
+    el("h2", {}, `${WORDS[v.verdict]} under policy '${v.policy}'`),
+    el("p", {}, `${bundleName}${opsName ? ` with ops ${opsName}` : ""}; policy ${policyName || "built-in default"}; checked in ${(ms / 1000).toFixed(2)} s at ${new Date(v.now * 1000).toISOString()}`));
+  if (v.test_root) head.append(el("p", { class: "warn", id: "test-root-warning" }, "Quote signed by a TEST CA (the cvm-tune simulator): this is NOT evidence of a real TEE."));
+  if (failed.length) head.append(el("p", {}, "Failed: ", ...failed.flatMap((c, i) => [i ? ", " : "", el("code", {}, c.name)])));
+  if (v.not_checked) head.append(el("p", { class: "warn" }, `Not checked by this page: ${v.not_checked.join(", ")}. Run cvm-tune verify for a verdict.`));
+  out.append(head);
+  const table = el("table", { class: "checks", id: "checks" }, el("tr", {}, el("th", {}, "check"), el("th", {}, "status"), el("th", {}, "reason")));
+  for (const c of v.checks) table.append(el("tr", { class: c.status, "data-check": c.name }, el("td", {}, el("code", {}, c.name)), el("td", { class: "status" }, c.status), el("td", {}, c.reason)));
+  out.append(el("section", {}, el("h2", {}, "Checks"), table));
+  out.append(el("section", {}, el("h2", {}, "What the bundle says"), summary(bundle)));
+}
+
+export function renderError(message) {
+  $("result").replaceChildren(el("section", { class: "verdict error", id: "verdict" }, el("h2", {}, "Cannot verify"), el("p", {}, message)));
+}
