@@ -206,3 +206,125 @@ def test_status_lists_the_training_api_saves(tmp_path: Path) -> None:
                                 str(out.resolve() / "exports" / "api-m1-ckpt-1")]
     doc = json.loads(render_status(cfg, as_json=True))
     assert [(s["run_id"], s["ops"], s["exported"]) for s in doc["api_saves"]] == [("api-m1-ckpt-1", 7, True)]
+
+
+# ---- cvm-tune show ---------------------------------------------------------------------------------------------------
+
+def _show(capsys: pytest.CaptureFixture[str], bundle: Path) -> tuple[dict[str, str], str, dict]:
+    import json
+
+    assert main(["show", str(bundle)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    fields = dict(line.strip().split(":", 1) for line in out[1:] if line.startswith("  ") and ":" in line)
+    verify = next(line.removeprefix("verify it: ") for line in out if line.startswith("verify it: "))
+    assert main(["show", str(bundle), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verify"] == verify and doc["verified"] is False and doc["schema"] == "cvm-tune/show/v1"
+    assert "NOT verified" in out[0]
+    return {k: v.strip() for k, v in fields.items()}, verify, doc
+
+
+def test_show_summarizes_a_run_and_its_verify_command_verifies_it(demo_bundle: tuple[Path, Path],
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+    import shlex
+
+    bundle, policy = demo_bundle
+    m = json.loads((bundle / "manifest.json").read_text())
+    fields, verify, doc = _show(capsys, bundle)
+    assert fields["run id"] == m["run_id"] and fields["kind"] == "ad-hoc run (cvm-tune run)"
+    assert fields["base model"] == "cvm-tune/tiny-llama" and fields["objective"] == "SFT" and fields["steps"] == "2"
+    assert fields["dataset"].startswith(f"{m['dataset']['dataset_id']} version {m['dataset']['dataset_version']} (")
+    assert fields["final loss"] == f"{m['training']['losses'][-1][1]:.4f} at step 2"
+    assert fields["weights"] == "plaintext (no recipients)" and fields["privacy"] == "no differential privacy"
+    assert fields["parent"] == "none: trained from the base model" and "simulator" in fields["TEE"]
+    assert verify == shlex.join(["cvm-tune", "verify", str(bundle), "--policy", str(policy)])
+    assert (doc["kind"], doc["steps"], doc["epsilon"], doc["recipients"]) == ("run", 2, None, [])
+    assert main(shlex.split(verify)[1:]) == 0  # the hint is a command that verifies this bundle
+    capsys.readouterr()
+
+
+def test_show_an_api_checkpoint_with_a_parent(demo_bundle: tuple[Path, Path], tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    m = json.loads((demo_bundle[0] / "manifest.json").read_text())
+    m["op_chain"] = {"schema": "cvm-tune/op-chain/v1", "head": "ab" * 32, "ops": 12, "optimizer_steps": 6,
+                     "checkpoint": "tinker://m1/weights/s1", "lora": {"rank": 8}, "dp": {"epsilon": 1.5}}
+    m["lineage"] = {"parent_run_id": "run-0", "parent_manifest_sha256": "cd" * 32, "parent_adapter_sha256": "ef" * 32}
+    m["run_id"] = "api-m1-weights-s1-1"
+    bundle = tmp_path / "exports" / m["run_id"]
+    bundle.mkdir(parents=True)
+    (tmp_path / "exports" / "run-0").mkdir()
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    fields, verify, doc = _show(capsys, bundle)
+    assert fields["kind"] == "training-API checkpoint (cvm-tune api serve)" and "dataset" not in fields
+    assert fields["op chain"] == f"12 ops (6 optimizer steps), head {'ab' * 8}…, saved as tinker://m1/weights/s1"
+    assert fields["privacy"] == "DP-SGD, ε = 1.5" and fields["parent"] == "continued from run-0"
+    assert verify == (f"cvm-tune verify {bundle} --policy simulator-test-policy.yaml --parent {tmp_path}/exports/run-0"
+                      " --ops OPS.jsonl")
+    assert (doc["kind"], doc["op_chain_ops"], doc["epsilon"], doc["parent_run_id"]) == ("api", 12, 1.5, "run-0")
+    assert any("--write-policy" in n for n in doc["notes"])
+
+
+def test_show_a_federated_round(demo_bundle: tuple[Path, Path], tmp_path: Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from attestation.rounds.manifest import RoundManifest
+
+    m = json.loads((demo_bundle[0] / "manifest.json").read_text())
+    admitted = [{"client": c, "run_id": f"run-{c}", "manifest_sha256": "a" * 64, "quote_sha256": "b" * 64,
+                 "adapter_sha256": "c" * 64, "trainable_tokens": 10, "weight": 0.5, "privacy_epsilon": eps,
+                 "privacy_delta": 1e-5} for c, eps in (("acme", 2.0), ("globex", 3.0))]
+    doc = {"schema": "cvm-tune/round-manifest/v1", "federation_id": "simulation", "round": 2, "nonce": "d" * 64,
+           "created_at": "2026-11-28T03:00:00Z", "code": m["code"], "tee": m["tee"], "strategy": {"name": "fedavg"},
+           "min_clients": 2, "global_adapter_sha256": "e" * 64, "previous_round_sha256": "f" * 64,
+           "admitted": admitted, "rejected": [{"client": "initech", "node_id": 3, "reason": "quote rejected"}],
+           "files": {}}
+    RoundManifest.model_validate(doc)
+    rounds = tmp_path / "fed-sim" / "aggregator" / "output" / "rounds" / "simulation"
+    (rounds / "round-0001").mkdir(parents=True)
+    (rounds / "round-0002").mkdir()
+    (rounds / "round-0002" / "round-manifest.json").write_text(json.dumps(doc))
+    (tmp_path / "fed-sim" / "simulator-test-policy.yaml").write_text("name: x\n")
+    fields, verify, out = _show(capsys, rounds / "round-0002")
+    assert fields["kind"] == "federated round 2 (aggregator)" and fields["federation"] == "simulation"
+    assert fields["admitted"].startswith("2 of at least 2: acme (run run-acme, weight 0.5, ε 2)")
+    assert fields["rejected"] == "1; initech: quote rejected" and fields["parent"].startswith("round 1 (")
+    assert verify == (f"cvm-tune verify {rounds}/round-0002 --policy {tmp_path}/fed-sim/simulator-test-policy.yaml "
+                      f"--parent {rounds}/round-0001")
+    assert (out["kind"], out["clients"], out["epsilon"], out["parent_round"]) == ("round", ["acme", "globex"], 3.0, 1)
+
+
+@pytest.mark.parametrize("case", ["not a directory", "no manifest", "truncated", "nested", "not a manifest", "huge"])
+def test_show_refuses_what_is_not_a_bundle(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli import show
+    from attestation.errors import BundleError
+
+    bundle = tmp_path / "b"
+    if case == "not a directory":
+        bundle.write_text("x")
+    else:
+        bundle.mkdir()
+    content = {"truncated": b'{"schema": "cvm-tune/manifest/v1", "run_id": "r', "nested": b"[" * 5000 + b"]" * 5000,
+               "not a manifest": b'{"schema": "cvm-tune/manifest/v1", "run_id": "r"}',
+               "huge": b" " * (show.MAX_MANIFEST + 1)}.get(case)
+    if content is not None:
+        (bundle / "manifest.json").write_bytes(content)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(BundleError) as exc:
+        show.summarize(bundle)
+    assert type(exc.value) is BundleError
+    assert main(["show", str(bundle)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.splitlines()
+    assert captured.out == "" and len(err) == 2 and err[0].startswith("error: ") and err[1].startswith("fix: ")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_show_knows_the_simulator_by_the_rev_it_reports() -> None:
+    from app.cli.show import SIMULATOR_REV
+    from app.simulator.agent import REV_PREFIX
+
+    assert SIMULATOR_REV == REV_PREFIX

@@ -92,6 +92,13 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--ops", type=Path, metavar="OPS.jsonl", help="also recompute a training-API checkpoint's op chain "
                    "from the client's record of its ops (one JSON op a line; docs/api.md); a mismatch rejects (exit 1)")
 
+    sh = sub.add_parser("show", help="summarize a bundle: run, model, dataset, training, recipients (verifies nothing)",
+                        description="Print what an export bundle (a run or a training-API checkpoint) or a federated "
+                        "round bundle says about itself, read from its manifest, and the `cvm-tune verify` command that "
+                        "checks it. Nothing is verified here. Exit 0 shown, 2 not a bundle (no or a damaged manifest).")
+    sh.add_argument("bundle", type=Path, metavar="BUNDLE", help="an exports/<run_id> or rounds/<federation>/round-N directory")
+    sh.add_argument("--json", action="store_true", help="machine-readable summary (schema cvm-tune/show/v1)")
+
     pu = sub.add_parser("publish", help="upload a verified bundle to the Hugging Face Hub (network)",
                         description="Verify BUNDLE under the policy, then upload it as a Hub model repository: the PEFT "
                         "adapter (with tokenizer and model.sig) at the root, the model card as README.md, every other "
@@ -311,6 +318,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     **{name: _lazy("app.cli.service", fn) for name, fn in (
         ("run", "_run"), ("serve", "_serve"), ("status", "_status"), ("simulator", "_simulator"), ("schema", "_schema"),
         ("validate-config", "_validate_config"), ("bundles", "_bundles"))},
+    "show": _lazy("app.cli.show", "_show"),
     **{name: _lazy("app.cli.verify", fn) for name, fn in (
         ("verify", "_verify"), ("publish", "_publish"), ("verify-quote", "_verify_quote"), ("collateral", "_collateral"))},
     **{name: _lazy("app.cli.deploy", fn) for name, fn in (
