@@ -226,6 +226,8 @@ def test_dpo_run_exports_a_bundle_that_verifies_and_records_the_objective(tmp_pa
     assert main(["run", "--config", str(_cfg(tmp_path, data))]) == 0
     out = capsys.readouterr().out
     assert "evaluation: DPO loss" in out and "preference accuracy" in out
+    rows_line = next(line for line in out.splitlines() if line.startswith("dataset: prefs.cvmds"))
+    assert ", 12 preference rows, 0 duplicates dropped" in rows_line and "{" not in rows_line  # not a Python dict
     bundle = next(p for p in (tmp_path / "out" / "exports").iterdir() if p.is_dir())
     m = json.loads((bundle / "manifest.json").read_bytes())
     assert m["training"]["objective"] == "dpo"

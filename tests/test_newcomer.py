@@ -328,3 +328,16 @@ def test_show_knows_the_simulator_by_the_rev_it_reports() -> None:
     from app.simulator.agent import REV_PREFIX
 
     assert SIMULATOR_REV == REV_PREFIX
+
+
+# ---- the run's row summary ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("rows", "by_kind", "line"), [
+    (171, {"messages": 111, "text": 60}, "171 rows (111 chat, 60 text)"),
+    (12, {"messages": 0, "text": 0, "preference": 12}, "12 preference rows"),
+    (1, {"messages": 1, "text": 0}, "1 chat row"),
+])
+def test_row_summary_is_a_readable_line(rows: int, by_kind: dict[str, int], line: str) -> None:
+    from app.run.stages import row_summary
+
+    assert row_summary(rows, by_kind) == line

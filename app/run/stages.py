@@ -198,7 +198,7 @@ def dataset_stage(cfg: Config, out: Path, keys: Keys, progress: Progress) -> Dat
     check_version(out / "state", info["dataset_id"], info["dataset_version"], info["plaintext_sha256"])
     signer = f", signed by owner key {sig.owner_key_id[:16]}…" if sig else ", not owner-signed"
     progress(f"dataset: {path.name} v{info['dataset_version']} ({plain_format}) decrypted in memory and authenticated "
-             f"({stream.chunks} chunks{signer}), {rep.rows_kept} rows {dict(rep.by_kind)}, "
+             f"({stream.chunks} chunks{signer}), {row_summary(rep.rows_kept, rep.by_kind)}, "
              f"{rep.duplicates_dropped} duplicates dropped{_lines(rep.duplicate_lines)}")
     return Dataset(path, rows, rep, stream.chunks, info, eval_rows, keys.note, recipients=header.recipients)
 
@@ -234,6 +234,17 @@ def token_stage(cfg: Config, ds: Dataset, base: BaseModel, progress: Progress) -
     progress(f"tokens: {tokens.rows_out} rows, {tokens.trainable_tokens} trainable tokens; {tokens.too_long} longer "
              f"than {tokens.max_length} tokens ({cfg.dataset.too_long}{_lines(tokens.too_long_lines)}), "
              f"{tokens.dropped_no_trainable} without trainable tokens dropped{_lines(tokens.no_trainable_lines)}")
+
+
+ROW_KINDS = {"messages": "chat", "text": "text", "preference": "preference"}  # the progress line's names for them
+
+
+def row_summary(rows: int, by_kind: dict[str, int]) -> str:
+    """``171 rows (111 chat, 60 text)``, or ``12 preference rows`` when all are of one kind (counts only)."""
+    kinds = {ROW_KINDS.get(k, k): n for k, n in by_kind.items() if n}
+    if len(kinds) == 1 and sum(kinds.values()) == rows:
+        return f"{rows} {next(iter(kinds))} row{'s' if rows != 1 else ''}"
+    return f"{rows} row{'s' if rows != 1 else ''}" + (f" ({', '.join(f'{n} {k}' for k, n in kinds.items())})" if kinds else "")
 
 
 def _lines(numbers: tuple[int, ...], most: int = 10) -> str:
