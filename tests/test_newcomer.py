@@ -341,3 +341,33 @@ def test_row_summary_is_a_readable_line(rows: int, by_kind: dict[str, int], line
     from app.run.stages import row_summary
 
     assert row_summary(rows, by_kind) == line
+
+
+# ---- docs that had gone stale ---------------------------------------------------------------------------------------
+
+def test_verifier_usage_names_every_way_to_widen_verify() -> None:
+    from tests.test_docs import blocks
+
+    page = ROOT / "docs" / "verifier.md"
+    usage = blocks(page)[0].text
+    text = page.read_text()
+    for flag in ("--parent", "--chain", "--identity", "--ops"):
+        assert flag in usage, flag
+        assert re.search(rf"^- `{flag} [A-Z_.a-z]+`: \S", text, flags=re.M), f"no line says what {flag} does"
+
+
+def test_index_says_rows_may_be_tables() -> None:
+    text = " ".join((ROOT / "docs" / "index.md").read_text().split())
+    step = text.split("**Decrypt → validate**", 1)[1].split("**Base model**", 1)[0]
+    assert "Parquet" in step and "Arrow" in step and "JSONL" in step
+
+
+def test_shown_benchmark_commands_never_overwrite_tracked_results() -> None:
+    """A benchmark command a page shows writes outside bench/results/ (tracked references), with an explicit --out
+    (bench/encrypt.py and bench/gpu_train.py write under bench/results/ without one)."""
+    from tests.test_docs import sh_blocks
+
+    commands = [line for b in sh_blocks() for line in b.text.splitlines() if re.search(r"\bbench/\w+\.py\b", line)]
+    assert commands
+    bad = [c for c in commands if not re.search(r"--out (?!bench/results)\S", c)]
+    assert bad == []
