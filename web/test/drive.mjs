@@ -1,9 +1,11 @@
 // Drives Debian's chromium (headless, through playwright-core: no browser download) for tests/test_web_verify.py.
-// stdin: {"pages": [{"url": URL}], "timeout_ms": N}; stdout: one JSON list, per page {url, verdict (the parsed
-// <pre id="verdict-json">), body_verdict, ms (the page's own timing), requests: every URL the page asked for, errors}.
+// stdin: {"pages": [{"url": URL, "drop": [PATH, ...], "screenshot": PATH}], "timeout_ms": N}: each page is opened
+// (with "drop": the files are dropped onto it, as a user drags them from a file manager); stdout: one JSON list, per
+// page {url, verdict (the parsed <pre id="verdict-json">), body_verdict, ms (the page's own timing), requests: every
+// URL the page asked for, errors}.
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
-import { join } from "node:path";
+import { basename, join } from "node:path";
 import { chromium } from "playwright-core";
 
 const input = JSON.parse(readFileSync(0, "utf8"));
@@ -15,8 +17,19 @@ const context = await chromium.launchPersistentContext(profile, {
     "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"],
 });
 const results = [];
+
+/** Drop `paths` onto the page's drop zone in one DataTransfer, as a drag from a file manager does. */
+async function dropFiles(page, paths) {
+  const files = paths.map((p) => ({ name: basename(p), b64: readFileSync(p).toString("base64") }));
+  const dt = await page.evaluateHandle((fs) => {
+    const t = new DataTransfer();
+    for (const f of fs) t.items.add(new File([Uint8Array.from(atob(f.b64), (c) => c.charCodeAt(0))], f.name));
+    return t;
+  }, files);
+  await page.dispatchEvent("#drop", "drop", { dataTransfer: dt });
+}
 try {
-  for (const { url } of input.pages) {
+  for (const { url, drop, screenshot } of input.pages) {
     const page = await context.newPage();
     const requests = [], errors = [];
     page.on("request", (r) => requests.push(r.url()));
@@ -25,6 +38,7 @@ try {
     let verdict = null, bodyVerdict = null, ms = null;
     try {
       await page.goto(url);
+      if (drop) await dropFiles(page, drop);
       await page.waitForFunction(() => !["loading", "running", "waiting"].includes(document.body.dataset.verdict),
         null, { timeout: input.timeout_ms || 30000 });
       bodyVerdict = await page.evaluate(() => document.body.dataset.verdict);
@@ -33,8 +47,9 @@ try {
     } catch (e) {
       errors.push(String(e));
     }
-    if (input.screenshot_dir && input.screenshot) {
-      await page.setViewportSize({ width: 1100, height: 900 });
+    if (screenshot) {
+      await page.setViewportSize({ width: 1000, height: 760 });
+      await page.screenshot({ path: screenshot });
     }
     results.push({ url, verdict, body_verdict: bodyVerdict, ms, requests, errors });
     await page.close();

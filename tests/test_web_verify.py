@@ -1,0 +1,334 @@
+"""The browser verifier (web/dist/verify.html) against ``cvm-tune verify --json``, check by check, in headless Chromium.
+
+The page is rebuilt from web/ in a scratch copy (``npm ci --offline``: the packages come from npm's cache, filled by
+``cd web && npm ci``) and must be byte-identical to the committed file; the committed page is then served from a
+loopback server with each bundle as a .tar.gz and driven by Debian's chromium through playwright-core
+(web/test/drive.mjs: one browser for the whole module).
+
+Corpus covered here: the demo bundle (a simulator run with a model signature and GPU evidence) and a tampered copy
+for every file the manifest binds, every attestation file and the bundle's layout, under the simulator's test
+policy; the demo bundle under the default policy; the committed sample bundle (tests/data/bundle: a bundle from
+before model signatures, the second run of an audit chain). For each, the page's verdict and every check's name and
+status equal the Python verifier's, and the page asked for nothing but the page and the files named in its URL.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlparse
+
+import pytest
+
+from tests.loopback_http import Server, send
+
+REPO = Path(__file__).resolve().parent.parent
+WEB = REPO / "web"
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+SAMPLE = REPO / "tests" / "data" / "bundle"
+SAMPLE_POLICY = REPO / "tests" / "data" / "bundle-policy.yaml"
+NOW = 1795853312  # inside the simulator collateral's window (2020..2099); both verifiers get the same time
+PAGE_BUDGET_MS = 2000  # the demo bundle, verified in the page
+
+pytestmark = pytest.mark.skipif(shutil.which("node") is None or not Path(CHROMIUM).exists(),
+                                reason="needs node and Debian's chromium (.ci/run installs both)")
+
+
+# --- the page, rebuilt ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def web_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """web/'s tracked sources in a scratch directory, with its locked packages installed from npm's cache."""
+    dst = tmp_path_factory.mktemp("web") / "web"
+    tracked = subprocess.run(["git", "ls-files", "-z", "web"], cwd=REPO, capture_output=True, check=True).stdout
+    for rel in filter(None, tracked.decode().split("\0")):
+        (dst.parent / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPO / rel, dst.parent / rel)
+    npm = subprocess.run(["npm", "ci", "--offline", "--ignore-scripts", "--no-audit", "--no-fund"], cwd=dst,
+                         capture_output=True, text=True)
+    assert npm.returncode == 0, f"npm ci --offline failed (fill npm's cache first: cd web && npm ci)\n{npm.stderr[-2000:]}"
+    return dst
+
+
+def test_a_fresh_build_reproduces_the_committed_page(web_copy: Path, tmp_path: Path) -> None:
+    out = tmp_path / "verify.html"
+    subprocess.run(["node", "build.mjs", str(out)], cwd=web_copy, check=True, capture_output=True)
+    assert out.read_bytes() == (WEB / "dist" / "verify.html").read_bytes(), "rebuild web/dist/verify.html: cd web && npm run build"
+
+
+def test_the_page_is_self_contained_and_allows_same_origin_fetches_only() -> None:
+    html = (WEB / "dist" / "verify.html").read_text(encoding="utf-8")
+    csp = html.split('http-equiv="Content-Security-Policy" content="', 1)[1].split('"', 1)[0]
+    directives = dict(d.strip().split(" ", 1) for d in csp.split(";"))
+    assert directives["default-src"] == "'none'" and directives["connect-src"] == "'self'"
+    assert directives["script-src"].startswith("'sha256-") and directives["style-src"].startswith("'sha256-")
+    assert "http://" not in html.split("<script>", 1)[0] and "https://" not in html.split("<script>", 1)[0]
+    assert html.count("<script") == 1 and "<link" not in html and " src=" not in html.split("<script>", 1)[0]
+
+
+# --- serving and driving ----------------------------------------------------------------------------------------------
+
+
+class Site:
+    """A loopback HTTP server for one directory: the page and the corpus (archives, policies, ops files)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+        def route(h: Any, _stop: Any) -> None:
+            path = (root / urlparse(h.path).path.lstrip("/")).resolve()
+            if root in path.parents and path.is_file():
+                kind = "text/html; charset=utf-8" if path.suffix == ".html" else "application/octet-stream"
+                send(h, 200, path.read_bytes(), Content_Type=kind)
+            else:
+                send(h, 404)
+
+        self.server = Server(route)
+
+    def url(self, bundle: str, policy: str | None, ops: str | None = None) -> str:
+        q = f"bundle={quote(bundle)}&now={NOW}" + (f"&policy={quote(policy)}" if policy else "") + (f"&ops={quote(ops)}" if ops else "")
+        return f"{self.server.url}/verify.html?{q}"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
+    root = tmp_path_factory.mktemp("site").resolve()
+    shutil.copyfile(WEB / "dist" / "verify.html", root / "verify.html")
+    s = Site(root)
+    yield s
+    s.server.close()
+
+
+def drive(web_copy: Path, pages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Open each page in one headless Chromium (web/test/drive.mjs) and return what each showed."""
+    env = {**os.environ, "CHROMIUM": CHROMIUM}
+    proc = subprocess.run(["node", str(web_copy / "test" / "drive.mjs")], input=json.dumps({"pages": pages, "timeout_ms": 60000}),
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def python_verdict(bundle: Path, policy: Path | None, ops: Path | None = None) -> tuple[dict[str, Any], float]:
+    """``cvm-tune verify BUNDLE [--policy P] [--ops OPS] --now NOW --json`` in this process: (verdict, seconds)."""
+    from app.cli import main
+
+    args = ["verify", str(bundle), "--now", str(NOW), "--json"] + (["--policy", str(policy)] if policy else []) \
+        + (["--ops", str(ops)] if ops else [])
+    out = io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        main(args)
+    return json.loads(out.getvalue()), time.perf_counter() - start
+
+
+def pack(src: Path, dst: Path) -> None:
+    """``dst`` (.tar.gz) of the bundle directory ``src`` under one top folder, symlinks and empty folders kept."""
+    with tarfile.open(dst, "w:gz") as tar:
+        tar.add(src, arcname=src.name)
+
+
+def same_checks(page: dict[str, Any], py: dict[str, Any], case: str) -> None:
+    """The page agrees with ``cvm-tune verify --json``: verdict, and every check's name and status, in order."""
+    assert page["errors"] == [], f"{case}: {page['errors']}"
+    v = page["verdict"]
+    assert v is not None, f"{case}: no verdict"
+    want = [(c["name"], c["status"]) for c in py["checks"]]
+    got = [(c["name"], c["status"]) for c in v["checks"]]
+    assert got == want, f"{case}: page {got} != cvm-tune {want}\npage reasons: " + "; ".join(
+        f"{c['name']}: {c['reason']}" for c in v["checks"] if c["status"] == "fail")
+    assert v["verdict"] == py["verdict"] == page["body_verdict"], case
+    assert "not_checked" not in v, f"{case}: the page could not run {v.get('not_checked')}"
+    for key in ("schema", "policy", "test_root", "now", "tcb_status", "advisory_ids", "measurements", "replayed_rtmrs",
+                "compose_hash", "app_id", "quote_hex", "bundle", "collateral", "tcb_date"):
+        assert v[key] == py[key], f"{case}: {key}: page {v[key]!r} != cvm-tune {py[key]!r}"
+
+
+def only_named_files(page: dict[str, Any]) -> None:
+    """The page asked for itself and the files its URL names, nothing else."""
+    url = urlparse(page["url"])
+    named = {f"{url.scheme}://{url.netloc}{url.path}"} | {
+        f"{url.scheme}://{url.netloc}/{v}" for k, v in (p.split("=", 1) for p in url.query.split("&")) if k in ("bundle", "policy", "ops")}
+    asked = {r.split("?", 1)[0] for r in page["requests"]}
+    assert asked <= named, f"unexpected requests: {asked - named}"
+
+
+# --- the demo bundle and its tampered copies ----------------------------------------------------------------------------
+
+
+def _flip(rel: str, at: int = -1) -> Callable[[Path], None]:
+    def edit(b: Path) -> None:
+        data = bytearray((b / rel).read_bytes())
+        data[at] ^= 0x01
+        (b / rel).write_bytes(bytes(data))
+    return edit
+
+
+def _json_edit(rel: str, change: Callable[[Any], None]) -> Callable[[Path], None]:
+    def edit(b: Path) -> None:
+        doc = json.loads((b / rel).read_bytes())
+        change(doc)
+        (b / rel).write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    return edit
+
+
+def _quote(edit: Callable[[bytes], bytes]) -> Callable[[Path], None]:
+    """Change quote.bin and write quote.hex to match (so only the quote's own checks see the change)."""
+    def apply(b: Path) -> None:
+        raw = edit((b / "quote.bin").read_bytes())
+        (b / "quote.bin").write_bytes(raw)
+        (b / "quote.hex").write_text(raw.hex() + "\n")
+    return apply
+
+
+def _flipped(at: int) -> Callable[[bytes], bytes]:
+    return lambda raw: raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1:]
+
+
+def _audit_edit(b: Path) -> None:
+    lines = (b / "audit.jsonl").read_bytes().split(b"\n")
+    lines[1] = lines[1].replace(b'"seq":1', b'"seq":7')
+    (b / "audit.jsonl").write_bytes(b"\n".join(lines))
+
+
+def _event_payload(b: Path) -> None:
+    log = json.loads((b / "event_log.json").read_text())
+    ev = next(e for e in reversed(log) if e["event"] == "cvm-tune.export")
+    ev["event_payload"] = ev["event_payload"][:-2] + ("00" if ev["event_payload"][-2:] != "00" else "01")
+    (b / "event_log.json").write_text(json.dumps(log))
+
+
+def _boot_digest(b: Path) -> None:
+    log = json.loads((b / "event_log.json").read_text())
+    ev = next(e for e in log if e["imr"] == 0 and e["digest"])
+    ev["digest"] = ("00" if ev["digest"][:2] != "00" else "11") + ev["digest"][2:]
+    (b / "event_log.json").write_text(json.dumps(log))
+
+
+def _tcb_info(b: Path) -> None:
+    c = json.loads((b / "collateral.json").read_text())
+    c["tcb_info"] = c["tcb_info"].replace('"tcbEvaluationDataNumber":', '"tcbEvaluationDataNumber": ', 1)
+    (b / "collateral.json").write_text(json.dumps(c))
+
+
+def _manifest_field(b: Path) -> None:
+    text = (b / "manifest.json").read_text()
+    m = json.loads(text)
+    (b / "manifest.json").write_text(text.replace(f'"rows": {m["dataset"]["rows"]}', f'"rows": {m["dataset"]["rows"] + 1}', 1))
+
+
+def _symlink(b: Path) -> None:
+    (b / "README.md").unlink()
+    (b / "README.md").symlink_to("config.json")
+
+
+TAMPERS: dict[str, Callable[[Path], None]] = {
+    "adapter weights": _flip("adapter/adapter_model.safetensors", 100),
+    "adapter config": _flip("adapter/adapter_config.json", 5),
+    "tokenizer": _flip("adapter/tokenizer.json", 10),
+    "model signature": _json_edit("adapter/model.sig", lambda d: d["dsseEnvelope"]["signatures"][0].update(
+        sig=base64.b64encode(base64.b64decode(d["dsseEnvelope"]["signatures"][0]["sig"])[:-1] + b"\x01").decode())),
+    "config": _flip("config.json", 3),
+    "app-compose": _flip("app-compose.json", 3),
+    "model card": _flip("README.md", 3),
+    "audit log": _audit_edit,
+    "gpu evidence": _flip("gpu-evidence.json", 20),
+    "run report": _flip("report/report.json", 30),
+    "loss plot": _flip("report/loss.png", 200),
+    "manifest field": _manifest_field,
+    "quote report_data": _quote(_flipped(600)),
+    "quote RTMR3": _quote(_flipped(530)),
+    "quote signature": _quote(_flipped(650)),
+    "quote PCK chain": _quote(lambda raw: raw.replace(b"CERTIFICATE-----\nMII", b"CERTIFICATE-----\nMIJ", 1)),
+    "quote padding": _quote(lambda raw: raw + b"\x01"),
+    "quote.hex": _flip("quote.hex", 8),
+    "event payload": _event_payload,
+    "boot digest": _boot_digest,
+    "collateral tcb_info": _tcb_info,
+    "collateral removed": lambda b: (b / "collateral.json").unlink(),
+    "file added": lambda b: (b / "adapter" / "extra.bin").write_bytes(b"x"),
+    "file removed": lambda b: (b / "report" / "loss.png").unlink(),
+    "empty folder": lambda b: (b / "merged").mkdir(),
+    "symlink": _symlink,
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(demo_bundle: tuple[Path, Path], site: Site, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Each case: its name, the page URL, and cvm-tune's verdict on the same bytes."""
+    bundle, policy = demo_bundle
+    work = tmp_path_factory.mktemp("corpus")
+    shutil.copyfile(policy, site.root / "simulator-policy.yaml")
+    shutil.copyfile(SAMPLE_POLICY, site.root / "sample-policy.yaml")
+    cases = []
+
+    def add(name: str, src: Path, policy_name: str | None) -> None:
+        arc = f"{len(cases):02d}.tar.gz"
+        pack(src, site.root / arc)
+        py, seconds = python_verdict(src, site.root / policy_name if policy_name else None)
+        cases.append({"name": name, "url": site.url(arc, policy_name), "python": py, "python_s": seconds})
+
+    add("demo", bundle, "simulator-policy.yaml")
+    add("demo, default policy", bundle, None)
+    add("sample bundle", SAMPLE, "sample-policy.yaml")
+    for name, edit in TAMPERS.items():
+        copy = work / name.replace(" ", "-") / bundle.name
+        shutil.copytree(bundle, copy, symlinks=True)
+        edit(copy)
+        add(f"tampered: {name}", copy, "simulator-policy.yaml")
+    return cases
+
+
+@pytest.fixture(scope="module")
+def shown(web_copy: Path, corpus: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    pages = drive(web_copy, [{"url": c["url"]} for c in corpus])
+    return {c["name"]: {**p, "python": c["python"], "python_s": c["python_s"]} for c, p in zip(corpus, pages, strict=True)}
+
+
+def test_the_demo_bundle_is_accepted_with_the_simulator_warning(shown: dict[str, dict[str, Any]]) -> None:
+    page = shown["demo"]
+    same_checks(page, page["python"], "demo")
+    assert page["verdict"]["verdict"] == "accepted" and page["verdict"]["test_root"] is True
+    print(f"\ndemo bundle: page {page['ms']:.0f} ms in headless Chromium, cvm-tune verify {page['python_s'] * 1000:.0f} ms "
+          "in-process")
+    assert page["ms"] <= PAGE_BUDGET_MS
+
+
+@pytest.mark.parametrize("case", ["demo, default policy", "sample bundle"])
+def test_untampered_bundles_agree(shown: dict[str, dict[str, Any]], case: str) -> None:
+    same_checks(shown[case], shown[case]["python"], case)
+
+
+@pytest.mark.parametrize("case", sorted(TAMPERS))
+def test_every_tamper_is_rejected_by_the_same_checks(shown: dict[str, dict[str, Any]], case: str) -> None:
+    page = shown[f"tampered: {case}"]
+    same_checks(page, page["python"], case)
+    assert page["verdict"]["verdict"] == "rejected"
+
+
+def test_the_page_asks_for_nothing_but_the_named_files(shown: dict[str, dict[str, Any]]) -> None:
+    for page in shown.values():
+        only_named_files(page)
+
+
+def test_opened_from_disk_a_dropped_bundle_and_policy_are_verified(web_copy: Path, demo_bundle: tuple[Path, Path],
+                                                                    tmp_path: Path) -> None:
+    bundle, policy = demo_bundle
+    pack(bundle, tmp_path / "bundle.tar.gz")
+    shutil.copyfile(policy, tmp_path / "simulator-test-policy.yaml")
+    shutil.copyfile(WEB / "dist" / "verify.html", tmp_path / "verify.html")
+    [page] = drive(web_copy, [{"url": (tmp_path / "verify.html").as_uri(),
+                               "drop": [str(tmp_path / "bundle.tar.gz"), str(tmp_path / "simulator-test-policy.yaml")]}])
+    assert page["errors"] == [] and page["body_verdict"] == "accepted"
+    assert page["verdict"]["policy"] == "cvm-tune-simulator-test-ca" and page["verdict"]["test_root"] is True
+    assert [r for r in page["requests"] if not r.startswith("file://")] == []
