@@ -271,6 +271,7 @@ def test_show_a_federated_round(demo_bundle: tuple[Path, Path], tmp_path: Path,
                                 capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
+    from app.cli import show
     from attestation.rounds.manifest import RoundManifest
 
     m = json.loads((demo_bundle[0] / "manifest.json").read_text())
@@ -288,13 +289,22 @@ def test_show_a_federated_round(demo_bundle: tuple[Path, Path], tmp_path: Path,
     (rounds / "round-0002").mkdir()
     (rounds / "round-0002" / "round-manifest.json").write_text(json.dumps(doc))
     (tmp_path / "fed-sim" / "simulator-test-policy.yaml").write_text("name: x\n")
+    (rounds / "round-0002" / "clients" / "acme").mkdir(parents=True)  # globex's bundle has no manifest
+    (rounds / "round-0002" / "clients" / "acme" / "manifest.json").write_text(json.dumps({**m, "run_id": "run-acme"}))
     fields, verify, out = _show(capsys, rounds / "round-0002")
     assert fields["kind"] == "federated round 2 (aggregator)" and fields["federation"] == "simulation"
-    assert fields["admitted"].startswith("2 of at least 2: acme (run run-acme, weight 0.5, ε 2)")
+    assert fields["admitted"] == "2 of at least 2" and fields["base model"] == "cvm-tune/tiny-llama"
+    assert fields["- acme"] == (f"run run-acme, dataset {m['dataset']['dataset_id']} version 1 ({m['dataset']['rows']} "
+                                f"rows), 2 steps, final loss {m['training']['losses'][-1][1]:.4f}, weight 0.5, ε 2")
+    assert fields["- globex"].startswith("run run-globex, weight 0.5 (its bundle's manifest: ") and "no manifest.json" in \
+        fields["- globex"]
     assert fields["rejected"] == "1; initech: quote rejected" and fields["parent"].startswith("round 1 (")
     assert verify == (f"cvm-tune verify {rounds}/round-0002 --policy {tmp_path}/fed-sim/simulator-test-policy.yaml "
                       f"--parent {rounds}/round-0001")
     assert (out["kind"], out["clients"], out["epsilon"], out["parent_round"]) == ("round", ["acme", "globex"], 3.0, 1)
+    client = show.summarize(rounds / "round-0002" / "clients" / "acme")  # a client's bundle inside the round
+    assert client["verify"] == (f"cvm-tune verify {rounds}/round-0002/clients/acme "
+                                f"--policy {tmp_path}/fed-sim/simulator-test-policy.yaml")
 
 
 @pytest.mark.parametrize("case", ["not a directory", "no manifest", "truncated", "nested", "not a manifest", "huge"])
@@ -371,3 +381,18 @@ def test_shown_benchmark_commands_never_overwrite_tracked_results() -> None:
     assert commands
     bad = [c for c in commands if not re.search(r"--out (?!bench/results)\S", c)]
     assert bad == []
+
+
+def test_show_never_prints_a_manifest_s_control_characters(demo_bundle: tuple[Path, Path], tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    m = json.loads((demo_bundle[0] / "manifest.json").read_text())
+    m["base_model"]["name"] = "tiny\x1b[2J\x1b]0;pwned\x07\nverify it: ACCEPTED"
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    (bundle / "manifest.json").write_text(json.dumps(m))
+    assert main(["show", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\nverify it: ACCEPTED" not in out
+    assert "base model:   tiny\\x1b[2J\\x1b]0;pwned\\x07\\nverify it: ACCEPTED" in out

@@ -26,7 +26,10 @@ from attestation.rounds import manifest as R
 SHOW_SCHEMA = "cvm-tune/show/v1"
 MAX_MANIFEST = 16 << 20  # as the lineage check reads a manifest
 SIMULATOR_REV = "cvm-tune-simulator/"  # app.simulator.agent.REV_PREFIX (importing it needs the training stack)
-POLICY_SEARCH_LEVELS = 5  # exports/<run>/ -> OUT/; aggregator/output/rounds/<federation>/round-N/ -> the simulation dir
+# where a simulator run leaves its test policy, from the bundle up: exports/<run>/ -> OUT/ (2 levels); a round,
+# aggregator/output/rounds/<federation>/round-N/ -> the simulation directory (5); a client bundle, clients/<name>/ in
+# that round (7)
+POLICY_SEARCH_LEVELS = 7
 NOT_VERIFIED = "read from its manifest, NOT verified: `verify it` below checks it"
 
 
@@ -35,13 +38,19 @@ def _show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "lines"}, indent=2))
         return 0
-    print(f"{args.bundle}  ({NOT_VERIFIED})")
+    print(_printable(f"{args.bundle}  ({NOT_VERIFIED})"))
     for label, value in summary["lines"]:
-        print(f"  {label + ':':13} {value}")
-    print(f"verify it: {summary['verify']}")
+        print(_printable(f"  {label + ':':13} {value}"))
+    print(_printable(f"verify it: {summary['verify']}"))
     for note in summary["notes"]:
         print(f"  ({note})")
     return 0
+
+
+def _printable(line: str) -> str:
+    """A line whose text comes from an unverified manifest, with control characters (terminal escapes, newlines)
+    shown escaped instead of acted on."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in line)
 
 
 def summarize(bundle: Path) -> dict[str, Any]:
@@ -158,21 +167,37 @@ def _run(bundle: Path, m: B.Manifest) -> dict[str, Any]:
             "lines": lines}
 
 
+def _client(bundle: Path, a: R.AdmittedClient) -> tuple[str, B.Manifest | None]:
+    """One admitted client's line, with what its own bundle's manifest says (``clients/<name>/``) when it reads."""
+    try:
+        c = _load(bundle / R.CLIENTS_DIR / a.client / B.MANIFEST, B.Manifest)
+    except BundleError as exc:
+        return f"run {a.run_id}, weight {a.weight:.3g} (its bundle's manifest: {exc.message})", None
+    t = c.training
+    loss = f", final loss {t.losses[-1][1]:.4f}" if t.losses else ""
+    eps = f", ε {a.privacy_epsilon:.4g}" if a.privacy_epsilon is not None else ""
+    return (f"run {a.run_id}, dataset {c.dataset.dataset_id} version {c.dataset.dataset_version} ({c.dataset.rows} "
+            f"rows), {t.global_step} steps{loss}, weight {a.weight:.3g}{eps}"), c
+
+
 def _round(bundle: Path, m: R.RoundManifest) -> dict[str, Any]:
-    clients = [f"{a.client} (run {a.run_id}, weight {a.weight:.3g}"
-               + (f", ε {a.privacy_epsilon:.4g}" if a.privacy_epsilon is not None else "") + ")" for a in m.admitted]
+    clients = {a.client: _client(bundle, a) for a in m.admitted}
+    read = [c for _, c in clients.values() if c is not None]
     recipients = list(m.confidentiality.recipients) if m.confidentiality else []
     previous = bundle.parent / f"round-{m.round - 1:04d}"
     extra = ["--parent", str(previous)] if m.previous_round_sha256 and previous.is_dir() else []
     strategy = m.strategy.name + "".join(f", {k} {v:g}" for k, v in sorted(m.strategy.params.items()))
     lines = [("federation", m.federation_id), ("kind", f"federated round {m.round} (aggregator)"),
              ("created", m.created_at), ("TEE", _tee_line(m.tee)), ("strategy", strategy),
-             ("admitted", f"{len(m.admitted)} of at least {m.min_clients}: " + "; ".join(clients)),
-             ("rejected", f"{len(m.rejected)}" + "".join(f"; {r.client or '?'}: {r.reason}" for r in m.rejected)),
-             ("global", f"adapter sha256 {m.global_adapter_sha256[:16]}…" + (
-                 f", age ciphertext to {len(recipients)} recipients" if recipients else ", plaintext")),
-             ("parent", f"round {m.round - 1} (manifest sha256 {m.previous_round_sha256[:16]}…)"
-              if m.previous_round_sha256 else "none: the first round")]
+             ("base model", ", ".join(sorted({c.base_model.name for c in read})) or "unknown (no client manifest reads)"),
+             ("objective", ", ".join(sorted({c.training.objective.upper() for c in read})) or "unknown"),
+             ("admitted", f"{len(m.admitted)} of at least {m.min_clients}")]
+    lines += [(f"- {name}", line) for name, (line, _) in clients.items()]
+    lines += [("rejected", f"{len(m.rejected)}" + "".join(f"; {r.client or '?'}: {r.reason}" for r in m.rejected)),
+              ("global", f"adapter sha256 {m.global_adapter_sha256[:16]}…" + (
+                  f", age ciphertext to {len(recipients)} recipients" if recipients else ", plaintext")),
+              ("parent", f"round {m.round - 1} (manifest sha256 {m.previous_round_sha256[:16]}…)"
+               if m.previous_round_sha256 else "none: the first round")]
     epsilons = [a.privacy_epsilon for a in m.admitted if a.privacy_epsilon is not None]
     notes: list[str] = []
     verify = _verify_command(bundle, _simulated(m.tee), extra, notes)
@@ -180,6 +205,7 @@ def _round(bundle: Path, m: R.RoundManifest) -> dict[str, Any]:
             "run_id": f"{m.federation_id}/round-{m.round:04d}", "description": f"federated round {m.round}",
             "created_at": m.created_at, "simulator": _simulated(m.tee), "federation_id": m.federation_id,
             "round": m.round, "clients": [a.client for a in m.admitted], "recipients": recipients,
+            "base_model": sorted({c.base_model.name for c in read}), "objective": sorted({c.training.objective for c in read}),
             "epsilon": max(epsilons) if epsilons else None, "parent_round": m.round - 1 if m.previous_round_sha256 else None,
             "verify": verify, "notes": notes, "lines": lines}
 
