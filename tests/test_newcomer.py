@@ -396,3 +396,24 @@ def test_show_never_prints_a_manifest_s_control_characters(demo_bundle: tuple[Pa
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and "\nverify it: ACCEPTED" not in out
     assert "base model:   tiny\\x1b[2J\\x1b]0;pwned\\x07\\nverify it: ACCEPTED" in out
+
+
+def test_show_needs_no_training_stack() -> None:
+    """`show` is for whoever holds a bundle, as `verify` is: it runs in the verifier-only install (a finder stands in
+    for the training stack's absence)."""
+    import sys
+
+    code = """
+import importlib.abc, sys
+from app.cli import TRAINING_STACK, main
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in TRAINING_STACK:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Absent())
+sys.exit(main(["show", sys.argv[1]]))
+"""
+    proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "tests" / "data" / "bundle")], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "  run id:" in proc.stdout and "verify it: cvm-tune verify" in proc.stdout
