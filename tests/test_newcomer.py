@@ -417,3 +417,15 @@ sys.exit(main(["show", sys.argv[1]]))
                           text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "  run id:" in proc.stdout and "verify it: cvm-tune verify" in proc.stdout
+
+
+def test_owner_private_key_given_as_the_public_key_is_named(tmp_path: Path) -> None:
+    from app.dataset.owner import load_public_key
+    from app.errors import ConfigError
+
+    assert main(["keys", "new", "-o", str(tmp_path / "acme")]) == 0
+    with pytest.raises(ConfigError) as exc:
+        load_public_key(str(tmp_path / "acme.key"))
+    assert type(exc.value) is ConfigError and "holds a private key" in exc.value.message
+    assert str(tmp_path / "acme.pub") in exc.value.fix
+    assert load_public_key(str(tmp_path / "acme.pub")).hex() == (tmp_path / "acme.pub").read_text().strip()

@@ -137,6 +137,10 @@ def load_public_key(arg: str) -> bytes:
         text = Path(arg).read_text(encoding="ascii")[:200]
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read owner public key {arg}: {getattr(exc, 'strerror', None) or type(exc).__name__}") from None
+    if re.match(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----", text):
+        public = Path(arg).with_suffix(".pub") if Path(arg).suffix == ".key" else Path("PREFIX.pub")
+        raise ConfigError(f"{Path(arg).name} holds a private key, not the owner's public key",
+                          fix=f"pass the public key {public} (64 hex; `cvm-tune keys new` wrote it next to the .key)")
     return parse_public_key(text)
 
 
