@@ -35,9 +35,13 @@ def global_problems(root: Path, m: R.RoundManifest) -> list[str]:
     problems = []
     if m.global_adapter_sha256 != conf.plaintext_sha256:
         problems.append("global_adapter_sha256 is not the global adapter's plaintext hash")
-    n = C.x25519_stanzas(_read(root / R.GLOBAL_ADAPTER, 1 << 16))
-    if n != len(conf.recipients):
-        problems.append(f"the global adapter is not age ciphertext with one stanza per listed recipient ({n})")
+    try:
+        n = C.x25519_stanzas(_read(root / R.GLOBAL_ADAPTER, 1 << 16))
+    except OSError:  # missing, or a directory in its place (round.files names it too)
+        problems.append(f"{R.GLOBAL_ADAPTER} missing or unreadable")
+    else:
+        if n != len(conf.recipients):
+            problems.append(f"the global adapter is not age ciphertext with one stanza per listed recipient ({n})")
     if m.aggregator_recipient is None or m.aggregator_recipient not in conf.recipients:
         problems.append("the aggregator's recipient is not among the global adapter's recipients")
     return problems

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -71,6 +72,8 @@ def verify_round(round_dir: Path, *, policy: Policy, now: int, collateral: Colla
     if not is_round_bundle(root):
         raise BundleError(f"{root} has no {R.ROUND_MANIFEST}: not a cvm-tune round bundle")
     f = QuoteFindings()
+    if _refused_special(f, root):
+        return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
     m = _attested_manifest(f, root, policy, now, collateral)
     _files(f, root, m)
     if m is not None:
@@ -87,7 +90,7 @@ def verify_round_head(round_dir: Path, *, policy: Policy, now: int) -> tuple[Ver
     """Only the aggregator's attestation of a round: the round manifest bound by its quote, and its compose (what a
     client checks before it trains on the round's global adapter; no client bundles, no adapter file)."""
     f = QuoteFindings()
-    m = _attested_manifest(f, Path(round_dir), policy, now, None)
+    m = None if _refused_special(f, Path(round_dir)) else _attested_manifest(f, Path(round_dir), policy, now, None)
     return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f), m
 
 
@@ -121,22 +124,32 @@ def _schema(f: QuoteFindings, raw: bytes) -> R.RoundManifest | None:
         return None
 
 
-def _files(f: QuoteFindings, root: Path, m: R.RoundManifest | None) -> None:
-    """Exactly the expected files and directories (as for an export bundle: no empty or extra directory either);
-    what is inside ``clients/<name>/`` is the client bundle's own check."""
-    problems, present, dirs = [], set(), set()
+def _walk(root: Path) -> Iterator[tuple[str, int]]:
+    """(relative posix path, lstat mode) of everything under ``root``; symlinks are never followed."""
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             full = Path(dirpath) / name
-            mode = os.lstat(full).st_mode
-            rel = full.relative_to(root).as_posix()
-            inside_client = rel.count("/") > 1 and rel.startswith(R.CLIENTS_DIR + "/")
-            if stat.S_ISLNK(mode) or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
-                problems.append(f"{rel} is not a plain file or directory")
-            elif stat.S_ISREG(mode) and not rel.startswith(R.CLIENTS_DIR + "/"):
-                present.add(rel)
-            elif stat.S_ISDIR(mode) and not inside_client and not rel.startswith(R.CLIENTS_DIR + "/"):
-                dirs.add(rel)
+            yield full.relative_to(root).as_posix(), os.lstat(full).st_mode
+
+
+def _refused_special(f: QuoteFindings, root: Path) -> bool:
+    """R1 before anything is opened: a symlink, FIFO or device anywhere in the round bundle fails ``round.files``
+    and nothing else is read (opening a FIFO blocks, a device never ends); True when it did."""
+    odd = [rel for rel, mode in _walk(root) if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode))]
+    if odd:
+        f.add("round.files", "fail", "; ".join(f"{rel} is not a plain file or directory" for rel in odd[:5])
+              + " (not opened: no other check ran)")
+    return bool(odd)
+
+
+def _files(f: QuoteFindings, root: Path, m: R.RoundManifest | None) -> None:
+    """Exactly the expected files and directories (as for an export bundle: no empty or extra directory either);
+    what is inside ``clients/<name>/`` is the client bundle's own check. (Symlinks and special files were refused
+    before anything was read: ``_refused_special``.)"""
+    problems, present, dirs = [], set(), set()
+    for rel, mode in _walk(root):
+        if not rel.startswith(R.CLIENTS_DIR + "/"):
+            (present if stat.S_ISREG(mode) else dirs).add(rel)
     problems += [f"missing {p}" for p in sorted(_TOP - present)]
     problems += [f"unexpected file {p}" for p in sorted(present - _TOP - {B.COLLATERAL})]
     problems += [f"unexpected directory {d}/" for d in sorted(dirs - _TOP_DIRS)]
