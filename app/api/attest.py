@@ -1,7 +1,8 @@
 """``cvm-tune api attest URL --policy POLICY --out trust.pem``: check a training API before sending it anything.
 
 1. A fresh 32-byte nonce; ``GET URL/api/v1/cvm_tune/attestation?nonce=HEX`` over the connection whose certificate
-   is then read (not trusted yet: that is what this decides).
+   is then read (not trusted yet: that is what this decides); the whole exchange within one deadline, the answer at
+   most :data:`MAX_DOC` bytes.
 2. The quote under the policy (signature, TCB, RTMR replay with the event log), its report_data =
    :func:`app.api.tls.report_data` over the nonce and the SHA-256 of the SubjectPublicKeyInfo of the certificate this
    connection presented (a man in the middle, or a gateway that terminates TLS, presents another key: rejected).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import os
+import socket
 import ssl
 import sys
 import time
@@ -28,7 +30,7 @@ from typing import Any
 from attestation import load_policy
 from attestation.compose.app_compose import check_mr_config_id
 from attestation.tdx.dcap import parse_collateral
-from attestation.io.http_edge import check_url
+from attestation.io.http_edge import Watchdog, check_url
 from attestation.tdx.inputs import event_log_from_json
 from attestation.io.safe_yaml import parse_json
 from attestation.verify import quote_verdict
@@ -42,33 +44,49 @@ MAX_DOC = 8 << 20
 
 
 def _fetch(url: urllib.parse.SplitResult, nonce: bytes, timeout: float) -> tuple[dict[str, Any], bytes | None]:
-    """The attestation document and the DER certificate the connection presented (None for plain HTTP)."""
-    port = url.port or (443 if url.scheme == "https" else 80)
-    if url.scheme == "https":
-        ctx = ssl.create_default_context()
-        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # read, not trusted: the quote decides
-        conn: http.client.HTTPConnection = http.client.HTTPSConnection(url.hostname, port, timeout=timeout, context=ctx)
-    else:
+    """The attestation document and the DER certificate the connection presented (None for plain HTTP), the whole
+    exchange (connect, TLS handshake, request, answer) within ``timeout`` seconds."""
+    where = url.geturl()
+    with Watchdog(time.monotonic() + timeout) as watchdog:
+        port = url.port or (443 if url.scheme == "https" else 80)
         conn = http.client.HTTPConnection(url.hostname, port, timeout=timeout)
-    try:
-        conn.request("GET", f"{url.path.rstrip('/')}/api/v1/cvm_tune/attestation?nonce={nonce.hex()}")
-        resp = conn.getresponse()
-        der = conn.sock.getpeercert(binary_form=True) if url.scheme == "https" else None  # type: ignore[union-attr]
-        body = resp.read(MAX_DOC + 1)
-    except (OSError, http.client.HTTPException) as exc:
-        raise ConfigError(f"cannot fetch the attestation from {url.geturl()}: {exc}",
-                          fix="check the URL and that `cvm-tune api serve` runs there") from None
-    finally:
-        conn.close()
-    if resp.status != 200 or len(body) > MAX_DOC:
-        raise ConfigError(f"{url.geturl()} answered HTTP {resp.status} to the attestation request",
+        der = None
+        try:
+            conn.sock = sock = socket.create_connection((url.hostname, port), timeout=timeout)
+            watchdog.watch(sock)  # shut down at the deadline: ends a handshake or an answer dripped byte by byte
+            if url.scheme == "https":
+                ctx = ssl.create_default_context()
+                ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # read, not trusted: the quote decides
+                sock = ctx.wrap_socket(sock, server_hostname=url.hostname)
+                der = sock.getpeercert(binary_form=True)  # now: an answer with Connection: close closes the socket
+                if not der:
+                    raise ssl.SSLError("the server presented no certificate")
+            conn.sock = sock
+            conn.request("GET", f"{url.path.rstrip('/')}/api/v1/cvm_tune/attestation?nonce={nonce.hex()}")
+            resp = conn.getresponse()
+            body = resp.read(MAX_DOC + 1)
+        except (OSError, http.client.HTTPException) as exc:
+            if not watchdog.fired:
+                raise ConfigError(f"cannot fetch the attestation from {where}: {exc}",
+                                  fix="check the URL and that `cvm-tune api serve` runs there") from None
+        finally:
+            conn.close()
+        if watchdog.fired:
+            raise ConfigError(f"the attestation exchange with {where} did not finish within {timeout:g} s (the "
+                              "server stalled or dripped its answer)",
+                              fix="check that `cvm-tune api serve` runs there and that nothing slow sits in between")
+    if len(body) > MAX_DOC:
+        raise ConfigError(f"{where} answered more than {MAX_DOC} bytes: too large for an attestation document",
+                          fix="point at a cvm-tune training API")
+    if resp.status != 200:
+        raise ConfigError(f"{where} answered HTTP {resp.status} to the attestation request",
                           fix="point at a cvm-tune training API")
     try:
         doc = parse_json(body, "the attestation document", ValueError, max_bytes=MAX_DOC)
     except ValueError:
         doc = None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        raise ConfigError(f"{url.geturl()} did not answer a {SCHEMA} document", fix="point at a cvm-tune training API")
+        raise ConfigError(f"{where} did not answer a {SCHEMA} document", fix="point at a cvm-tune training API")
     return doc, der
 
 
@@ -92,7 +110,11 @@ def attest(url_text: str, *, policy_file: Path | None, out: Path, timeout: float
         from cryptography import x509
         from cryptography.hazmat.primitives import serialization
 
-        cert_pem = x509.load_der_x509_certificate(der).public_bytes(serialization.Encoding.PEM)
+        try:
+            cert_pem = x509.load_der_x509_certificate(der).public_bytes(serialization.Encoding.PEM)
+        except ValueError:
+            raise ConfigError(f"the certificate {url.geturl()} presented cannot be read",
+                              fix="point at a cvm-tune training API") from None
         spki = spki_sha256(cert_pem)
         if doc.get("tls_spki_sha256") != spki.hex():
             problems.append("the certificate this connection presented is not the key the server attests (a man in "
@@ -130,6 +152,7 @@ def attest(url_text: str, *, policy_file: Path | None, out: Path, timeout: float
         print(f"trusted (plain HTTP on loopback: no certificate to write); compose-hash {compose_hash[:16]}…")
         return 0
     atomic_write_bytes(out, cert_pem)
-    print(f"trusted: compose-hash {compose_hash[:16]}…, TLS key {spki.hex()[:16]}…; wrote {out}")
-    print(f"use it: export SSL_CERT_FILE={out} TINKER_BASE_URL={url_text.rstrip('/')}")
+    trust = Path(out).absolute()  # the hint must hold after a `cd`
+    print(f"trusted: compose-hash {compose_hash[:16]}…, TLS key {spki.hex()[:16]}…; wrote {trust}")
+    print(f"use it: export SSL_CERT_FILE={trust} TINKER_BASE_URL={url_text.rstrip('/')}")
     return 0

@@ -12,8 +12,8 @@ An :class:`Edge` is one ``requests`` session with the project's rules built in, 
   and an ``Authorization`` header is dropped when the origin changes;
 * bodies are read raw and bounded (``Accept-Encoding: identity``; an encoded body is refused; :meth:`Answer.read_all`
   stops one byte past its limit);
-* one overall deadline: a watchdog shuts every socket of the edge down when it passes, so a server that drips its
-  headers or body a byte at a time (restarting each per-read timeout) is cut off all the same.
+* one overall deadline: a :class:`Watchdog` shuts every socket of the edge down when it passes, so a server that
+  drips its headers or body a byte at a time (restarting each per-read timeout) is cut off all the same.
 
 :func:`retry` is the one retry policy: at most ``attempts`` calls; waits ``backoff_s * 2**(n-1)`` capped at ``cap_s``;
 a server's ``Retry-After`` is honoured up to that cap; only :class:`Transient` failures are retried (connection
@@ -182,20 +182,24 @@ def parse_retry_after(value: str | None) -> float | None:
 # --- the edge -------------------------------------------------------------------------------------------------
 
 
-class _Guard:
-    """The deadline watchdog and the host pin, shared by every connection an edge opens."""
+class Watchdog:
+    """One overall deadline for sockets: when it passes, every socket it watches is shut down, which ends any read
+    or write blocked on it (a server dripping a byte at a time restarts each per-read timeout, not this).
+    ``fired`` says it did. Use as a context manager, or call :meth:`close`."""
 
     def __init__(self, deadline: float) -> None:
-        self.deadline, self.fired, self.pinned = deadline, False, ("", 0)
+        self.deadline, self.fired = deadline, False
         self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
         self._timer = threading.Timer(max(deadline - time.monotonic(), 0.0), self._fire)
         self._timer.daemon = True
         self._timer.start()
 
-    def admit(self, host: str, port: int | None) -> None:
-        if (host.strip("[]").rstrip(".").lower(), port) != self.pinned:
-            raise EdgeError(f"refused a connection to {host}:{port}, not the host the URL check parsed")
+    def __enter__(self) -> Watchdog:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
 
     def watch(self, sock: socket.socket) -> None:
         with self._lock:
@@ -220,7 +224,7 @@ class _Guard:
             self._socks.clear()
 
 
-def _session(guard: _Guard) -> Any:
+def _session(guard: Watchdog, admit: Callable[[str, int | None], None]) -> Any:
     import requests
     from requests.adapters import HTTPAdapter
     from urllib3.connection import HTTPConnection, HTTPSConnection
@@ -228,7 +232,7 @@ def _session(guard: _Guard) -> Any:
 
     class Watched:
         def _new_conn(self) -> socket.socket:
-            guard.admit(self._dns_host, self.port)  # type: ignore[attr-defined]
+            admit(self._dns_host, self.port)  # type: ignore[attr-defined]
             sock: socket.socket = super()._new_conn()  # type: ignore[misc]
             guard.watch(sock)
             return sock
@@ -272,8 +276,9 @@ class Edge:
     def __init__(self, *, deadline_s: float, timeout_s: float) -> None:
         self.deadline = time.monotonic() + deadline_s
         self.timeout_s = timeout_s
-        self._guard = _Guard(self.deadline)
-        self._session = _session(self._guard)
+        self._guard = Watchdog(self.deadline)
+        self._pinned = ("", 0)  # the one host and port a connection may go to (set per request from its URL)
+        self._session = _session(self._guard, self._admit)
 
     def __enter__(self) -> Edge:
         return self
@@ -284,6 +289,10 @@ class Edge:
     def close(self) -> None:
         self._session.close()
         self._guard.close()
+
+    def _admit(self, host: str, port: int | None) -> None:
+        if (host.strip("[]").rstrip(".").lower(), port) != self._pinned:
+            raise EdgeError(f"refused a connection to {host}:{port}, not the host the URL check parsed")
 
     def request(self, method: str, url: str, *, check: Check, headers: Mapping[str, str] | None = None,
                 json: Any = None, redirects: int = 0) -> Answer:
@@ -309,7 +318,7 @@ class Edge:
             remaining = self.deadline - time.monotonic()
             if remaining <= 0 or self._guard.fired:
                 raise DeadlineExceeded
-            self._guard.pinned = (host, port)
+            self._pinned = (host, port)
             try:
                 resp = self._session.request(method, target, headers=sent, json=json, allow_redirects=False,
                                              stream=True, timeout=(min(self.timeout_s, remaining), self.timeout_s))
