@@ -16,8 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
+from attestation.outputs import op_chain
+
 from tests import api_drive
 from tests.api_drive import ADAM, Server, _bundle, _record, _steps
+from tests.api_inproc import load_line
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # the SDK's deprecation notes (load_state, …)
 ALICE, BOB = "tml-alice-key", "tml-bob-key"
@@ -90,6 +93,7 @@ def _verify(srv: Server, bundle: Path, ops: list[dict[str, Any]], tmp: Path) -> 
 
 
 def test_train_save_sample_and_verify_the_op_chain(server: Server, state: dict[str, Any], tmp_path: Path) -> None:
+    import tinker
     from tinker import types
 
     sc = _client(server)
@@ -114,24 +118,32 @@ def test_train_save_sample_and_verify_the_op_chain(server: Server, state: dict[s
     assert sum(sample.prompt_logprobs[1:]) > sum(base.prompt_logprobs[1:]) + 20
 
     # save_state -> load_state: a step after loading equals a step from the saved state
+    saved_ops = list(ops)
     before = tc.forward_backward(datums, "cross_entropy").result().metrics["loss:sum"]  # forward+backward, no step
     ops.append(_record(datums))
-    tc.load_state_with_optimizer(path).result()  # back to the saved weights, optimizer and op chain
-    ops.pop()
+    with pytest.raises(tinker.RequestFailedError, match="not yet applied"):  # it would drop a recorded gradient
+        tc.load_state_with_optimizer(path).result()
+    tc.optim_step(types.AdamParams(**ADAM)).result()  # the gradient is applied, in the chain
+    ops.append({"op": "optim_step", "adam_params": types.AdamParams(**ADAM).model_dump(mode="json")})
+    bundle = _bundle(server, tc.model_id, path)
+    tc.load_state_with_optimizer(path).result()  # back to the saved weights and optimizer: a load op
+    ops = [*saved_ops, load_line(bundle, True, op_chain.head(ops))]
     again = tc.forward(datums, "cross_entropy").result().metrics["loss:sum"]  # forward only: not an op
     assert again == pytest.approx(before, rel=1e-5)
 
-    bundle = _bundle(server, tc.model_id, path)
     assert (bundle / "adapter" / "adapter_model.safetensors").is_file() and not (bundle / "adapter" / "optimizer.pt").exists()
-    code, out = _verify(server, bundle, ops, tmp_path)
+    code, out = _verify(server, bundle, saved_ops, tmp_path)
     assert code == 0 and "op chain: pass: 20 ops" in out, out
-    changed = json.loads(json.dumps(ops))
+    changed = json.loads(json.dumps(saved_ops))
     changed[4]["data"][1]["model_input"][2] += 1  # one token of one op
-    dropped, added = ops[:-1], [*ops, ops[-1]]
+    dropped, added = saved_ops[:-1], [*saved_ops, saved_ops[-1]]
     for bad in (changed, dropped, added):
         code, out = _verify(server, bundle, bad, tmp_path)
-        assert code == 1 and "op chain: FAIL" in out and "ACCEPTED" in out, out  # the bundle itself is fine
-    state.update(path=path, ops=ops, model_id=tc.model_id, datums=datums, first_loss=losses[0])
+        assert code == 1 and "op chain: FAIL" in out and "REJECTED" in out, out  # the verdict says what the chain says
+    reloaded = _bundle(server, tc.model_id, tc.save_state("reloaded").result().path)
+    code, out = _verify(server, reloaded, ops, tmp_path)  # the saved state's ops, then the load
+    assert code == 0 and "op chain: pass: 21 ops" in out, out
+    state.update(path=path, ops=saved_ops, bundle=bundle, model_id=tc.model_id, datums=datums, first_loss=losses[0])
 
 
 def test_kill9_between_steps_then_continue_from_the_saved_state(server: Server, state: dict[str, Any],
@@ -152,13 +164,13 @@ def test_kill9_between_steps_then_continue_from_the_saved_state(server: Server, 
     assert _retrieve(server, done, ALICE) == first  # a completed result survives kill -9
     sc = _client(server)
     tc = sc.create_training_client_from_state_with_optimizer(state["path"]).result()
-    ops = list(state["ops"])
+    ops = [*state["ops"], load_line(state["bundle"], True)]  # the state's history, then its load
     losses = _steps(tc, state["datums"], 2, ops)
     assert losses[0] < 0.7 * state["first_loss"]  # continued from the trained weights, not from scratch
     path = tc.save_state("after-kill").result().path
     bundle = _bundle(server, tc.model_id, path)
     code, out = _verify(server, bundle, ops, tmp_path)
-    assert code == 0 and "op chain: pass: 24 ops" in out, out
+    assert code == 0 and "op chain: pass: 25 ops" in out, out
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["op_chain"]["optimizer_steps"] == manifest["training"]["global_step"] == 12
     state["model_id"] = tc.model_id

@@ -110,3 +110,48 @@ def test_read_ops_names_the_bad_line(tmp_path: Path) -> None:
     f.write_text(json.dumps(FB) + "\n[1, 2]\n")
     with pytest.raises(op_chain.OpChainError, match="line 2: not a JSON object"):
         op_chain.read_ops(f)
+
+
+def test_the_load_vector_recomputed_from_the_spec_alone() -> None:
+    """Section 15's load line: canonical form (the object's JSON, sorted keys, no spaces) and the head after op_1,
+    op_2 and it, recomputed with hashlib and json only."""
+    import hashlib
+    import re
+
+    text = (ROOT / "docs" / "verifier-spec.md").read_text(encoding="utf-8")
+    base = dict(line.split(" = ", 1) for line in re.search(
+        r"^```op-chain-vectors\n(.*?)^```", text, flags=re.S | re.M).group(1).splitlines())
+    v = dict(line.split(" = ", 1) for line in re.search(
+        r"^```op-chain-load-vector\n(.*?)^```", text, flags=re.S | re.M).group(1).splitlines())
+    op = json.loads(v["op_3"])
+    canon = json.dumps(op, sort_keys=True, separators=(",", ":"))
+    assert canon == v["canonical_3"] and op_chain.canonical(op) == canon.encode()
+    h = bytes.fromhex(base["head_2"])
+    assert op["checkpoint_head"] == base["head_2"] and op["checkpoint_ops"] == 2
+    h = hashlib.sha256(b"cvm-tune-op-chain-v1:" + h + hashlib.sha256(canon.encode()).digest()).hexdigest()
+    assert h == v["head_3"] == op_chain.head([json.loads(base["op_1"]), json.loads(base["op_2"]), op])
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"checkpoint_ops": 1}, "the 2 ops before it hash to"),
+    ({"checkpoint_head": "1" * 64}, "the 2 ops before it hash to"),
+    ({"weights_sha256": "AB" * 32}, "lower-case hex"),
+    ({"optimizer": 1}, "true or false"),
+    ({"extra": 1}, "unknown field"),
+    ({"checkpoint": ""}, "checkpoint must be"),
+    ({"checkpoint_ops": True}, "an integer"),
+])
+def test_a_load_line_out_of_place_or_malformed_has_no_chain(change: dict, reason: str) -> None:
+    load = {"op": "load", "checkpoint": "tinker://s:train:0/weights/w", "checkpoint_head": HEAD_2, "checkpoint_ops": 2,
+            "weights_sha256": "5e" * 32, "optimizer": True, "model_head": "0" * 64}
+    op_chain.head([FB, OPT, load])
+    with pytest.raises(op_chain.OpChainError, match=reason):
+        op_chain.head([FB, OPT, {**load, **change}])
+
+
+@pytest.mark.parametrize("value", [3.5e38, 10 ** 40, float("inf")])
+def test_a_float32_field_beyond_its_range_has_no_canonical_form(value: float) -> None:
+    op = json.loads(json.dumps(FB))
+    op["data"][0]["loss_fn_inputs"]["weights"][0] = value
+    with pytest.raises(op_chain.OpChainError, match="op 1: data\\[0\\].loss_fn_inputs.weights"):
+        op_chain.head([op])

@@ -53,7 +53,7 @@ class Exporter:
         config_bytes = cfg.canonical_json()
         op_chain = {"schema": OP_CHAIN_SCHEMA, "head": m.op_head, "ops": m.ops, "optimizer_steps": m.steps,
                     "checkpoint": path, "lora": lora, "adam_params": m.last_adam,
-                    **({"dp": dict(m.dp)} if m.dp is not None else {})}
+                    **({"dp": dict(m.dp)} if m.dp is not None else {}), "determinism": _determinism()}
         dataset = {"dataset_id": "tinker-api", "dataset_version": m.ops, "format": "tinker-ops/v1",
                    "encrypted_sha256": m.op_head, "encrypted_size": 0, "plaintext_sha256": m.op_head,
                    "plaintext_size": 0, "rows": m.ops, "key_source": "none", "validation": None}
@@ -118,6 +118,14 @@ class _Adapter:
 
         for d in (self.dir, self.plain):
             shutil.rmtree(d, ignore_errors=True)
+
+
+def _determinism() -> dict[str, int | str]:
+    """What replaying the ops bit for bit needs besides the library versions (``backend``): the device the engine
+    computed on and torch's CPU threads (reductions are split by thread)."""
+    import torch
+
+    return {"device": "cuda" if torch.cuda.is_available() else "cpu", "torch_threads": torch.get_num_threads()}
 
 
 def _device() -> str:

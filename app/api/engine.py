@@ -22,11 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from attestation.outputs import op_chain
+from attestation.outputs.op_chain import GENESIS
 
 from app.api import dp as dpsgd
 from app.api import losses, sampling, wire
 from app.api.errors import ApiError, BadRequest, NotFound
+from app.api.history import check_adam, link
 
 logger = logging.getLogger(__name__)
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -43,7 +44,7 @@ class Model:
     adapter: str
     lora: dict[str, Any]
     optimizer: Any
-    op_head: str = op_chain.GENESIS
+    op_head: str = GENESIS
     ops: int = 0
     steps: int = 0
     losses: list[tuple[int, float]] = field(default_factory=list)
@@ -52,6 +53,7 @@ class Model:
     last_adam: dict[str, float] | None = None
     dp: dict[str, Any] | None = None  # app.api.dp settings and spend; None: no DP
     dp_sums: list[Any] | None = None  # the clipped per-datum gradients summed since the last optim_step
+    pending: int = 0  # forward_backward ops whose gradient the next optim_step applies
 
 
 class Engine:
@@ -164,10 +166,43 @@ class Engine:
     # --- operations --------------------------------------------------------------------------------
 
     def forward_backward(self, op: wire.Op) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+        """One op, applied atomically: its gradient is added and the op linked into the chain, or (refused, or
+        failed part-way) the model, its pending gradient and its DP sums are exactly as before."""
+        m = self.get(op.model_id)
+        losses.check_config(op.loss_fn, op.loss_fn_config)  # every input checked before any state is touched
+        if op.forward_only:
+            self._activate(m.adapter, False)
+            return self._forward_backward(m, op)
+        new_head = link(m.op_head, op.record())
+        snapshot = self._grad_snapshot(m)
+        try:
+            self._activate(m.adapter, True)
+            outputs, metrics = self._forward_backward(m, op)
+            if not np.isfinite(metrics["loss:sum"]):
+                raise BadRequest(f"the loss is not finite ({metrics['loss:sum']}); nothing was applied")
+        except BaseException:
+            self._grad_restore(m, snapshot)
+            raise
+        m.op_head, m.ops, m.pending = new_head, m.ops + 1, m.pending + 1
+        m.pending_loss += metrics["loss:sum"]
+        m.tokens_seen += op.n_tokens
+        return outputs, metrics
+
+    def _grad_snapshot(self, m: Model) -> tuple[list[Any], list[Any] | None]:
+        params = self._params(m.adapter)
+        return ([None if p.grad is None else p.grad.detach().clone() for p in params],
+                None if m.dp_sums is None else [s.detach().clone() for s in m.dp_sums])
+
+    def _grad_restore(self, m: Model, snapshot: tuple[list[Any], list[Any] | None]) -> None:
+        grads, sums = snapshot
+        for p, g in zip(self._params(m.adapter), grads):
+            p.grad = g
+        if sums is not None:
+            m.dp_sums = sums
+
+    def _forward_backward(self, m: Model, op: wire.Op) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         import torch
 
-        m = self.get(op.model_id)
-        self._activate(m.adapter, not op.forward_only)
         private = m.dp is not None and not op.forward_only
         params = self._params(m.adapter) if private else []
         outputs, total, weight = [], 0.0, 0.0
@@ -187,52 +222,72 @@ class Engine:
             outputs.append({"logprobs": logp.detach().cpu().numpy(),
                             "elementwise_loss": (-logp.detach().cpu().numpy()
                                                  * d.inputs.get("weights", np.ones(len(d.tokens), np.float32)))})
-        if not op.forward_only:
-            m.op_head = op_chain.link(m.op_head, op.record())
-            m.ops += 1
-            m.pending_loss += total
-            m.tokens_seen += op.n_tokens
         return outputs, {"loss:sum": total, "loss:mean": total / max(weight, 1e-9)}
 
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
+        """Apply the pending gradient (DP: noised) with ``adam``, atomically: every parameter is checked and the op
+        linked before anything changes; a failure part-way restores the weights, the optimizer and the gradient."""
+        import copy
+
         import torch
 
         m = self.get(model_id)
+        check_adam(adam)
+        dp = dict(m.dp) if m.dp is not None else None
+        record: dict[str, Any] = {"op": "optim_step", "adam_params": dict(adam)}
+        if dp is not None:
+            record["dp_epsilon"] = dpsgd.account(dp)  # on a copy: m.dp changes only with the step
+        new_head = link(m.op_head, record)
         params = self._params(m.adapter)
-        if m.dp is not None:
-            dpsgd.noisy_grads(params, m.dp_sums, m.dp)  # type: ignore[arg-type]
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
-        if adam["grad_clip_norm"] > 0:
-            torch.nn.utils.clip_grad_norm_(params, adam["grad_clip_norm"])
-        for g in m.optimizer.param_groups:
-            g.update(lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
-                     weight_decay=adam["weight_decay"])
-        m.optimizer.step()
-        m.optimizer.zero_grad(set_to_none=True)
+        weights = [p.detach().clone() for p in params]
+        optimizer = copy.deepcopy(m.optimizer.state_dict())
+        snapshot = self._grad_snapshot(m)
+        try:
+            if dp is not None:
+                dpsgd.noisy_grads(params, m.dp_sums, dp)  # type: ignore[arg-type]
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+            if adam["grad_clip_norm"] > 0:
+                torch.nn.utils.clip_grad_norm_(params, adam["grad_clip_norm"])
+            for g in m.optimizer.param_groups:
+                g.update(lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
+                         weight_decay=adam["weight_decay"])
+            m.optimizer.step()
+            m.optimizer.zero_grad(set_to_none=True)
+        except BaseException:
+            with torch.no_grad():
+                for p, w in zip(params, weights):
+                    p.copy_(w)
+            m.optimizer.load_state_dict(optimizer)
+            self._grad_restore(m, snapshot)
+            raise
+        m.dp = dp
         m.steps += 1
         m.losses.append((m.steps, m.pending_loss))
-        m.pending_loss = 0.0
+        m.pending_loss, m.pending = 0.0, 0
         m.last_adam = dict(adam)
-        record: dict[str, Any] = {"op": "optim_step", "adam_params": adam}
+        m.op_head, m.ops = new_head, m.ops + 1
         metrics = {"grad_norm": norm, "step": float(m.steps)}
-        if m.dp is not None:
-            record["dp_epsilon"] = metrics["dp_epsilon"] = dpsgd.account(m.dp)
-        m.op_head = op_chain.link(m.op_head, record)
-        m.ops += 1
+        if dp is not None:
+            metrics["dp_epsilon"] = record["dp_epsilon"]
         return metrics
 
     # --- state -------------------------------------------------------------------------------------
 
+    def adapter_bytes(self, m: Model) -> bytes:
+        """The model's LoRA weights as the bytes of its ``adapter_model.safetensors`` (what a save writes)."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save
+
+        sd = get_peft_model_state_dict(self.model, adapter_name=m.adapter)
+        return save({k: v.detach().cpu().contiguous() for k, v in sd.items()})
+
     def save(self, m: Model, dest: Path, *, optimizer: bool) -> None:
         """``dest``: a PEFT adapter repository (adapter_config.json, adapter_model.safetensors) + optimizer.pt."""
         import torch
-        from peft import get_peft_model_state_dict
-        from safetensors.torch import save_file
 
         dest.mkdir(parents=True)
-        sd = get_peft_model_state_dict(self.model, adapter_name=m.adapter)
-        save_file({k: v.detach().cpu().contiguous() for k, v in sd.items()}, str(dest / "adapter_model.safetensors"))
+        (dest / "adapter_model.safetensors").write_bytes(self.adapter_bytes(m))
         cfg = self.model.peft_config[m.adapter]
         cfg.base_model_name_or_path = str(self.base_name)
         if isinstance(getattr(cfg, "auto_mapping", None), dict) and cfg.auto_mapping.get("unsloth_fixed"):
@@ -247,27 +302,63 @@ class Engine:
         if m.dp is not None:  # the DP settings and spend: a model loaded from this state continues the accounting
             (dest / "dp.json").write_text(json.dumps(m.dp, sort_keys=True))
 
-    def load(self, m: Model, src: Path, *, optimizer: bool) -> None:
-        import torch
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
+    def load(self, m: Model, src: Path, *, optimizer: bool, record: dict[str, Any]) -> None:
+        """Replace the model's state with the saved state in ``src``, as the ``load`` op ``record``: everything is
+        read and checked first (LoRA shapes, DP or not, optimizer state, progress), then applied; the model's chain
+        continues from the saved state's (``record``'s checkpoint head and op count). Without ``optimizer`` the
+        Adam state starts afresh. A pending gradient is refused: the load would drop it outside the chain.
 
-        set_peft_model_state_dict(self.model, load_file(str(src / "adapter_model.safetensors"), device=self.device),
-                                  adapter_name=m.adapter)
-        if optimizer:
-            m.optimizer.load_state_dict(torch.load(src / "optimizer.pt", weights_only=True))
+        Raises:
+            BadRequest: a pending gradient, a state of another LoRA shape, a DP mismatch, or a damaged state.
+        """
         import json
 
-        if (src / "progress.json").is_file():  # optimizer steps, tokens and losses so far
-            progress = json.loads((src / "progress.json").read_text())
-            m.steps, m.tokens_seen = int(progress["steps"]), int(progress["tokens_seen"])
-            m.losses = [(int(a), float(b)) for a, b in progress["losses"]]
+        import torch
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        if m.pending:
+            raise BadRequest(f"model {m.id} has the gradient of {m.pending} forward_backward op(s) not yet applied: "
+                             "run optim_step first (a load would discard it)")
         saved = saved_dp(src)
         if (saved is None) != (m.dp is None):
             raise BadRequest("the saved state and the model differ in DP-SGD (one has it, the other not)")
+        try:
+            weights = load_file(str(src / "adapter_model.safetensors"), device=self.device)
+            state = torch.load(src / "optimizer.pt", weights_only=True) if optimizer else None
+            progress = json.loads((src / "progress.json").read_text()) if (src / "progress.json").is_file() else None
+            steps, tokens = (int(progress["steps"]), int(progress["tokens_seen"])) if progress else (m.steps, m.tokens_seen)
+            curve = [(int(a), float(b)) for a, b in progress["losses"]] if progress else list(m.losses)
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise BadRequest(f"the saved state cannot be read: {type(exc).__name__}: {str(exc)[:200]}") from None
+        mine = get_peft_model_state_dict(self.model, adapter_name=m.adapter)
+        shapes = {k: tuple(v.shape) for k, v in mine.items()}
+        if {k: tuple(v.shape) for k, v in weights.items()} != shapes:
+            raise BadRequest("the saved state's LoRA tensors do not fit this model (another rank or target layers)")
+        params = self._params(m.adapter)
+        fresh = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        if state is not None:
+            try:
+                fresh.load_state_dict(state)
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise BadRequest(f"the saved optimizer state does not fit this model: {str(exc)[:200]}") from None
+        new_head = link(record["checkpoint_head"], record)
+        with torch.no_grad():
+            set_peft_model_state_dict(self.model, weights, adapter_name=m.adapter)
+        for p in params:
+            p.grad = None
+        m.optimizer = fresh
+        m.steps, m.tokens_seen, m.losses, m.pending_loss = steps, tokens, curve, 0.0
         if saved is not None:
             m.dp = saved  # the accounting continues from the saved state's steps
-            m.dp_sums = [torch.zeros_like(p) for p in self._params(m.adapter)]
+            m.dp_sums = [torch.zeros_like(p) for p in params]
+        m.op_head, m.ops = new_head, int(record["checkpoint_ops"]) + 1
+
+    def discard(self, model_id: str) -> None:
+        """Forget a model and its adapter (a model created for a load that was refused)."""
+        m = self.models.pop(model_id, None)
+        if m is not None:
+            self.model.delete_adapter(m.adapter)
 
     base_name = "base"
 

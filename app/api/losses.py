@@ -15,6 +15,29 @@ from typing import Any
 import numpy as np
 
 
+CONFIG_KEYS = {"cross_entropy": (), "importance_sampling": (), "ppo": ("clip_low_threshold", "clip_high_threshold")}
+
+
+def check_config(name: str, config: dict[str, Any] | None) -> None:
+    """``loss_fn_config`` as loss ``name`` reads it: only its keys, each a finite number (PPO's thresholds in
+    [0, 1e6]). Checked before a forward_backward touches any state.
+
+    Raises:
+        BadRequest: an unknown key, a value that is not a finite number, or a threshold out of range.
+    """
+    import math
+
+    from app.api.errors import BadRequest
+
+    for key, value in (config or {}).items():
+        if key not in CONFIG_KEYS.get(name, ()):
+            known = ", ".join(CONFIG_KEYS.get(name, ())) or "none"
+            raise BadRequest(f"loss_fn_config.{key} is not a setting of loss {name} (its settings: {known})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or not 0 <= value <= 1e6:
+            raise BadRequest(f"loss_fn_config.{key} must be a finite number in [0, 1e6] (got {value!r})")
+
+
 def loss(name: str, logp: Any, inputs: dict[str, np.ndarray], config: dict[str, Any] | None) -> Any:
     import torch
 

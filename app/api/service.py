@@ -21,12 +21,16 @@ from typing import Any
 
 from tinker import types
 
+from attestation.io.hashing import sha256_file
+from attestation.outputs import op_chain
+
 from app.api import dp as dpsgd
 from app.api import wire
 from app.api.bundle import Exporter
 from app.api.completions import Completions
 from app.api.engine import Engine, Model, run_job, saved_dp
 from app.api.errors import BadRequest, NotFound, NotServed, TooMany
+from app.api.history import check_adam, load_record
 from app.api.store import Checkpoint, Store
 from app.api.vault import Vault
 from app.audit import utc_now
@@ -160,8 +164,7 @@ class Service:
         if not isinstance(req.optim_params, types.AdamParams):
             raise BadRequest("only Adam parameters (adam_params) are served")
         adam = req.optim_params.model_dump(mode="json")
-        if not (adam["learning_rate"] >= 0 and 0 <= adam["beta1"] < 1 and 0 <= adam["beta2"] < 1 and adam["eps"] > 0):
-            raise BadRequest("Adam parameters out of range (learning_rate >= 0, 0 <= beta < 1, eps > 0)")
+        check_adam(adam)  # refused here, with the reason, before it is queued (and again by the engine)
 
         def run() -> tuple[bool, str, bytes]:
             metrics = self.engine.optim_step(req.model_id, adam)
@@ -231,12 +234,14 @@ class Service:
             try:
                 with self.vault.opened(c) as src:  # decrypted and checked in RAM before the model is touched
                     m = self.engine.create(model_id, c.lora, saved_dp(src)) if new else self.engine.models[model_id]
-                    self.engine.load(m, src, optimizer=req.optimizer)
-            except BadRequest:
-                if new and model_id not in self.engine.models:
-                    self.store.drop_model(model_id)  # refused before it existed: no record of it stays
+                    record = load_record(c, sha256_file(src / "adapter_model.safetensors"), req.optimizer,
+                                         op_chain.GENESIS if new else m.op_head)
+                    self.engine.load(m, src, optimizer=req.optimizer, record=record)  # linked into its chain
+            except BaseException:
+                if new:
+                    self.engine.discard(model_id)  # refused or failed: no model, and no record of it, stays
+                    self.store.drop_model(model_id)
                 raise
-            m.op_head, m.ops = c.op_head, c.ops  # the chain continues from the saved state's head
             return self._ok(types.LoadWeightsResponse(path=req.path, model_id=model_id))
 
         return self._enqueue(owner, session, model_id, "load_weights", run)
@@ -246,7 +251,7 @@ class Service:
             raise NotFound(f"model {model_id} not found")
         return types.CheckpointsListResponse(checkpoints=[types.Checkpoint(
             checkpoint_id=c.path.split("/", 3)[-1], checkpoint_type=c.kind, time=c.created_at, tinker_path=c.path,
-            user_metadata={"bundle": c.bundle or "", "op_chain_head": c.op_head})
+            user_metadata={"bundle": c.bundle or "", "op_chain_head": c.op_head, "op_chain_ops": str(c.ops)})
             for c in self.store.checkpoints(model_id)])
 
     # --- sampling ----------------------------------------------------------------------------------

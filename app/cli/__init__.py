@@ -91,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--dataset", type=Path, metavar="FILE", help="also check the encrypted dataset file against the manifest")
     v.add_argument("--ops", type=Path, metavar="OPS.jsonl", help="also recompute a training-API checkpoint's op chain "
                    "from the client's record of its ops (one JSON op a line; docs/api.md); a mismatch rejects (exit 1)")
+    v.add_argument("--replay", action="store_true", help="with --ops: re-execute the ops from the base model on this "
+                   "machine's CPU and compare the result with the bundle's weights (check op_chain.replay); "
+                   "--base-model DIR names the base model unless it is the built-in tiny model")
 
     sh = sub.add_parser("show", help="summarize a bundle: run, model, dataset, training, recipients (verifies nothing)",
                         description="Print what an export bundle (a run or a training-API checkpoint) or a federated "

@@ -52,36 +52,3 @@ def _api(args: argparse.Namespace) -> int:
 COMMANDS = {"api": _api}
 
 
-def check_ops(bundle: Path, ops_file: Path, *, quiet: bool = False) -> bool:
-    """``cvm-tune verify BUNDLE --ops OPS.jsonl``: does the client's record of its ops hash to the bundle's op-chain
-    head (and count)? Prints one line (to stderr when ``quiet``: the verdict is JSON on stdout).
-
-    Raises:
-        ConfigError: the ops file is unreadable or an op has no canonical form (exit 2).
-    """
-    import json
-    import sys
-
-    from attestation.outputs import op_chain
-
-    from app.errors import ConfigError
-
-    try:
-        ops = op_chain.read_ops(ops_file)
-        head = op_chain.head(ops)
-    except op_chain.OpChainError as exc:
-        raise ConfigError(f"--ops {ops_file}: {exc}", fix="pass the JSONL of the ops as sent (docs/api.md)") from None
-    try:
-        recorded = json.loads((Path(bundle) / "manifest.json").read_bytes()).get("op_chain")
-    except (OSError, ValueError, AttributeError):
-        recorded = None
-    out = sys.stderr if quiet else sys.stdout
-    if not isinstance(recorded, dict):
-        print("op chain: FAIL: the bundle records no op chain (not a training-API checkpoint)", file=out)
-        return False
-    if recorded.get("head") != head or recorded.get("ops") != len(ops):
-        print(f"op chain: FAIL: {len(ops)} ops in {ops_file} hash to {head[:16]}…, the bundle records "
-              f"{recorded.get('ops')} ops with head {str(recorded.get('head'))[:16]}…", file=out)
-        return False
-    print(f"op chain: pass: {len(ops)} ops in {ops_file} hash to the bundle's head {head[:16]}…", file=out)
-    return True

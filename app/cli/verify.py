@@ -25,6 +25,9 @@ def _verify(args: argparse.Namespace) -> int:
                           fix="cvm-tune verify exports/RUN_ID, or cvm-tune verify --chain exports/")
     if args.ops is not None and (args.chain is not None or args.parent is not None):
         raise ConfigError("--ops checks one training-API checkpoint", fix="drop --chain/--parent when passing --ops")
+    if args.replay and args.ops is None:
+        raise ConfigError("--replay re-executes the ops of a training-API checkpoint: it needs --ops",
+                          fix="cvm-tune verify BUNDLE --ops OPS.jsonl --replay")
     if args.chain is not None and (args.parent or args.collateral or args.base_model or args.dataset):
         raise ConfigError("--chain verifies whole bundles: --parent, --collateral, --base-model and --dataset apply "
                           "to one BUNDLE", fix="drop them, or verify one bundle at a time")
@@ -40,16 +43,24 @@ def _verify(args: argparse.Namespace) -> int:
             raise ConfigError("--ops checks a training-API checkpoint, not a federated round bundle",
                               fix="drop --ops, or pass the checkpoint's bundle")
         return _verify_round(args, policy, now, coll)
-    from app.cli.adapter import identities
-    from app.cli.api import check_ops
+    from attestation.outputs.op_chain import OpsFileError
 
-    verdict = verify_bundle(args.bundle, policy=policy, now=now, collateral=coll,
-                            base_model_dir=args.base_model, dataset_file=args.dataset,
-                            identities=identities(args.identity))
+    from app.cli.adapter import identities
+
+    try:
+        verdict = verify_bundle(args.bundle, policy=policy, now=now, collateral=coll,
+                                base_model_dir=args.base_model, dataset_file=args.dataset,
+                                identities=identities(args.identity), ops_file=args.ops)
+    except OpsFileError as exc:
+        raise ConfigError(f"--ops: {exc}", fix="pass the JSONL of the ops as sent (docs/api.md)") from None
+    if args.replay:  # the client's ops re-executed from the base model on this machine: the bundle's weights?
+        from app.api.replay import replay_check
+
+        verdict = replay_check(verdict, args.bundle, args.ops, base_model_dir=args.base_model, progress=_stderr)
     if args.parent is None:
-        code = _print_verdict(verdict, as_json=args.json)
-        if args.ops is not None and not check_ops(args.bundle, args.ops, quiet=args.json):
-            code = 1  # the client's record of its ops does not hash to the bundle's op chain
+        code = _print_verdict(verdict, as_json=args.json)  # op_chain.ops / op_chain.replay are checks of the verdict
+        if not args.json:
+            _print_ops(verdict)
         if not args.json and verdict.accepted:
             _print_objective(args.bundle)
         if args.policy is None:
@@ -64,6 +75,18 @@ def _verify(args: argparse.Namespace) -> int:
     if args.policy is None:
         _simulator_hint([(args.bundle, verdict), (args.parent, parent)])
     return code
+
+
+def _print_ops(verdict: Verdict) -> None:
+    """The op-chain checks, one line each, whatever their result (they are why ``--ops``/``--replay`` were given)."""
+    for c in verdict.checks:
+        if c.name in ("op_chain.ops", "op_chain.replay"):
+            label = "op chain" if c.name == "op_chain.ops" else "replay"
+            print(f"{label}: {'pass' if c.status == 'pass' else 'FAIL'}: {c.detail}")
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 def _manifest_block(bundle: Path, name: str) -> Any:

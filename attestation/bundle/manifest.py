@@ -321,8 +321,8 @@ class PrivacyInfo(_Closed):
 
 
 class OpChainInfo(_Closed):
-    """A training-API checkpoint (``cvm-tune api serve``): the head of the SHA-256 chain over every
-    forward_backward and optim_step applied to the model, in order (``attestation.outputs.op_chain``), the LoRA and the
+    """A training-API checkpoint (``cvm-tune api serve``): the head of the SHA-256 chain over every op that changed
+    the model (forward_backward, optim_step, load), in order (``attestation.outputs.op_chain``), the LoRA and the
     last Adam parameters. ``cvm-tune verify BUNDLE --ops OPS.jsonl`` recomputes the head from the client's record."""
 
     schema_: Literal["cvm-tune/op-chain/v1"] = Field("cvm-tune/op-chain/v1", alias="schema")
@@ -335,6 +335,9 @@ class OpChainInfo(_Closed):
     # DP-SGD (opt-in per model): noise_multiplier, max_grad_norm, dataset_size, batch_size, sample_rate, delta,
     # accountant, steps and the epsilon spent (each optim_step's is also in the chain). None: trained without DP.
     dp: dict[str, float | int | str] | None = None
+    # What a bit-exact replay needs (``cvm-tune verify --ops --replay``): device (cpu or cuda) and torch's CPU threads.
+    # None: a bundle made before replay existed.
+    determinism: dict[str, int | str] | None = None
 
 
 class Manifest(_Closed):

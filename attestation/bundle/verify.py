@@ -36,6 +36,7 @@ from attestation.bundle import manifest as B
 from attestation.compose import app_compose as C
 from attestation.bundle import confidential as confidential_verify
 from attestation.bundle import input_checks
+from attestation.outputs import op_chain
 from attestation.privacy import dp as privacy
 from attestation.bundle.audit import AuditEntry, AuditFormatError, chain_problems, parse_entry, parse_lines
 from attestation.tdx.dcap import Collateral, parse_collateral
@@ -69,6 +70,7 @@ def verify_bundle(
     base_model_dir: Path | None = None,
     dataset_file: Path | None = None,
     identities: list | None = None,  # age identities (attestation.outputs.confidential.load_identities): decrypt the weights
+    ops_file: Path | None = None,  # the client's record of a training-API model's ops (JSONL): op_chain.ops
 ) -> Verdict:
     """Verify ``bundle_dir`` under ``policy`` at unix time ``now``.
 
@@ -76,6 +78,7 @@ def verify_bundle(
 
     Raises:
         BundleError: the directory does not exist or holds no manifest.json (not a bundle at all).
+        OpsFileError: ``ops_file`` cannot be read (an input error; what it holds is checked as ``op_chain.ops``).
     """
     root = Path(bundle_dir)
     if not root.is_dir():
@@ -86,6 +89,7 @@ def verify_bundle(
         raise BundleError(f"base model directory {base_model_dir} is missing", fix="pass the local copy of the base model")
     if dataset_file is not None and not Path(dataset_file).is_file():
         raise BundleError(f"dataset file {dataset_file} is missing or not a file", fix="pass the encrypted dataset (.cvmds)")
+    ops = None if ops_file is None else _ops(ops_file)  # an unreadable file is an input error, before anything
     f = QuoteFindings()
     manifest_bytes = _read(root / B.MANIFEST)
     manifest = _files_and_manifest(f, root, manifest_bytes)
@@ -109,7 +113,19 @@ def verify_bundle(
         confidential_verify.check(f, root, manifest, identities, dataset_file)  # B16 (+ C1, C2 when encrypted)
         privacy.check(f, manifest, policy, config_bytes)
         input_checks.inputs(f, manifest, base_model_dir, dataset_file)
+    if ops is not None:
+        op_chain.check(f, manifest.op_chain if manifest is not None else None, *ops)
     return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
+
+
+def _ops(path: Path) -> tuple[list[dict] | None, str]:
+    """The client's ops and how to name them; (None, the reason) when a line is not a JSON object."""
+    try:
+        return op_chain.read_ops(path), str(path)
+    except op_chain.OpsFileError:
+        raise
+    except op_chain.OpChainError as exc:
+        return None, str(exc)
 
 
 def _read(path: Path, limit: int = MAX_FILE) -> bytes:

@@ -1,5 +1,7 @@
-"""The op chain of a training-API checkpoint: a SHA-256 hash chain over every ``forward_backward`` and
-``optim_step`` applied to one model, in order (docs/verifier-spec.md, "API checkpoints and the op chain").
+"""The op chain of a training-API checkpoint: a SHA-256 hash chain over every op that changed one model's trainable
+state, in order: ``forward_backward``, ``optim_step`` and ``load`` (docs/verifier-spec.md, "API checkpoints and the op
+chain"). It is the model's whole history: a model loaded from a saved state continues that state's chain with a
+``load`` op, so the chain of any checkpoint starts at the base model.
 
 A client that kept what it sent recomputes the head from a JSONL file, one op per line, plain JSON numbers::
 
@@ -10,7 +12,16 @@ A client that kept what it sent recomputes the head from a JSONL file, one op pe
 Canonical form of an op (the bytes hashed): JSON with sorted keys and no spaces, where every number list is replaced
 by the hex of its little-endian bytes in the dtype the Tinker SDK sends: model input tokens int32, ``target_tokens``
 int64, every other ``loss_fn_inputs`` field float32, Adam parameters and ``loss_fn_config`` numbers float64 (and
-``dp_epsilon``, the ε spent after a DP optim_step, float64). Chain: ``h_0`` = 32 zero bytes,
+``dp_epsilon``, the ε spent after a DP optim_step, float64). A ``load`` op names the saved state it loaded::
+
+    {"op": "load", "checkpoint": "tinker://…/weights/step-10", "checkpoint_head": "<its chain head>",
+     "checkpoint_ops": 21, "weights_sha256": "<SHA-256 of its adapter_model.safetensors>", "optimizer": true,
+     "model_head": "<the loading model's head before the load; 64 zeros for a new model>"}
+
+and is hashed as that JSON (sorted keys, no spaces; hex in lower case). The model's chain continues from
+``checkpoint_head``: its head becomes ``link(checkpoint_head, load)`` and its op count ``checkpoint_ops + 1``, so a
+record of the whole history is the saved state's ops, then the ``load`` line, then what followed. Chain: ``h_0`` =
+32 zero bytes,
 ``h_i = SHA-256(b"cvm-tune-op-chain-v1:" || h_{i-1} || SHA-256(canonical(op_i)))``; the head is ``h_n`` in hex.
 
 Pure Python (no numpy, nothing of ``app``): the verifier recomputes it alone.
@@ -26,16 +37,25 @@ from pathlib import Path
 from typing import Any
 
 from attestation.io.safe_yaml import parse_json
+from attestation.verdict import QuoteFindings
 
 TAG = b"cvm-tune-op-chain-v1:"
 GENESIS = "0" * 64
 INT64_FIELDS = frozenset({"target_tokens"})
-OPS = ("forward_backward", "optim_step")
+OPS = ("forward_backward", "optim_step", "load")
+LOAD_KEYS = frozenset({"op", "checkpoint", "checkpoint_head", "checkpoint_ops", "weights_sha256", "optimizer",
+                       "model_head"})
+MAX_CHECKPOINT_NAME = 512
 MAX_OPS_FILE = 1 << 30
+CHECK = "op_chain.ops"
 
 
 class OpChainError(ValueError):
     """An op that has no canonical form (unknown op, a value of the wrong type)."""
+
+
+class OpsFileError(OpChainError):
+    """The ops file itself cannot be read (missing, not a regular file, too large, not UTF-8): an input error."""
 
 
 def _pack(fmt: str, values: Any, what: str) -> str:
@@ -48,7 +68,7 @@ def _pack(fmt: str, values: Any, what: str) -> str:
             if fmt in "iq" and not isinstance(v, int):
                 raise TypeError(v)
         return struct.pack(f"<{len(values)}{fmt}", *values).hex()
-    except (TypeError, struct.error) as exc:
+    except (TypeError, OverflowError, struct.error) as exc:  # OverflowError: a float beyond float32's range
         raise OpChainError(f"{what}: not a list of {'integers' if fmt in 'iq' else 'finite numbers'} "
                            f"in range ({exc})") from None
 
@@ -65,6 +85,8 @@ def canonical(op: dict[str, Any]) -> bytes:
     """
     if not isinstance(op, dict) or op.get("op") not in OPS:
         raise OpChainError(f"op must be one of {', '.join(OPS)}")
+    if op["op"] == "load":
+        return json.dumps(_load_doc(op), sort_keys=True, separators=(",", ":")).encode()
     if op["op"] == "optim_step":
         params = op.get("adam_params")
         if not isinstance(params, dict):
@@ -93,31 +115,95 @@ def canonical(op: dict[str, Any]) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
+def _hex64(value: Any, what: str) -> str:
+    if not isinstance(value, str) or len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+        raise OpChainError(f"load: {what} must be 64 lower-case hex digits")
+    return value
+
+
+def _load_doc(op: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(op) - LOAD_KEYS)
+    if unknown:
+        raise OpChainError(f"load: unknown field {unknown[0]!r}")
+    n, name, opt = op.get("checkpoint_ops"), op.get("checkpoint"), op.get("optimizer")
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 2**63:
+        raise OpChainError("load: checkpoint_ops must be an integer in 0..2^63-1")
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_CHECKPOINT_NAME:
+        raise OpChainError(f"load: checkpoint must be the loaded state's path (1 to {MAX_CHECKPOINT_NAME} characters)")
+    if not isinstance(opt, bool):
+        raise OpChainError("load: optimizer must be true or false")
+    return {"op": "load", "checkpoint": name, "checkpoint_head": _hex64(op.get("checkpoint_head"), "checkpoint_head"),
+            "checkpoint_ops": n, "weights_sha256": _hex64(op.get("weights_sha256"), "weights_sha256"),
+            "optimizer": opt, "model_head": _hex64(op.get("model_head"), "model_head")}
+
+
 def link(prev_hex: str, op: dict[str, Any]) -> str:
     """The chain head after appending ``op`` to a chain whose head is ``prev_hex``."""
     return hashlib.sha256(TAG + bytes.fromhex(prev_hex) + hashlib.sha256(canonical(op)).digest()).hexdigest()
 
 
 def head(ops: list[dict[str, Any]]) -> str:
-    """The head of a chain of ``ops`` (:data:`GENESIS` for none)."""
+    """The head of a chain of ``ops`` (:data:`GENESIS` for none).
+
+    Raises:
+        OpChainError: an op without a canonical form, or a ``load`` whose ``checkpoint_head``/``checkpoint_ops`` are
+            not the head and count of the ops before it (the record is not the model's whole history).
+    """
     h = GENESIS
-    for op in ops:
-        h = link(h, op)
+    for i, op in enumerate(ops):
+        try:
+            if isinstance(op, dict) and op.get("op") == "load":
+                doc = _load_doc(op)
+                if (doc["checkpoint_head"], doc["checkpoint_ops"]) != (h, i):
+                    raise OpChainError(f"it loads a state of {doc['checkpoint_ops']} ops with head "
+                                       f"{doc['checkpoint_head'][:16]}…, but the {i} ops before it hash to {h[:16]}…: "
+                                       "record the saved state's own ops before its load line")
+            h = link(h, op)
+        except OpChainError as exc:
+            raise OpChainError(f"op {i + 1}: {exc}") from None
     return h
+
+
+def check(f: QuoteFindings, recorded: Any, ops: list[dict[str, Any]] | None, source: str) -> None:
+    """Add ``op_chain.ops``: do the client's ``ops`` (read from ``source``) hash to the bundle's recorded head and
+    count? ``recorded``: the manifest's ``op_chain`` block (None: the bundle is not a training-API checkpoint);
+    ``ops`` None: the file had no canonical form (its reason is in ``source``)."""
+    if recorded is None:
+        f.add(CHECK, "fail", "the bundle records no op chain (not a training-API checkpoint)")
+        return
+    if ops is None:
+        f.add(CHECK, "fail", source)
+        return
+    try:
+        got = head(ops)
+    except OpChainError as exc:
+        f.add(CHECK, "fail", f"{source}: {exc}")
+        return
+    if got != recorded.head or len(ops) != recorded.ops:
+        f.add(CHECK, "fail", f"{len(ops)} ops in {source} hash to {got[:16]}…; the bundle records {recorded.ops} ops "
+              f"with head {recorded.head[:16]}…")
+        return
+    f.add(CHECK, "pass", f"{len(ops)} ops in {source} hash to the bundle's head {got[:16]}…")
 
 
 def read_ops(path: Path) -> list[dict[str, Any]]:
     """The ops of a JSONL file (blank lines skipped).
 
     Raises:
-        OpChainError: a line that is not a JSON object, or a file that cannot be read.
+        OpsFileError: the file cannot be read (missing, not a regular file, too large, not UTF-8).
+        OpChainError: a line that is not a JSON object.
     """
+    import stat
+
     try:
-        if Path(path).stat().st_size > MAX_OPS_FILE:
-            raise OpChainError(f"{path} is larger than {MAX_OPS_FILE} bytes")
+        st = Path(path).stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise OpsFileError(f"{path} is not a regular file")
+        if st.st_size > MAX_OPS_FILE:
+            raise OpsFileError(f"{path} is larger than {MAX_OPS_FILE} bytes")
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise OpChainError(f"cannot read {path}: {exc}") from None
+        raise OpsFileError(f"cannot read {path}: {exc}") from None
     ops = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():

@@ -222,6 +222,10 @@ def check(f: QuoteFindings, m: Manifest, policy: Policy, config_bytes: bytes | N
     delta, ``privacy.policy`` for a bundle whose manifest parsed (``config_bytes``: its config.json)."""
     dp = m.privacy
     bounded = policy.max_epsilon is not None or policy.max_delta is not None
+    chain = getattr(m, "op_chain", None)
+    if dp is None and chain is not None and chain.dp is not None:
+        _check_api(f, m, policy, bounded)
+        return
     if dp is None:
         f.add(CHECK, "skip", "trained without differential privacy (training.privacy off)")
         if bounded:
@@ -238,13 +242,68 @@ def check(f: QuoteFindings, m: Manifest, policy: Policy, config_bytes: bytes | N
              f"of N={dp.rows} rows, clipping C={dp.max_grad_norm:g}, noise σ={dp.noise_multiplier:.4g}, {dp.steps} "
              f"steps, {dp.accountant} accountant, opacus {dp.library.opacus} recorded ε {dp.epsilon:.4g}")
     f.add(CHECK, "fail" if problems else "pass", "; ".join([*problems, shown]))
-    if not bounded:
+    if bounded:
+        _policy(f, policy, eps, dp.delta)
+
+
+def _check_api(f: QuoteFindings, m: Manifest, policy: Policy, bounded: bool) -> None:
+    """``privacy.dp`` for a training-API checkpoint trained with DP-SGD (``op_chain.dp``): the ε its accountant
+    recorded is recomputed from σ, q = batch / dataset size, the optimizer steps and δ, as for a nightly run; the
+    policy's bounds apply alike."""
+    dp, chain = m.op_chain.dp, m.op_chain  # type: ignore[union-attr]
+    problems: list[str] = []
+    try:
+        sigma, clip, eps_rec = (float(dp[k]) for k in ("noise_multiplier", "max_grad_norm", "epsilon"))
+        n, b, steps = (dp[k] for k in ("dataset_size", "batch_size", "steps"))
+        q, delta, accountant = float(dp["sample_rate"]), float(dp["delta"]), str(dp["accountant"])
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (n, b, steps)):
+            raise TypeError("dataset_size, batch_size and steps must be integers")
+    except (KeyError, TypeError, ValueError) as exc:
+        f.add(CHECK, "fail", f"op_chain.dp is incomplete or malformed: {exc}")
+        if bounded:
+            f.add(POLICY_CHECK, "fail", "epsilon cannot be recomputed from the bundle's op_chain.dp")
         return
+    if not (_number(n, 2, MAX_ROWS) and _number(b, 1, min(n, MAX_BATCH))):
+        problems.append(f"dataset_size {str(n)[:20]} / batch_size {str(b)[:20]} out of range")
+    elif not math.isclose(q, b / n, rel_tol=1e-9):
+        problems.append(f"sample rate {q:g} != batch_size {b} / dataset_size {n}")
+    if steps != chain.optimizer_steps:
+        problems.append(f"DP steps {steps} != the model's optimizer steps {chain.optimizer_steps}")
+    if not (math.isfinite(clip) and clip > 0 and math.isfinite(eps_rec)):
+        problems.append("max_grad_norm and epsilon must be finite (max_grad_norm > 0)")
+    eps = math.inf
+    if not problems:
+        try:
+            eps = recompute_epsilon(accountant, [(sigma, q, steps)] if steps else [], delta)  # no step: none spent
+        except ImportError as exc:
+            problems.append(f"epsilon cannot be recomputed without {exc.name}: install the verifier "
+                            "(sh requirements/install.sh VENV requirements/verify.lock)")
+        except ValueError as exc:
+            problems.append(f"epsilon cannot be recomputed from op_chain.dp: {exc}")
+        else:
+            if not epsilon_agrees(accountant, eps, eps_rec):
+                problems.append(f"recorded epsilon {eps_rec:.6g} is not what the {accountant} accountant gives for "
+                                f"these parameters ({eps:.6g})")
+    if not math.isfinite(eps):
+        f.add(CHECK, "fail", "; ".join(problems))
+        if bounded:
+            f.add(POLICY_CHECK, "fail", "epsilon cannot be recomputed from the bundle's op_chain.dp")
+        return
+    shown = (f"(ε, δ) = ({eps:.4g}, {delta:.3g}) as served: DP-SGD per datum, sample rate q={q:.4g} (batch {b} of "
+             f"{n}, the client's Poisson sampling), clipping C={clip:g}, noise σ={sigma:.4g}, {steps} steps, "
+             f"{accountant} accountant, recorded ε {eps_rec:.4g}")
+    f.add(CHECK, "fail" if problems else "pass", "; ".join([*problems, shown]))
+    if bounded:
+        _policy(f, policy, eps, delta)
+
+
+def _policy(f: QuoteFindings, policy: Policy, eps: float, delta: float) -> None:
+    """``privacy.policy``: the recomputed (ε, δ) within the policy's bounds."""
     over = []
     if policy.max_epsilon is not None and eps > policy.max_epsilon:
         over.append(f"epsilon {eps:.4g} is above the policy's max_epsilon {policy.max_epsilon:g}")
-    if policy.max_delta is not None and dp.delta > policy.max_delta:
-        over.append(f"delta {dp.delta:.3g} is above the policy's max_delta {policy.max_delta:g}")
+    if policy.max_delta is not None and delta > policy.max_delta:
+        over.append(f"delta {delta:.3g} is above the policy's max_delta {policy.max_delta:g}")
     f.add(POLICY_CHECK, "fail" if over else "pass", "; ".join(over) or
-          f"(ε, δ) = ({eps:.4g}, {dp.delta:.3g}) within the policy's max_epsilon {policy.max_epsilon}, "
+          f"(ε, δ) = ({eps:.4g}, {delta:.3g}) within the policy's max_epsilon {policy.max_epsilon}, "
           f"max_delta {policy.max_delta}")

@@ -1,0 +1,43 @@
+"""A model's history as the engine records it: every change of its trainable state is one op of its chain
+(:mod:`attestation.outputs.op_chain`), checked in full before anything changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attestation.outputs import op_chain
+
+from app.api.errors import BadRequest
+
+
+def check_adam(adam: dict[str, Any]) -> None:
+    """Adam parameters as an optim_step needs them: every value a finite number in its range.
+
+    Raises:
+        BadRequest: a missing, non-finite or out-of-range parameter (nothing is applied).
+    """
+    import math
+
+    ranges = {"learning_rate": ">= 0", "beta1": "in [0, 1)", "beta2": "in [0, 1)", "eps": "> 0",
+              "weight_decay": ">= 0", "grad_clip_norm": ">= 0 (0: no clipping)"}
+    for name, what in ranges.items():
+        v = adam.get(name)
+        ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and (
+            0 <= v < 1 if name.startswith("beta") else v > 0 if name == "eps" else v >= 0)
+        if not ok:
+            raise BadRequest(f"adam_params.{name} must be a finite number {what} (got {v!r})")
+
+
+def link(prev: str, record: dict[str, Any]) -> str:
+    """The chain head after ``record``; a record with no canonical form is refused before anything changes."""
+    try:
+        return op_chain.link(prev, record)
+    except op_chain.OpChainError as exc:
+        raise BadRequest(f"the op cannot be recorded: {exc}") from None
+
+
+def load_record(c: Any, weights_sha256: str, optimizer: bool, model_head: str) -> dict[str, Any]:
+    """The ``load`` op of loading ``c`` (:mod:`attestation.outputs.op_chain`): what the client's record holds for it.
+    ``weights_sha256`` is its adapter_model.safetensors' SHA-256 (the plaintext, as its bundle's manifest binds it)."""
+    return {"op": "load", "checkpoint": c.path, "checkpoint_head": c.op_head, "checkpoint_ops": c.ops,
+            "weights_sha256": weights_sha256, "optimizer": bool(optimizer), "model_head": model_head}

@@ -1,0 +1,218 @@
+"""``cvm-tune verify BUNDLE --ops OPS.jsonl --replay``: the client's record of a training-API model's ops re-executed
+from the base model on this machine's CPU, by the server's own engine, and the result compared with the bundle's
+weights (check ``op_chain.replay``; docs/verifier-spec.md, "Replay").
+
+A bundle made on a CPU must replay **bit for bit**: the manifest's ``op_chain.determinism`` records what that needs
+(device, torch threads), the library versions are the manifest's ``backend`` block, and the LoRA initialisation is
+seeded by the model's LoRA seed. A bundle made on a GPU is compared within :data:`GPU_ATOL` + :data:`GPU_RTOL` per
+weight, and the check says so. A model trained with DP-SGD cannot be replayed: its noise came from the CVM's CSPRNG,
+by design known to nobody. What replay proves: the weights are what exactly these ops give from the base model, so
+no op outside the record changed them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from attestation import Verdict
+from attestation.bundle import manifest as B
+from attestation.io.safe_yaml import parse_json
+from attestation.outputs import op_chain
+from attestation.verdict import Check
+
+CHECK = "op_chain.replay"
+WEIGHTS = "adapter/adapter_model.safetensors"
+TINY = "cvm-tune/tiny-llama"
+GPU_ATOL, GPU_RTOL = 1e-3, 1e-2  # a GPU-made bundle: |replayed - bundle| <= GPU_ATOL + GPU_RTOL * |bundle| per weight
+MODEL = "replay"
+
+
+class ReplayFailed(Exception):
+    """The replay could not reproduce the bundle's weights (the reason is the check's)."""
+
+
+def replay_check(verdict: Verdict, bundle: Path, ops_file: Path, *, base_model_dir: Path | None,
+                 progress: Callable[[str], None] = lambda _m: None) -> Verdict:
+    """``verdict`` with ``op_chain.replay`` added: pass when the ops, replayed, give the bundle's weights."""
+    try:
+        detail = _replay(verdict, Path(bundle), Path(ops_file), base_model_dir, progress)
+        check = Check(CHECK, "pass", detail)
+    except ReplayFailed as exc:
+        check = Check(CHECK, "fail", str(exc))
+    return dataclasses.replace(verdict, checks=(*verdict.checks, check))
+
+
+def _replay(verdict: Verdict, bundle: Path, ops_file: Path, base_dir: Path | None, progress: Callable[[str], None]) -> str:
+    chain = next((c for c in verdict.checks if c.name == op_chain.CHECK), None)
+    if chain is None or chain.status != "pass":
+        raise ReplayFailed("nothing to replay: the ops do not hash to the bundle's op chain (op_chain.ops)")
+    try:
+        m = B.Manifest.model_validate(parse_json((bundle / B.MANIFEST).read_bytes(), "manifest.json", ValueError))
+    except (OSError, ValueError) as exc:
+        raise ReplayFailed(f"the bundle's manifest cannot be read: {str(exc).splitlines()[0]}") from None
+    oc = m.op_chain
+    if oc is None:
+        raise ReplayFailed("the bundle records no op chain")
+    if oc.dp is not None:
+        raise ReplayFailed("the model was trained with DP-SGD: its noise came from the CVM's CSPRNG and is known to "
+                           "nobody, so its weights cannot be replayed (privacy.dp checks its accounting)")
+    det = oc.determinism or {}
+    exact = det.get("device") == "cpu"
+    expected = _expected_hash(m)
+    ops = op_chain.read_ops(ops_file)
+    with _base(m, base_dir, progress) as base, _threads(det.get("torch_threads")):
+        got, tensors = _run(base, oc, ops, m.base_model.name, progress)
+    digest = hashlib.sha256(got).hexdigest()
+    libs = ", ".join(f"{k} {v}" for k, v in sorted(m.backend.libraries.items()))
+    if exact:
+        if digest != expected:
+            raise ReplayFailed(f"{len(ops)} ops replayed from the base model give weights with sha256 {digest[:16]}…, "
+                               f"the bundle's are {expected[:16]}… (made on this CPU's kind with {libs}: the server "
+                               "applied something else, or this machine's libraries differ)")
+        return (f"{len(ops)} ops replayed from the base model on this CPU ({det.get('torch_threads')} torch threads): "
+                f"weights bit-identical, sha256 {digest[:16]}…")
+    worst = _tolerance(bundle, m, tensors)
+    return (f"{len(ops)} ops replayed on this CPU; the bundle was made on {det.get('device') or 'an unrecorded device'}: "
+            f"weights agree within |Δ| <= {GPU_ATOL:g} + {GPU_RTOL:g}·|w| (largest |Δ| {worst:.3g}), not bit-exact")
+
+
+def _expected_hash(m: B.Manifest) -> str:
+    if m.confidentiality is not None:
+        plain = m.confidentiality.plaintext_sha256
+        key = next((k for k in plain if k.removesuffix(".age") == WEIGHTS), None)
+        if key is None:
+            raise ReplayFailed(f"the manifest binds no plaintext hash for {WEIGHTS}")
+        return plain[key]
+    if WEIGHTS not in m.files:
+        raise ReplayFailed(f"the bundle has no {WEIGHTS}")
+    return m.files[WEIGHTS]
+
+
+@contextlib.contextmanager
+def _base(m: B.Manifest, given: Path | None, progress: Callable[[str], None]) -> Iterator[Path]:
+    """The base model's directory: ``given`` (its tree hash is ``inputs.base_model``'s check), or the built-in tiny
+    model built afresh and checked against the manifest's tree hash."""
+    if given is not None:
+        yield Path(given)
+        return
+    if m.base_model.name != TINY:
+        raise ReplayFailed(f"the base model is {m.base_model.name}: pass its local copy with --base-model DIR")
+    from attestation.io.hashing import tree_digest
+
+    from app.training import build_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="cvm-tune-replay-") as tmp:
+        built = Path(tmp) / "tiny-llama"
+        progress("replay: building the built-in tiny base model")
+        build_tiny_model(built)
+        if tree_digest(built)[0] != m.base_model.tree_sha256:
+            raise ReplayFailed("the built-in tiny model built here does not have the bundle's base-model tree hash "
+                               "(another cvm-tune version?): pass the base model with --base-model DIR")
+        yield built
+
+
+@contextlib.contextmanager
+def _threads(n: Any) -> Iterator[None]:
+    import torch
+
+    before = torch.get_num_threads()
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 1:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(base: Path, oc: B.OpChainInfo, ops: list[dict[str, Any]], base_name: str,
+         progress: Callable[[str], None]) -> tuple[bytes, dict[str, Any]]:
+    """Replay ``ops`` on a fresh engine: the adapter bytes and tensors they give."""
+    import torch
+
+    from app.api.engine import Engine
+    from app.api.errors import ApiError
+
+    engine = Engine(base, "hf")
+    engine.base_name = base_name
+    try:
+        model = engine.create(MODEL, dict(oc.lora))
+        progress(f"replay: {len(ops)} ops")
+        for i, op in enumerate(ops, start=1):
+            try:
+                if op["op"] == "forward_backward":
+                    engine.forward_backward(_fb(op))
+                elif op["op"] == "optim_step":
+                    engine.optim_step(MODEL, dict(op["adam_params"]))
+                else:
+                    _load(engine, model, op, i)
+            except ApiError as exc:
+                raise ReplayFailed(f"op {i} ({op['op']}) would be refused by the server: {exc}") from None
+        if model.op_head != oc.head:  # the record hashed to it; the engine must have linked the same ops
+            raise ReplayFailed(f"the replayed chain ends at {model.op_head[:16]}…, not the bundle's {oc.head[:16]}…")
+        from peft import get_peft_model_state_dict
+
+        tensors = {k: v.detach().cpu().to(torch.float32).clone()
+                   for k, v in get_peft_model_state_dict(engine.model, adapter_name=model.adapter).items()}
+        return engine.adapter_bytes(model), tensors
+    finally:
+        engine.stop()
+
+
+def _fb(op: dict[str, Any]) -> Any:
+    import numpy as np
+
+    from app.api import wire
+
+    data = [wire.Datum(list(d["model_input"]), {k: np.asarray(v, dtype=np.int64 if k in op_chain.INT64_FIELDS
+                                                                else np.float32)
+                                                 for k, v in d.get("loss_fn_inputs", {}).items()})
+            for d in op["data"]]
+    return wire.Op(MODEL, op["loss_fn"], False, data, op.get("loss_fn_config"))
+
+
+def _load(engine: Any, model: Any, op: dict[str, Any], i: int) -> None:
+    """A ``load`` in the record: the state it loads is the replay's own state at that point (the chain says so);
+    its weights must be the ones the load names. The optimizer starts afresh unless the load kept it."""
+    import torch
+
+    if hashlib.sha256(engine.adapter_bytes(model)).hexdigest() != op["weights_sha256"]:
+        raise ReplayFailed(f"op {i} (load) names weights {op['weights_sha256'][:16]}…, but the ops before it give "
+                           "other weights")
+    if model.pending:
+        raise ReplayFailed(f"op {i} (load) comes with a gradient pending: the server refuses such a load")
+    params = engine._params(model.adapter)
+    for p in params:
+        p.grad = None
+    if not op["optimizer"]:
+        model.optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+    model.op_head, model.ops = op_chain.link(op["checkpoint_head"], op), int(op["checkpoint_ops"]) + 1
+
+
+def _tolerance(bundle: Path, m: B.Manifest, replayed: dict[str, Any]) -> float:
+    """The largest |Δ| between the replayed weights and the bundle's plaintext ones, failing beyond the tolerance."""
+    import torch
+    from safetensors.torch import load_file
+
+    if m.confidentiality is not None:
+        raise ReplayFailed("a GPU-made confidential bundle is compared weight by weight: its weights are ciphertext "
+                           "here (replay of encrypted weights within a tolerance is not supported)")
+    theirs = load_file(str(bundle / WEIGHTS))
+    if set(theirs) != set(replayed):
+        raise ReplayFailed("the replayed adapter and the bundle's have different tensors")
+    worst = 0.0
+    for k, w in theirs.items():
+        w32, r = w.to(torch.float32), replayed[k]
+        if w32.shape != r.shape:
+            raise ReplayFailed(f"{k}: shape {tuple(r.shape)} replayed, {tuple(w32.shape)} in the bundle")
+        diff = (r - w32).abs()
+        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+        if bool((diff > GPU_ATOL + GPU_RTOL * w32.abs()).any()):
+            raise ReplayFailed(f"{k}: replayed weights differ from the bundle's beyond |Δ| <= {GPU_ATOL:g} + "
+                               f"{GPU_RTOL:g}·|w| (largest |Δ| {float(diff.max()):.3g})")
+    return worst
