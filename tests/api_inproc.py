@@ -73,11 +73,13 @@ class Client:
         self.saved_records: dict[str, list[dict[str, Any]]] = {}  # tinker path -> the record of the ops it holds
         self._seq = 0
 
-    def create(self, rank: int = 4, seed: int = 0, user_metadata: dict[str, Any] | None = None) -> str:
+    def create(self, rank: int = 4, seed: int = 0, user_metadata: dict[str, Any] | None = None, **lora: bool) -> str:
+        """A new model (``lora``: train_attn, train_mlp, train_unembed)."""
         from tinker import types
 
         req = types.CreateModelRequest(session_id=self.session, model_seq_id=self._next(), base_model=BASE,
-                                       lora_config=types.LoraConfig(rank=rank, seed=seed), user_metadata=user_metadata)
+                                       lora_config=types.LoraConfig(rank=rank, seed=seed, **lora),
+                                       user_metadata=user_metadata)
         ok, body = wait(self.svc, self.svc.create_model(self.owner, req))
         assert ok, body
         model_id = json.loads(body)["model_id"]

@@ -90,6 +90,51 @@ def test_verify_quote_and_round_bundles_need_no_training_stack(verifier: Path, t
     assert _run(verifier / "python", "-c", probe).returncode == 0
 
 
+API_BUNDLE = REPO / "tests" / "data" / "api-bundle"
+API_OPS = REPO / "tests" / "data" / "api-bundle-ops.jsonl"
+
+
+@pytest.mark.parametrize("case", ["honest", "float32 overflow", "huge integer weight", "int64 overflow",
+                                  "int32 overflow", "infinite adam", "huge integer adam", "float token"])
+def test_ops_are_checked_without_the_training_stack_and_the_json_says_what_the_exit_code_says(
+        verifier: Path, tmp_path: Path, case: str) -> None:
+    lines = API_OPS.read_text().splitlines()
+    fb, opt = json.loads(lines[0]), json.loads(lines[1])
+    if case == "float32 overflow":
+        fb["data"][0]["loss_fn_inputs"]["weights"][0] = 3.5e38
+    elif case == "huge integer weight":
+        fb["data"][0]["loss_fn_inputs"]["weights"][0] = 10 ** 40
+    elif case == "int64 overflow":
+        fb["data"][0]["loss_fn_inputs"]["target_tokens"][0] = 2 ** 63
+    elif case == "int32 overflow":
+        fb["data"][0]["model_input"][0] = -(2 ** 31) - 1
+    elif case == "huge integer adam":
+        opt["adam_params"]["eps"] = 10 ** 400
+    elif case == "float token":
+        fb["data"][0]["model_input"][0] = 2.0
+    lines[0], lines[1] = json.dumps(fb), json.dumps(opt)
+    if case == "infinite adam":
+        lines[1] = lines[1].replace('"learning_rate": 0.01', '"learning_rate": 1e999')
+    ops = tmp_path / "ops.jsonl"
+    ops.write_text("\n".join(lines) + "\n")
+    done = _run(verifier / "cvm-tune", "verify", str(API_BUNDLE), "--policy", str(POLICY), "--now", NOW, "--ops", str(ops),
+                "--json")
+    got = json.loads(done.stdout)
+    chain = next(c for c in got["checks"] if c["name"] == "op_chain.ops")
+    if case == "honest":
+        assert (done.returncode, got["verdict"], chain["status"]) == (0, "accepted", "pass"), done.stderr
+    else:
+        assert (done.returncode, got["verdict"], chain["status"]) == (1, "rejected", "fail"), done.stderr
+        assert "op 1" in chain["reason"] or "op 2" in chain["reason"], chain
+
+
+def test_replay_says_it_needs_the_training_stack(verifier: Path) -> None:
+    done = _run(verifier / "cvm-tune", "verify", str(API_BUNDLE), "--policy", str(POLICY), "--now", NOW, "--ops",
+                str(API_OPS), "--replay")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "fix: install the training stack" in done.stderr
+
+
 @pytest.mark.parametrize("command", [["run"], ["serve", "--once"]])
 def test_training_commands_say_what_to_install(verifier: Path, command: list[str]) -> None:
     done = _run(verifier / "cvm-tune", *command)

@@ -125,7 +125,8 @@ def _determinism() -> dict[str, int | str]:
     computed on and torch's CPU threads (reductions are split by thread)."""
     import torch
 
-    return {"device": "cuda" if torch.cuda.is_available() else "cpu", "torch_threads": torch.get_num_threads()}
+    return {"device": "cuda" if torch.cuda.is_available() else "cpu", "torch_threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def _device() -> str:

@@ -39,7 +39,15 @@ class ReplayFailed(Exception):
 
 def replay_check(verdict: Verdict, bundle: Path, ops_file: Path, *, base_model_dir: Path | None,
                  progress: Callable[[str], None] = lambda _m: None) -> Verdict:
-    """``verdict`` with ``op_chain.replay`` added: pass when the ops, replayed, give the bundle's weights."""
+    """``verdict`` with ``op_chain.replay`` added: pass when the ops, replayed, give the bundle's weights.
+
+    Raises:
+        ModuleNotFoundError: the training stack is not installed (the verifier alone cannot replay: exit 2).
+    """
+    import peft  # noqa: F401  (first: without the training stack, say so before anything runs)
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
     try:
         detail = _replay(verdict, Path(bundle), Path(ops_file), base_model_dir, progress)
         check = Check(CHECK, "pass", detail)
@@ -72,9 +80,14 @@ def _replay(verdict: Verdict, bundle: Path, ops_file: Path, base_dir: Path | Non
     libs = ", ".join(f"{k} {v}" for k, v in sorted(m.backend.libraries.items()))
     if exact:
         if digest != expected:
+            import torch
+
+            here = torch.backends.cpu.get_cpu_capability()
+            kernels = "" if det.get("cpu_capability") in (None, here) else (
+                f"; note: made with {det.get('cpu_capability')} CPU kernels, replayed with {here}")
             raise ReplayFailed(f"{len(ops)} ops replayed from the base model give weights with sha256 {digest[:16]}…, "
-                               f"the bundle's are {expected[:16]}… (made on this CPU's kind with {libs}: the server "
-                               "applied something else, or this machine's libraries differ)")
+                               f"the bundle's are {expected[:16]}… (made with {libs}: the server applied something "
+                               f"else, or this machine's libraries differ{kernels})")
         return (f"{len(ops)} ops replayed from the base model on this CPU ({det.get('torch_threads')} torch threads): "
                 f"weights bit-identical, sha256 {digest[:16]}…")
     worst = _tolerance(bundle, m, tensors)

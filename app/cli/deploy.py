@@ -120,30 +120,3 @@ def _env(args: argparse.Namespace) -> int:
         print(blob)
     return 0
 
-
-def _bundles(args: argparse.Namespace) -> int:
-    from app.service import bundles
-
-    if args.bundles_command == "token":
-        digest = bundles.new_token(args.file)
-        print(f"wrote {args.file} (mode 0600); its SHA-256 is {digest}")
-        print(f"pin it in the measured compose: cvm-tune app-compose --image IMAGE@sha256:DIGEST --bundles-token {args.file}")
-        return 0
-    if args.bundles_command == "serve":
-        server = bundles.BundleServer(args.output, os.environ.get(bundles.TOKEN_ENV, ""), host=args.host, port=args.port)
-        print(f"cvm-tune bundle server (read-only) on {server.url} for {args.output}", flush=True)
-        try:
-            server.serve_forever()
-        finally:
-            server.server_close()
-        return 0
-    token = bundles.read_token(args.token_file)
-    if args.bundles_command == "list":
-        for r in bundles.list_runs(args.url, token):
-            print(f"{r['run_id']:40} {str(r['status']):10} {str(r['started_at']):22} {'exported' if r['exported'] else ''}")
-        return 0
-    out = bundles.fetch(args.url, args.run_id, args.out_dir, token)
-    print(f"fetched {out}")
-    print(f"verify it: cvm-tune verify {out} --policy YOUR_POLICY.yaml")
-    return 0
-

@@ -335,7 +335,8 @@ class OpChainInfo(_Closed):
     # DP-SGD (opt-in per model): noise_multiplier, max_grad_norm, dataset_size, batch_size, sample_rate, delta,
     # accountant, steps and the epsilon spent (each optim_step's is also in the chain). None: trained without DP.
     dp: dict[str, float | int | str] | None = None
-    # What a bit-exact replay needs (``cvm-tune verify --ops --replay``): device (cpu or cuda) and torch's CPU threads.
+    # What a bit-exact replay needs (``cvm-tune verify --ops --replay``): device (cpu or cuda), torch's CPU threads
+    # and the CPU kernels torch chose (``cpu_capability``: DEFAULT, AVX2, AVX512, …).
     # None: a bundle made before replay existed.
     determinism: dict[str, int | str] | None = None
 

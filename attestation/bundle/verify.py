@@ -89,7 +89,7 @@ def verify_bundle(
         raise BundleError(f"base model directory {base_model_dir} is missing", fix="pass the local copy of the base model")
     if dataset_file is not None and not Path(dataset_file).is_file():
         raise BundleError(f"dataset file {dataset_file} is missing or not a file", fix="pass the encrypted dataset (.cvmds)")
-    ops = None if ops_file is None else _ops(ops_file)  # an unreadable file is an input error, before anything
+    ops = None if ops_file is None else op_chain.read_record(ops_file)  # unreadable: an input error, first
     f = QuoteFindings()
     manifest_bytes = _read(root / B.MANIFEST)
     manifest = _files_and_manifest(f, root, manifest_bytes)
@@ -116,16 +116,6 @@ def verify_bundle(
     if ops is not None:
         op_chain.check(f, manifest.op_chain if manifest is not None else None, *ops)
     return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
-
-
-def _ops(path: Path) -> tuple[list[dict] | None, str]:
-    """The client's ops and how to name them; (None, the reason) when a line is not a JSON object."""
-    try:
-        return op_chain.read_ops(path), str(path)
-    except op_chain.OpsFileError:
-        raise
-    except op_chain.OpChainError as exc:
-        return None, str(exc)
 
 
 def _read(path: Path, limit: int = MAX_FILE) -> bytes:

@@ -43,7 +43,8 @@ _HEADER_LIMIT = 1 << 16
 class IdentityError(AttestationError):
     """An identity file holds no age X25519 identity (``AGE-SECRET-KEY-1…``)."""
 
-    default_fix = "pass a file written by `age-keygen` (one AGE-SECRET-KEY-1… line; comments allowed)"
+    default_fix = ("pass an age identity file: `cvm-tune keys age -o KEY` writes one (as age-keygen does: one "
+                   "AGE-SECRET-KEY-1… line; comments allowed)")
 
 
 class ConfidentialityInfo(BaseModel):

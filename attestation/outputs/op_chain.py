@@ -213,3 +213,17 @@ def read_ops(path: Path) -> list[dict[str, Any]]:
             raise OpChainError(f"{path} line {n}: not a JSON object")
         ops.append(op)
     return ops
+
+
+def read_record(path: Path) -> tuple[list[dict[str, Any]] | None, str]:
+    """The client's ops and how to name them for :func:`check`; (None, the reason) when a line is not a JSON object.
+
+    Raises:
+        OpsFileError: the file cannot be read at all (an input error, not a verdict).
+    """
+    try:
+        return read_ops(path), str(path)
+    except OpsFileError:
+        raise
+    except OpChainError as exc:
+        return None, str(exc)
