@@ -57,14 +57,14 @@ def web_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shutil.copyfile(REPO / rel, dst.parent / rel)
     npm = subprocess.run(["npm", "ci", "--offline", "--ignore-scripts", "--no-audit", "--no-fund"], cwd=dst,
                          capture_output=True, text=True)
-    assert npm.returncode == 0, f"npm ci --offline failed (fill npm's cache first: cd web && npm ci)\n{npm.stderr[-2000:]}"
+    assert npm.returncode == 0, f"npm ci --offline failed (fill npm's cache: cd web && npm ci)\n{npm.stderr[-2000:]}"
     return dst
 
 
 def test_a_fresh_build_reproduces_the_committed_page(web_copy: Path, tmp_path: Path) -> None:
     out = tmp_path / "verify.html"
     subprocess.run(["node", "build.mjs", str(out)], cwd=web_copy, check=True, capture_output=True)
-    assert out.read_bytes() == (WEB / "dist" / "verify.html").read_bytes(), "rebuild web/dist/verify.html: cd web && npm run build"
+    assert out.read_bytes() == (WEB / "dist" / "verify.html").read_bytes(), "rebuild it: cd web && npm run build"
 
 
 def test_the_page_is_self_contained_and_allows_same_origin_fetches_only() -> None:
@@ -97,8 +97,8 @@ class Site:
         self.server = Server(route)
 
     def url(self, bundle: str, policy: str | None, ops: str | None = None) -> str:
-        q = f"bundle={quote(bundle)}&now={NOW}" + (f"&policy={quote(policy)}" if policy else "") + (f"&ops={quote(ops)}" if ops else "")
-        return f"{self.server.url}/verify.html?{q}"
+        named = {"bundle": bundle, "policy": policy, "ops": ops}
+        return f"{self.server.url}/verify.html?now={NOW}" + "".join(f"&{k}={quote(v)}" for k, v in named.items() if v)
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +113,8 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Site]:
 def drive(web_copy: Path, pages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Open each page in one headless Chromium (web/test/drive.mjs) and return what each showed."""
     env = {**os.environ, "CHROMIUM": CHROMIUM}
-    proc = subprocess.run(["node", str(web_copy / "test" / "drive.mjs")], input=json.dumps({"pages": pages, "timeout_ms": 60000}),
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(["node", str(web_copy / "test" / "drive.mjs")], capture_output=True, text=True, env=env,
+                          input=json.dumps({"pages": pages, "timeout_ms": 60000}), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -157,13 +157,14 @@ def same_checks(page: dict[str, Any], py: dict[str, Any], case: str) -> None:
 def only_named_files(page: dict[str, Any]) -> None:
     """The page asked for itself and the files its URL names, nothing else."""
     url = urlparse(page["url"])
+    query = dict(p.split("=", 1) for p in url.query.split("&"))
     named = {f"{url.scheme}://{url.netloc}{url.path}"} | {
-        f"{url.scheme}://{url.netloc}/{v}" for k, v in (p.split("=", 1) for p in url.query.split("&")) if k in ("bundle", "policy", "ops")}
+        f"{url.scheme}://{url.netloc}/{query[k]}" for k in ("bundle", "policy", "ops") if k in query}
     asked = {r.split("?", 1)[0] for r in page["requests"]}
     assert asked <= named, f"unexpected requests: {asked - named}"
 
 
-# --- the demo bundle and its tampered copies ----------------------------------------------------------------------------
+# --- the demo bundle and its tampered copies ------------------------------------------------------------------------
 
 
 def _flip(rel: str, at: int = -1) -> Callable[[Path], None]:
@@ -224,7 +225,8 @@ def _tcb_info(b: Path) -> None:
 def _manifest_field(b: Path) -> None:
     text = (b / "manifest.json").read_text()
     m = json.loads(text)
-    (b / "manifest.json").write_text(text.replace(f'"rows": {m["dataset"]["rows"]}', f'"rows": {m["dataset"]["rows"] + 1}', 1))
+    rows = m["dataset"]["rows"]
+    (b / "manifest.json").write_text(text.replace(f'"rows": {rows}', f'"rows": {rows + 1}', 1))
 
 
 def _symlink(b: Path) -> None:
@@ -264,7 +266,8 @@ TAMPERS: dict[str, Callable[[Path], None]] = {
 
 
 @pytest.fixture(scope="module")
-def corpus(demo_bundle: tuple[Path, Path], site: Site, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def corpus(demo_bundle: tuple[Path, Path], site: Site, tmp_path_factory: pytest.TempPathFactory
+           ) -> list[dict[str, Any]]:
     """Each case: its name, the page URL, and cvm-tune's verdict on the same bytes."""
     bundle, policy = demo_bundle
     work = tmp_path_factory.mktemp("corpus")
@@ -292,15 +295,16 @@ def corpus(demo_bundle: tuple[Path, Path], site: Site, tmp_path_factory: pytest.
 @pytest.fixture(scope="module")
 def shown(web_copy: Path, corpus: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     pages = drive(web_copy, [{"url": c["url"]} for c in corpus])
-    return {c["name"]: {**p, "python": c["python"], "python_s": c["python_s"]} for c, p in zip(corpus, pages, strict=True)}
+    return {c["name"]: {**p, "python": c["python"], "python_s": c["python_s"]}
+            for c, p in zip(corpus, pages, strict=True)}
 
 
 def test_the_demo_bundle_is_accepted_with_the_simulator_warning(shown: dict[str, dict[str, Any]]) -> None:
     page = shown["demo"]
     same_checks(page, page["python"], "demo")
     assert page["verdict"]["verdict"] == "accepted" and page["verdict"]["test_root"] is True
-    print(f"\ndemo bundle: page {page['ms']:.0f} ms in headless Chromium, cvm-tune verify {page['python_s'] * 1000:.0f} ms "
-          "in-process")
+    print(f"\ndemo bundle: page {page['ms']:.0f} ms in headless Chromium, "
+          f"cvm-tune verify {page['python_s'] * 1000:.0f} ms in-process")
     assert page["ms"] <= PAGE_BUDGET_MS
 
 
@@ -327,8 +331,8 @@ def test_opened_from_disk_a_dropped_bundle_and_policy_are_verified(web_copy: Pat
     pack(bundle, tmp_path / "bundle.tar.gz")
     shutil.copyfile(policy, tmp_path / "simulator-test-policy.yaml")
     shutil.copyfile(WEB / "dist" / "verify.html", tmp_path / "verify.html")
-    [page] = drive(web_copy, [{"url": (tmp_path / "verify.html").as_uri(),
-                               "drop": [str(tmp_path / "bundle.tar.gz"), str(tmp_path / "simulator-test-policy.yaml")]}])
+    dropped = [str(tmp_path / "bundle.tar.gz"), str(tmp_path / "simulator-test-policy.yaml")]
+    [page] = drive(web_copy, [{"url": (tmp_path / "verify.html").as_uri(), "drop": dropped}])
     assert page["errors"] == [] and page["body_verdict"] == "accepted"
     assert page["verdict"]["policy"] == "cvm-tune-simulator-test-ca" and page["verdict"]["test_root"] is True
     assert [r for r in page["requests"] if not r.startswith("file://")] == []

@@ -29,11 +29,17 @@ function logNdtr(t) {
     const erf = (2 / Math.sqrt(Math.PI)) * Math.exp(-x * x) * sum;
     return Math.log(0.5 * (1 + (t < 0 ? -erf : erf)));
   }
-  // Mills ratio R(x) = Φ(-x)/φ(x) = 1/(x + 1/(x + 2/(x + 3/(x + …)))), evaluated bottom-up
-  const x = -t;
-  let r = x;
-  for (let k = 2000; k >= 1; k--) r = x + k / r;
-  return -0.5 * x * x - LN2PI_2 - Math.log(r);
+  // Mills ratio R(x) = Φ(-x)/φ(x) = 1/(x + 1/(x + 2/(x + 3/(x + …)))), by the modified Lentz method
+  const x = -t, tiny = 1e-300;
+  let f = x, c = x, d = 0;
+  for (let k = 1; k < 5000; k++) {
+    d = x + k * d; d = 1 / (Math.abs(d) < tiny ? tiny : d);
+    c = x + k / c; if (Math.abs(c) < tiny) c = tiny;
+    const delta = c * d;
+    f *= delta;
+    if (Math.abs(delta - 1) < 1e-16) break;
+  }
+  return -0.5 * x * x - LN2PI_2 - Math.log(f);
 }
 
 const logErfc = (x) => Math.LN2 + logNdtr(-x * Math.SQRT2);
@@ -41,7 +47,7 @@ const logErfc = (x) => Math.LN2 + logNdtr(-x * Math.SQRT2);
 /** Binomial coefficient for real n and integer k >= 0. */
 function binom(n, k) {
   let v = 1;
-  for (let i = 1; i <= k; i++) v *= (n - k + i) / i;
+  for (let i = 1; i <= k; i++) v *= (n - i + 1) / i;
   return v;
 }
 
@@ -57,8 +63,7 @@ function logAInt(q, sigma, alpha) {
 function logAFrac(q, sigma, alpha) {
   let a0 = -Infinity, a1 = -Infinity;
   const z0 = sigma ** 2 * Math.log(1 / q - 1) + 0.5;
-  for (let i = 0; i < 100000; i++) {
-    const coef = binom(alpha, i);
+  for (let i = 0, coef = 1; i < 100000; coef *= (alpha - i) / (i + 1), i++) {
     const lc = Math.log(Math.abs(coef)), j = alpha - i;
     const t0 = lc + i * Math.log(q) + j * Math.log(1 - q);
     const t1 = lc + j * Math.log(q) + i * Math.log(1 - q);
