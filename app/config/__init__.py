@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from app.config.base import HEX64, _Closed
+from app.config.base import HEX64, _Closed, problems
 from app.config.training import (
     EvaluationSettings,
     GpuTrainingSettings,
@@ -375,7 +375,4 @@ def load_config(path: Path | None) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
-        )
-        raise ConfigError(f"config {path} is invalid: {problems}") from exc
+        raise ConfigError(f"config {path} is invalid: {problems(Config, exc)}") from exc

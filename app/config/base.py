@@ -6,7 +6,11 @@ without importing the whole configuration.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, model_validator
+import difflib
+import typing
+from collections.abc import Sequence
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 HEX64 = r"^[0-9a-f]{64}$"
 
@@ -24,3 +28,36 @@ class _Closed(BaseModel):
                 if isinstance(data.get(name), bool) and info.annotation in (int, float, int | None, float | None):
                     raise ValueError(f"{name}: a number is required, not {str(data[name]).lower()}")
         return data
+
+
+def problems(model: type[BaseModel], exc: ValidationError) -> str:
+    """``exc``'s problems on one line (``training.max_step: Extra inputs are not permitted; …``); an unknown key also
+    names the closest field of its section: ``(did you mean max_steps?)``."""
+    out = []
+    for err in exc.errors():
+        line = f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}"
+        if err["type"] == "extra_forbidden" and err["loc"]:
+            close = difflib.get_close_matches(str(err["loc"][-1]), _field_names(model, err["loc"][:-1]), n=1)
+            line += f" (did you mean {close[0]}?)" if close else ""
+        out.append(line)
+    return "; ".join(out)
+
+
+def _field_names(model: type[BaseModel] | None, loc: Sequence[int | str]) -> list[str]:
+    """The field names of the section at ``loc`` below ``model`` (a mapping's keys are skipped); none if unknown."""
+    parts = list(loc)
+    while parts and model is not None:
+        field = model.model_fields.get(str(parts.pop(0)))
+        if field is None:
+            return []
+        if typing.get_origin(field.annotation) is dict and parts:
+            parts.pop(0)  # federation.clients.<name>: the key, then the value's fields
+        model = _section(field.annotation)
+    return [] if model is None else [f.alias or name for name, f in model.model_fields.items()]
+
+
+def _section(annotation: object) -> type[BaseModel] | None:
+    """The model an annotation holds (``X``, ``X | None``, ``dict[str, X]``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_section, typing.get_args(annotation)) if m is not None), None)
