@@ -28,7 +28,7 @@ from app.cli import adapter as cli_adapter
 from app.cli import api as cli_api
 from app.cli import federated as cli_federated
 from app.cli import owner as cli_owner
-from app.cli.args import bounded_int
+from app.cli.args import Parser, bounded_int, out_option
 from app.errors import CvmTuneError
 
 EXIT_REJECTED = 1
@@ -43,7 +43,7 @@ MAX_UNIX_SECONDS = 253402300799  # 9999-12-31T23:59:59Z: the latest time a certi
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="cvm-tune",
         description="Attested LoRA fine-tuning for dstack confidential VMs: train on an encrypted dataset, "
         "export the adapter with a TDX quote, verify it offline.",
@@ -134,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
                         "and write it as JSON for `verify-quote --collateral` / `verify --collateral`. The only command "
                         "that uses the network. Exit 0 written, 2 error.")
     co.add_argument("quote", type=Path, metavar="QUOTE", help="raw quote bytes, hex text or a GetQuote JSON response")
-    co.add_argument("-o", "--output", type=Path, required=True, metavar="FILE", help="where to write the collateral JSON")
+    out_option(co, "--output", dest="output", required=True, metavar="FILE", help="where to write the collateral JSON")
     co.add_argument("--pccs", metavar="URL", help="PCCS base URL (default: https://pccs.phala.network, dcap-qvl's default)")
     co.add_argument("--timeout", type=float, default=15.0, metavar="SECONDS", help="per-request timeout (default 15)")
     co.add_argument("--retries", type=int, default=3, metavar="N", help="retries per request on network errors and "
@@ -148,7 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--port", type=int, metavar="N", help="serve on 127.0.0.1:N instead of a socket")
     s.add_argument("--emit-event", choices=("accept", "noop", "reject"), default="accept",
                    help="EmitEvent behaviour: accept (dstack OS 0.5.x), noop (simulator 0.5.3-0.5.8), reject (>= 0.5.9)")
-    s.add_argument("--write-policy", type=Path, metavar="FILE", help="write a policy trusting this simulator's TEST CA and exit")
+    out_option(s, "--write-policy", dest="write_policy", metavar="FILE",
+               help="write a policy trusting this simulator's TEST CA to FILE and exit (serves nothing)")
 
     s.add_argument("--app-compose", type=Path, metavar="FILE", help="serve this app-compose.json (its SHA-256 becomes the compose-hash)")
 
@@ -172,7 +173,7 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--app-id", metavar="HEX", help="the app id your KMS deployment pinned (kms_enabled: the file alone cannot say)")
     h.add_argument("--from-info", action="store_true", help="the file is an Info answer or `phala cvms attestation --json` "
                    "output: use its tcb_info.app_compose (the exact bytes the CVM measured)")
-    h.add_argument("--save", type=Path, metavar="FILE", help="with --from-info: also write those bytes to FILE")
+    out_option(h, "--save", dest="save", metavar="FILE", help="with --from-info: also write those bytes to FILE")
     h.add_argument("--json", action="store_true", help="print JSON")
 
     a = sub.add_parser("app-compose", help="write the deployable docker-compose.yaml and app-compose.json for an image",
@@ -183,7 +184,7 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--bundles-token-sha256", metavar="HEX", help="its SHA-256 instead (refused if it is not the file's)")
     a.add_argument("--app-id", metavar="HEX", help="the app id your KMS deployment assigned (to print MRCONFIGID v2)")
     a.add_argument("--compose", type=Path, default=Path("docker-compose.yaml"), metavar="FILE", help="template (default: %(default)s)")
-    a.add_argument("--out-dir", type=Path, default=Path("deploy"), metavar="DIR", help="output directory (default: %(default)s)")
+    out_option(a, "--out-dir", dest="out_dir", default=Path("deploy"), metavar="DIR", help="output directory (default: %(default)s)")
     a.add_argument("--name", default="cvm-tune", help="app name in app-compose.json")
     a.add_argument("--format", choices=("vmm-cli", "normalized"), default="vmm-cli",
                    help="vmm-cli: indent 4, dstack's vmm-cli.py; normalized: sorted compact JSON (dstack-sdk get_compose_hash)")
@@ -224,7 +225,7 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
     ee.add_argument("--app-id", metavar="HEX", help="with --kms-signature")
     ee.add_argument("--timestamp", type=int, metavar="UNIX_SECONDS", help="with --kms-signature")
     ee.add_argument("--kms-signer", metavar="HEX", help="the KMS signer's compressed secp256k1 key you trust")
-    ee.add_argument("-o", "--output", type=Path, metavar="FILE", help="write the hex blob here (default: stdout)")
+    out_option(ee, "--output", dest="output", metavar="FILE", help="write the hex blob here (default: stdout)")
 
     b = sub.add_parser("bundles", help="serve or fetch export bundles (the way out of a CVM)").add_subparsers(
         dest="bundles_command", required=True, metavar="ACTION")
@@ -246,7 +247,8 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
         bc.add_argument("--token-file", type=Path, required=True, metavar="FILE")
         if name == "fetch":
             bc.add_argument("run_id", metavar="RUN_ID")
-            bc.add_argument("-o", "--out-dir", type=Path, default=Path("."), metavar="DIR")
+            out_option(bc, "--out-dir", dest="out_dir", default=Path("."), metavar="DIR",
+                       help="directory to download into (default: the current one)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ def _compose_hash(args: argparse.Namespace) -> int:
     raw = read_bounded(args.app_compose, MAX_JSON_BYTES if args.from_info else C.MAX_APP_COMPOSE, C.ComposeError,
                        "Info document" if args.from_info else "app-compose.json")
     if args.save is not None and not args.from_info:
-        raise ConfigError("--save needs --from-info (the file itself is already the app-compose.json)")
+        raise ConfigError("-o/--out needs --from-info (the file itself is already the app-compose.json)")
     if args.from_info:
         raw = C.from_info(raw)
     doc = C.load(raw)

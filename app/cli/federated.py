@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from app.cli.args import bounded_int
+from app.cli.args import bounded_int, out_option
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -25,8 +25,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "round bundle under the simulator's test policy. Exit 0 done and verified, 2 bad arguments or --out not "
         "empty, 6 a round failed (too few client bundles admitted) or ray is missing, 7 the round bundle failed "
         "verification.")
-    s.add_argument("--out", type=Path, required=True, metavar="DIR",
-                   help="new or empty directory: keys, datasets, configs, output volumes and round bundles go there")
+    out_option(s, required=True, metavar="DIR",
+               help="new or empty directory: keys, datasets, configs, output volumes and round bundles go there")
     s.add_argument("--clients", type=bounded_int(2, 8), default=3, metavar="N", help="simulated data owners (2..8, default 3)")
     s.add_argument("--rounds", type=bounded_int(1, 5), default=2, metavar="R", help="rounds (1..5, default 2)")
     s.add_argument("--strategy", choices=("fedavg", "fedprox", "fedyogi"), default="fedavg",
