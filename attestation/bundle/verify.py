@@ -39,12 +39,13 @@ from attestation.bundle import input_checks
 from attestation.outputs import op_chain
 from attestation.privacy import dp as privacy
 from attestation.bundle.audit import AuditEntry, AuditFormatError, chain_problems, parse_entry, parse_lines
+from attestation.bundle.commitments import commitment_problems
 from attestation.tdx.dcap import Collateral, parse_collateral
 from attestation.errors import AttestationError, BundleError
 from attestation.tdx.eventlog import Event, parse_event_log
 from attestation.tdx.gpu import check as gpu_check
 from attestation.tdx.gpu_dstack import boot_gpu_attestation
-from attestation.io.hashing import files_digest, sha256_file, sha256_hex
+from attestation.io.hashing import sha256_file, sha256_hex
 from attestation.policy import Policy
 from attestation.tdx.quote import MAX_QUOTE_BYTES
 from attestation.io.safe_yaml import MAX_DEPTH, depth
@@ -298,61 +299,9 @@ def _audit(f: QuoteFindings, entries: list[AuditEntry] | Exception, config_bytes
             problems.append("chain head differs from the manifest")
         if any(e.run_id != m.run_id for e in entries):
             problems.append("an entry belongs to another run")
-        problems += _entry_contents(entries, m, config_bytes)
+        problems += commitment_problems(entries, m, config_bytes)
     f.add("audit.chain", "fail" if problems else "pass", "; ".join(problems) or f"{len(entries)} entries, head {m.audit.head[:16]}…")
     _audit_rtmr3(f, entries, m, policy)
-
-
-def _entry_contents(entries: list[AuditEntry], m: B.Manifest, config_bytes: bytes | None) -> list[str]:
-    """The entries must commit to the same hashes as the manifest (nothing taken on trust).
-
-    The slice is one run: ``run.start``, then a segment per resume (``run.resume`` after a stop or a kill).
-    The entry that opened the last segment commits to exactly the manifest's inputs. An earlier
-    ``run.start``/``run.resume`` may name another ``config_sha256`` (a setting outside ``training`` and
-    ``base_model`` changed between stop and resume) but must name the same dataset, base model, code and
-    ``training_config_sha256`` (SHA-256 of the canonical JSON of the bundle config's ``base_model`` and
-    ``training`` sections, recomputed here). ``train.done`` and ``export`` are checked on the last of each:
-    an earlier one belongs to an attempt that was never published.
-    """
-    parent = m.lineage.parent_manifest_sha256 if m.lineage else None
-    inputs = {
-        "config_sha256": m.files[B.CONFIG],
-        "dataset_encrypted_sha256": m.dataset.encrypted_sha256,
-        "dataset_plaintext_sha256": m.dataset.plaintext_sha256,
-        "base_model_tree_sha256": m.base_model.tree_sha256,
-        "code_source_sha256": m.code.source_sha256,
-    }
-    training_sha = B.training_config_sha256(config_bytes) if config_bytes is not None else None
-    last = {
-        "train.done": {"global_step": m.training.global_step,  # encrypted weights: train.done names the plaintext
-                       "adapter_sha256": {k: confidential_verify.trained_hash(m, k) for k in B.ADAPTER_FILES}},
-        "export": {"artifacts_sha256": files_digest({k: m.files[k] for k in B.ARTIFACT_FILES})},
-        "privacy.spent": m.privacy.model_dump(mode="json") if m.privacy is not None else {"mechanism": None},
-    }
-    problems = []
-    if m.privacy is not None and not any(e.type == "privacy.spent" for e in entries):
-        problems.append("the manifest records DP-SGD but the audit chain has no privacy.spent entry")
-    opens = [e for e in entries if e.type == "run.start" or (e.type == "run.resume" and "config_sha256" in e.data)]
-    for e in opens:
-        want = dict(inputs)
-        if e is not opens[-1]:
-            want.pop("config_sha256")
-        if "training_config_sha256" in e.data:
-            want["training_config_sha256"] = training_sha
-        elif e is not opens[-1]:  # an entry of an older cvm-tune: no config change can be allowed across it
-            want["config_sha256"] = inputs["config_sha256"]
-        for key, value in (("dataset_id", m.dataset.dataset_id), ("dataset_version", m.dataset.dataset_version)):
-            if key in e.data:  # entries of older releases do not name the dataset version
-                want[key] = value
-        if "parent_manifest_sha256" in e.data or parent is not None:  # a lineage must be committed at the start
-            want["parent_manifest_sha256"] = parent
-        if any(e.data.get(k) != v for k, v in want.items()):
-            problems.append(f"{e.type} entry (seq {e.seq}) commits to different hashes than the manifest")
-    for kind, expected in last.items():
-        final = [e for e in entries if e.type == kind]
-        if final and any(final[-1].data.get(k) != v for k, v in expected.items()):
-            problems.append(f"{kind} entry (seq {final[-1].seq}) commits to different hashes than the manifest")
-    return problems
 
 
 def _config_bytes(root: Path) -> bytes | None:
