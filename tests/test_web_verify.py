@@ -336,3 +336,16 @@ def test_opened_from_disk_a_dropped_bundle_and_policy_are_verified(web_copy: Pat
     assert page["errors"] == [] and page["body_verdict"] == "accepted"
     assert page["verdict"]["policy"] == "cvm-tune-simulator-test-ca" and page["verdict"]["test_root"] is True
     assert [r for r in page["requests"] if not r.startswith("file://")] == []
+
+
+def test_a_kind_the_page_does_not_check_is_never_accepted(web_copy: Path, site: Site, tmp_path: Path) -> None:
+    """A federated round bundle (round-manifest.json): the page says it cannot check it, and does not accept it."""
+    round_dir = tmp_path / "round-1"
+    (round_dir / "adapter").mkdir(parents=True)
+    (round_dir / "round-manifest.json").write_text(json.dumps({"schema": "cvm-tune/round-manifest/v1"}))
+    pack(round_dir, site.root / "round.tar.gz")
+    shutil.copyfile(SAMPLE_POLICY, site.root / "round-policy.yaml")
+    [page] = drive(web_copy, [{"url": site.url("round.tar.gz", "round-policy.yaml")}])
+    assert page["errors"] == [] and page["body_verdict"] == page["verdict"]["verdict"] == "incomplete"
+    assert page["verdict"]["not_checked"] == ["round.files"]
+    assert all(c["status"] != "pass" for c in page["verdict"]["checks"])

@@ -69,7 +69,7 @@ async function verifyDir(b, dir, pem) {
   const same = actual.size === signedFiles.size && [...actual].every(([k, v]) => signedFiles.get(k) === v);
   if (!same) {
     const changed = [...new Set([...actual.keys(), ...signedFiles.keys()])].filter((k) => actual.get(k) !== signedFiles.get(k)).sort();
-    return `Signature mismatch: ${changed.slice(0, 3).join(", ")} differ from the signed manifest`;
+    return `Signature mismatch: ${changed.slice(0, 3).join(", ")} ${changed.length > 1 ? "differ" : "differs"} from the signed manifest`;
   }
   return null;
 }

@@ -74,7 +74,7 @@ export function render(v, { bundle, bundleName, policyName, opsName, ms }) {
     el("h2", {}, `${WORDS[v.verdict]} under policy '${v.policy}'`),
     el("p", {}, `${bundleName}${opsName ? ` with ops ${opsName}` : ""}; policy ${policyName || "built-in default"}; checked in ${(ms / 1000).toFixed(2)} s at ${new Date(v.now * 1000).toISOString()}`));
   if (v.test_root) head.append(el("p", { class: "warn", id: "test-root-warning" }, "Quote signed by a TEST CA (the cvm-tune simulator): this is NOT evidence of a real TEE."));
-  if (failed.length) head.append(el("p", {}, "Failed: ", ...failed.flatMap((c, i) => [i ? ", " : "", el("code", {}, c.name)])));
+  if (failed.length) head.append(el("p", {}, "Failed:"), el("ul", { id: "failed" }, ...failed.map((c) => el("li", {}, el("code", {}, c.name), ": ", c.reason))));
   if (v.not_checked) head.append(el("p", { class: "warn" }, `Not checked by this page: ${v.not_checked.join(", ")}. Run cvm-tune verify for a verdict.`));
   out.append(head);
   const table = el("table", { class: "checks", id: "checks" }, el("tr", {}, el("th", {}, "check"), el("th", {}, "status"), el("th", {}, "reason")));

@@ -1,0 +1,75 @@
+"""The browser verifier's arithmetic against the Python verifier's, run by node on the very modules the page bundles
+(web/test/units.mjs): Python's float repr and canonical JSON (every hash over JSON depends on them), ε of the rdp
+accountant, and the op chain on the spec's test vector (docs/verifier-spec.md §15) and on changed ops."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from attestation.privacy.epsilon import rdp_epsilon
+from tests.test_web_verify import REPO, pytestmark, web_copy  # noqa: F401
+
+
+def call(web: Path, *calls: tuple[str, list[Any]]) -> list[Any]:
+    """Run the page's functions: each call is (name, arguments); returns their results."""
+    out = subprocess.run(["node", str(web / "test" / "units.mjs")], input=json.dumps(calls), capture_output=True,
+                         text=True, check=True, timeout=120)
+    return json.loads(out.stdout)
+
+
+FLOATS = [0.0, -0.0, 1.0, -2.5, 0.1, 1e-4, 1e-5, 2e-05, 1.5e-7, 123456789.0, 1e15, 1e16, 1.2345e16, 1e22, 5e-324,
+          1.7976931348623157e308, 6.668147563934326, 0.0784313725490196, 1 / 3, 2.0 ** 53, -1e-300]
+
+
+def test_floats_print_as_python_prints_them(web_copy: Path) -> None:
+    assert call(web_copy, *(("pyFloat", [x]) for x in FLOATS)) == [repr(x) for x in FLOATS]
+
+
+def test_canonical_json_is_pythons(web_copy: Path) -> None:
+    docs = [{"b": 1.0, "a": [2e-05, "é", None, True], "c": {"z": 1, "y": "line\nbreak\u0001"}},
+            {"lr": 0.0002, "steps": 10**20, "tiny": 1e-300, "": [], "ü": {"\u2028": 3.5}}]
+    texts = [json.dumps(d) for d in docs]
+    got = call(web_copy, *(("canonical", [t, ascii_only]) for t in texts for ascii_only in (False, True)))
+    want = [json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=a) for d in docs for a in (False, True)]
+    assert got == want
+
+
+GRID = [(1.0, 4 / 171, 2, 1e-5), (0.5, 0.3, 100, 1e-6), (3.0, 0.001, 30000, 1e-9), (0.8, 1.0, 10, 1e-5),
+        (1.2, 0.05, 1000, 1e-5), (5.0, 0.2, 5, 1e-3), (1.0, 0.0784313725490196, 4, 0.00038446751249519417),
+        (0.6, 0.01, 5000, 1e-7)]
+
+
+def test_rdp_epsilon_equals_the_python_verifiers(web_copy: Path) -> None:
+    got = call(web_copy, *(("rdpEpsilon", [[[s, q, t]], d]) for s, q, t, d in GRID))
+    for (s, q, t, d), eps in zip(GRID, got, strict=True):
+        assert math.isclose(eps, rdp_epsilon([(s, q, t)], d), rel_tol=1e-9), (s, q, t, d)
+
+
+def _spec_vectors() -> dict[str, str]:
+    text = (REPO / "docs" / "verifier-spec.md").read_text(encoding="utf-8")
+    block = re.search(r"^```op-chain-vectors\n(.*?)^```", text, flags=re.S | re.M)
+    assert block
+    return dict(line.split(" = ", 1) for line in block.group(1).splitlines())
+
+
+@pytest.mark.parametrize("change, status", [
+    (lambda ops: ops, "pass"),
+    (lambda ops: ops[:1], "fail"),
+    (lambda ops: [ops[0].replace("[1, 2, 3]", "[1, 2, 4]"), ops[1]], "fail"),
+    (lambda ops: [ops[0].replace("0.5", "0.25"), ops[1]], "fail"),
+    (lambda ops: [ops[0], ops[1].replace("0.001", "0.002")], "fail"),
+    (lambda ops: [ops[0], "", ops[1], ""], "pass"),
+    (lambda ops: [ops[0], "[1, 2]", ops[1]], "fail"),
+])
+def test_the_op_chain_of_the_spec_vector(web_copy: Path, change: Any, status: str) -> None:
+    v = _spec_vectors()
+    recorded = {"head": v["head_2"], "ops": 2, "optimizer_steps": 1, "checkpoint": "tinker://x", "lora": {}}
+    [check] = call(web_copy, ("opChain", [recorded, "\n".join(change([v["op_1"], v["op_2"]])) + "\n"]))
+    assert (check["name"], check["status"]) == ("op_chain.ops", status), check["reason"]
