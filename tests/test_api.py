@@ -46,9 +46,22 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def state() -> dict[str, Any]:
-    """What one test leaves for the next (the tests of this module run in order)."""
-    return {}
+def state(server: Server) -> dict[str, Any]:
+    """The datums every test trains on, and what the training test saves (:func:`_trained` makes the same when that
+    test did not run or failed: no test here depends on another's outcome)."""
+    return {"datums": _datums(server)}
+
+
+def _trained(server: Server, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with a model trained 10 steps and saved as a training state (path, ops, bundle, model_id)."""
+    if "path" not in state:
+        tc = _client(server).create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
+        ops: list[dict[str, Any]] = []
+        losses = _steps(tc, state["datums"], 10, ops)
+        path = tc.save_state("own-state").result().path
+        state.update(path=path, ops=ops, bundle=_bundle(server, tc.model_id, path), model_id=tc.model_id,
+                     first_loss=losses[0])
+    return state
 
 
 _OPEN: list[Any] = []  # the SDK clients the running test created
@@ -99,7 +112,7 @@ def test_train_save_sample_and_verify_the_op_chain(server: Server, state: dict[s
     sc = _client(server)
     assert [m.model_name for m in sc.get_server_capabilities().supported_models] == [BASE]
     tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
-    datums, ops = _datums(server), []
+    datums, ops = state["datums"], []
     losses = _steps(tc, datums, 10, ops)
     assert losses[-1] < 0.6 * losses[0] and all(b < a for a, b in zip(losses, losses[1:])), losses
 
@@ -148,8 +161,7 @@ def test_train_save_sample_and_verify_the_op_chain(server: Server, state: dict[s
 
 def test_kill9_between_steps_then_continue_from_the_saved_state(server: Server, state: dict[str, Any],
                                                                 tmp_path: Path) -> None:
-    if not state:
-        pytest.skip("needs the training test's saved state")
+    state = _trained(server, state)
     headers = {"X-API-Key": ALICE}
     done = httpx.post(f"{server.url}/api/v1/asample", headers=headers, json={
         "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]}, "num_samples": 1,
@@ -187,8 +199,7 @@ def _retrieve(srv: Server, fid: str, key: str) -> bytes:
 
 
 def test_a_key_sees_only_its_own_sessions_models_and_checkpoints(server: Server, state: dict[str, Any]) -> None:
-    if not state:
-        pytest.skip("needs the training test's saved state")
+    state = _trained(server, state)
     bob = {"X-API-Key": BOB}
     model = state["model_id"]
     for route, body in (("get_info", {"model_id": model}),
@@ -257,8 +268,7 @@ def test_bad_input_is_a_4xx_with_its_reason_and_the_server_keeps_serving(server:
     from tinker import types
     from tinker.proto.request_conv import forward_backward_request_to_proto
 
-    if not state:
-        pytest.skip("needs the training test's saved state")
+    state = _trained(server, state)
     h = {"X-API-Key": ALICE}
     model = state["model_id"]
 
@@ -312,8 +322,6 @@ def test_importance_sampling_and_ppo_losses(server: Server, state: dict[str, Any
 
     from tinker.types import Datum
 
-    if not state:
-        pytest.skip("needs the training test's saved state")
     tc = _client(server).create_lora_training_client(base_model=BASE, rank=4, seed=7).result()
     d = state["datums"][0]
     own = tc.forward([d], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
@@ -330,8 +338,6 @@ def test_dp_sgd_per_model_reports_epsilon_and_chains_it(server: Server, state: d
     from opacus.accountants import RDPAccountant
     from tinker import types
 
-    if not state:
-        pytest.skip("needs the training test's datums")
     meta = {"dp.noise_multiplier": "1.1", "dp.max_grad_norm": "1.0", "dp.dataset_size": "1000", "dp.batch_size": "2"}
     with pytest.raises(Exception, match="dp.batch_size"):  # refused before any model exists
         _client(server).create_lora_training_client(base_model=BASE, rank=4, user_metadata={

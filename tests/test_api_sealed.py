@@ -27,7 +27,7 @@ from app.api.vault import GETKEY_PATH, KEY_PURPOSE, LEGACY, SEALED, Vault, open_
 from app.config import Config
 from app.errors import ConfigError
 from tests.api_drive import Server, _steps
-from tests.test_api import BASE, BOB, _client, _datums, close_clients, serving  # noqa: F401  (the fixture)
+from tests.test_api import ALICE, BASE, BOB, _client, _datums, close_clients, serving  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")  # the SDK's deprecation notes (load_state, …)
 KEY = bytes(range(32))
@@ -132,7 +132,18 @@ def test_no_ram_directory_or_no_guest_agent_is_refused_before_anything_is_create
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    yield from serving(tmp_path_factory.mktemp("sealed"))
+    """A server whose system temporary directory is a private one (searched for plaintext like the volume)."""
+    from tests.test_api import LIMITS
+
+    tmp = tmp_path_factory.mktemp("sealed")
+    (tmp / "tmpdir").mkdir()
+    srv = Server(tmp, LIMITS, keys=(ALICE, BOB), env={"TMPDIR": str(tmp / "tmpdir")})
+    srv.tmpdir = tmp / "tmpdir"  # type: ignore[attr-defined]
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +233,11 @@ def test_saved_states_leave_no_tensor_bytes_on_the_volume_outside_exports(server
     # the search finds them where they are in the clear: the attested export bundle's adapter (app/api/bundle.py)
     assert any(n in b for p, b in files.items() if p.startswith("exports/") for n in needles)
     assert not _ram(server.out).exists()  # and none left in RAM
+    # nor in the system temporary directory the server was given, nor in any RAM directory of this volume
+    ram = _ram(server.out)
+    mine = [d for d in ram.parent.iterdir() if d.name.startswith(ram.name.removesuffix("-api"))]
+    elsewhere = [*_tree(server.tmpdir).items(), *(kv for d in mine for kv in _tree(d).items())]  # type: ignore[attr-defined]
+    assert not [p for p, b in elsewhere if any(n in b for n in needles)]
     nightly = Vault(tmp_path / "root", tmp_path / "ram", _key("cvm-tune/checkpoints/v1", "cvm-tune-checkpoint-key"))
     with pytest.raises(BadRequest, match="sealed with another key"):  # a key of its own, not the nightly one's
         with nightly.opened(records[saved["state"]]):

@@ -464,3 +464,44 @@ def test_a_recipient_gets_the_plaintext_bundles_signing_checks_too(night: dict[s
     genuine = QuoteFindings()
     confidential_verify.check(genuine, night["bundle"], B.Manifest.model_validate(_manifest(night["bundle"])), ids)
     assert next(c for c in genuine.checks if c.name == "model.signature").status == "pass"
+
+
+@pytest.mark.parametrize("case", ["wrong plaintext hash", "unencrypted weight file", "not age", "dataset recipient missing",
+                                  "plaintext hash for an unlisted file", "plaintext bundle of a dataset with recipients"])
+def test_each_confidential_failure_names_its_reason(night: dict[str, Any], tmp_path: Path, case: str) -> None:
+    """Every failure branch of confidential.outputs / confidential.plaintext, each with its own reason (the quote no
+    longer binds the edited manifest either: report_data fails too, but each check still says what it found)."""
+    bundle = shutil.copytree(night["bundle"], tmp_path / "bundle")
+    m = _manifest(bundle)
+    conf = m["confidentiality"]
+    weight = next(iter(conf["plaintext_sha256"]))
+    extra: tuple[str, ...] = ()
+    check, reason = "confidential.outputs", ""
+    if case == "wrong plaintext hash":
+        conf["plaintext_sha256"][weight] = "0" * 64
+        extra, check, reason = ("--identity", str(night["owner_key"])), "confidential.plaintext", "decrypts to bytes of SHA-256"
+    elif case == "unencrypted weight file":
+        plain = C.decrypt((bundle / weight).read_bytes(), C.load_identities(night["owner_key"]))
+        (bundle / weight).write_bytes(plain)  # written in the clear, its plaintext hash dropped (another one stays)
+        m["files"][weight] = hashlib.sha256(plain).hexdigest()
+        assert len(conf["plaintext_sha256"]) > 1
+        del conf["plaintext_sha256"][weight]
+        reason = "weight file(s) not encrypted"
+    elif case == "not age":
+        junk = b"age-encryption.org/v2\n" + b"x" * 200
+        (bundle / weight).write_bytes(junk)
+        m["files"][weight] = hashlib.sha256(junk).hexdigest()
+        reason = "is not an age v1 file"
+    elif case == "dataset recipient missing":
+        conf["recipients"].remove(night["owner"])
+        reason = "dataset recipient(s) missing"
+    elif case == "plaintext hash for an unlisted file":
+        conf["plaintext_sha256"]["adapter/extra.safetensors"] = "1" * 64
+        reason = "plaintext hashes for files the manifest does not list"
+    else:
+        del m["confidentiality"]
+        extra, reason = ("--dataset", str(next((night["root"] / "data").iterdir()))), "weights are in plaintext"
+    (bundle / "manifest.json").write_text(json.dumps(m, sort_keys=True, indent=2) + "\n")
+    code, checks = _verify(night, *extra, bundle=bundle)
+    assert code == 1 and checks[check]["status"] == "fail", checks.get(check)
+    assert reason in checks[check]["reason"], checks[check]

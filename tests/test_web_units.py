@@ -1,6 +1,7 @@
 """The browser verifier's arithmetic against the Python verifier's, run by node on the very modules the page bundles
 (web/test/units.mjs): Python's float repr and canonical JSON (every hash over JSON depends on them), ε of the rdp
-accountant, and the op chain on the spec's test vector (docs/verifier-spec.md §15) and on changed ops."""
+accountant, MRCONFIGID on the spec's rule vectors (§3), and the op chain on the spec's test vector (§15) and on
+changed ops."""
 
 from __future__ import annotations
 
@@ -50,6 +51,16 @@ def test_rdp_epsilon_equals_the_python_verifiers(web_copy: Path) -> None:
     got = call(web_copy, *(("rdpEpsilon", [[[s, q, t]], d]) for s, q, t, d in GRID))
     for (s, q, t, d), eps in zip(GRID, got, strict=True):
         assert math.isclose(eps, rdp_epsilon([(s, q, t)], d), rel_tol=1e-9), (s, q, t, d)
+
+
+def test_mrconfigid_rule_vectors_of_the_spec(web_copy: Path) -> None:
+    text = (REPO / "docs" / "verifier-spec.md").read_text(encoding="utf-8")
+    rules = [json.loads(line) for block in re.findall(r"^```rule-vectors\n(.*?)^```", text, flags=re.S | re.M)
+             for line in block.splitlines() if line.startswith("{")]
+    rules = [r for r in rules if r["rule"].startswith("3.")]
+    assert len(rules) >= 5
+    got = call(web_copy, *(("mrConfigId", [r]) for r in rules))
+    assert {r["rule"]: ok for r, ok in zip(rules, got, strict=True)} == {r["rule"]: r["expect"] == "pass" for r in rules}
 
 
 def _spec_vectors() -> dict[str, str]:

@@ -89,6 +89,7 @@ function entryContents(entries, m, config) {
     if (Object.entries(want).some(([k, v]) => !jsonEqual(k in e.data ? e.data[k] : null, v))) {
       problems.push(`${e.type} entry (seq ${e.seq}) commits to different hashes than the manifest`);
     }
+    problems.push(...opChainProblems(e, m));
   }
   for (const [kind, expected] of Object.entries(last)) {
     const final = entries.filter((e) => e.type === kind);
@@ -98,6 +99,14 @@ function entryContents(entries, m, config) {
     }
   }
   return problems;
+}
+
+/** An opening entry's op_chain member is the manifest's block (null members left out of both); none without one. */
+function opChainProblems(e, m) {
+  if (m.op_chain == null) return "op_chain" in e.data ? [`${e.type} entry (seq ${e.seq}) names an op chain the manifest does not have`] : [];
+  const present = (b) => (isObj(b) ? Object.fromEntries(Object.entries(b).filter(([, v]) => v !== null)) : b ?? null);
+  const want = present({ schema: "cvm-tune/op-chain/v1", ...m.op_chain });
+  return jsonEqual(present(e.data.op_chain), want) ? [] : [`${e.type} entry (seq ${e.seq}) commits to another op chain than the manifest's`];
 }
 
 export function auditSteps(f, entries, config, m, policy) {

@@ -4,13 +4,16 @@ import { readFileSync } from "node:fs";
 import { opChainCheck } from "../src/opchain.js";
 import { rdpEpsilon } from "../src/rdp.js";
 import { Findings } from "../src/bundle.js";
-import { canonical, parseJsonExact, pyFloat } from "../src/util.js";
+import { checkMrConfigId } from "../src/compose.js";
+import { canonical, parseJsonExact, pyFloat, unhex } from "../src/util.js";
 
 const enc = new TextEncoder();
 const FUNCTIONS = {
   pyFloat: (x) => pyFloat(x),
   canonical: (text, asciiOnly) => canonical(parseJsonExact(text).value, asciiOnly),
   rdpEpsilon: (history, delta) => rdpEpsilon(history, delta),
+  mrConfigId: (v) => checkMrConfigId(unhex(v.mr_config_id), v.compose_hash, v.app_id,
+    v.key_provider === null ? null : enc.encode(JSON.stringify(v.key_provider)))[0],
   opChain: (manifestOpChain, opsText) => {
     const f = new Findings();
     opChainCheck(f, { op_chain: manifestOpChain }, enc.encode(opsText));
