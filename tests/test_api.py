@@ -249,10 +249,13 @@ def test_samples_complete_through_retrieve_futures_owner_checked(server: Server,
     poll = {"target": {"type": "sampling_session", "sampling_session_id": session, "cloned_sampler_id": 0},
             "prev_cursor": 0, "timeout": 0}
     url = f"{server.url}/api/v1/retrieve_futures"
-    started = time.monotonic()
-    r = httpx.post(url, headers={"X-API-Key": ALICE}, json=poll)
-    assert r.status_code == 200 and r.json()["completions"] == [] and r.json()["cursor"] >= 1, r.text  # acked: gone
-    assert time.monotonic() - started < 0.9  # timeout 0 does not wait out the long poll (1 s here)
+    took = []
+    for _ in range(5):  # the fastest of five: one round trip on a loaded machine may take long for other reasons
+        started = time.monotonic()
+        r = httpx.post(url, headers={"X-API-Key": ALICE}, json=poll)
+        took.append(time.monotonic() - started)
+        assert r.status_code == 200 and r.json()["completions"] == [] and r.json()["cursor"] >= 1, r.text  # acked
+    assert min(took) < 0.9, took  # timeout 0 does not wait out the long poll (1 s here)
     r = httpx.post(url, headers={"X-API-Key": BOB}, json=poll)
     assert r.status_code == 404 and "not found" in r.json()["detail"], r.text
     r = httpx.post(url, headers={"X-API-Key": ALICE}, json={**poll, "target": {**poll["target"],
