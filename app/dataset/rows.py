@@ -61,7 +61,7 @@ class RowReport:
 
 
 def parse_jsonl(chunks: Iterable[bytes], *, source: str, max_row_bytes: int, dedup: Dedup = "off",
-                max_plaintext_bytes: int | None = None) -> tuple[list[dict], RowReport]:
+                max_plaintext_bytes: int | None = None, keep_rows: bool = True) -> tuple[list[dict], RowReport]:
     """Split, decode and validate JSONL rows from plaintext chunks (a row may span chunks).
 
     The whole of ``chunks`` is consumed before anything is returned, so rows from an encrypted
@@ -74,6 +74,8 @@ def parse_jsonl(chunks: Iterable[bytes], *, source: str, max_row_bytes: int, ded
         max_row_bytes: rows longer than this (without the line ending) are rejected unparsed.
         dedup: duplicate-row policy (module docstring).
         max_plaintext_bytes: refuse more plaintext than this (``None``: no limit).
+        keep_rows: ``False`` checks every row and keeps none (memory: one row at a time; ``dataset encrypt``'s check
+            of a file that may be larger than memory); the rows returned are then empty, the counts complete.
 
     Returns:
         The kept rows and their counts.
@@ -95,7 +97,7 @@ def parse_jsonl(chunks: Iterable[bytes], *, source: str, max_row_bytes: int, ded
     seen: set[bytes] | None = None if dedup == "off" else set()
     kept_at: list[int] = []
     dup_lines: list[int] = []
-    total = fed = 0
+    total = fed = dropped = 0
     try:
         for chunk in stream:
             fed += len(chunk)
@@ -105,15 +107,21 @@ def parse_jsonl(chunks: Iterable[bytes], *, source: str, max_row_bytes: int, ded
                                            "plaintext; training keeps every row in memory")
             for where, line in splitter.feed(chunk):
                 total += _take(line, where, max_row_bytes, rows, by_kind, seen, dedup, kept_at, dup_lines)
+            if not keep_rows:
+                dropped += len(rows)
+                rows.clear()
         for where, line in splitter.finish():
             total += _take(line, where, max_row_bytes, rows, by_kind, seen, dedup, kept_at, dup_lines)
     except (RowError, DatasetTooLargeError):
         for _ in stream:  # authenticate the rest: tampering or truncation is the real error then
             pass
         raise
-    if not rows:
+    kept = len(rows) + dropped
+    if not keep_rows:
+        rows.clear()
+    if not kept:
         raise EmptyDatasetError(f"{source} has no rows", fix="the dataset must hold at least one JSONL row")
-    return rows, RowReport(rows_total=total, rows_kept=len(rows), by_kind=by_kind, duplicates_dropped=total - len(rows),
+    return rows, RowReport(rows_total=total, rows_kept=kept, by_kind=by_kind, duplicates_dropped=total - kept,
                            lines=tuple(kept_at), duplicate_lines=tuple(dup_lines))
 
 

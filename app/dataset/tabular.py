@@ -11,8 +11,9 @@ Schema rules (checked before any row; :class:`~app.errors.TableError` naming the
 * the columns are those of one row kind: ``text`` and/or ``messages`` (supervised), or ``prompt``, ``chosen`` and
   ``rejected`` (preference), plus an optional ``split``; any other column (a nested ``metadata`` struct, an id) is
   refused, so nothing the objective does not use is carried into the CVM;
-* ``text``, ``split`` and plain ``prompt`` / ``chosen`` / ``rejected``: string columns; ``messages`` and
-  conversational ``prompt`` / ``chosen`` / ``rejected``: lists of ``struct<role: string, content: string>``;
+* ``text``, ``split`` and plain ``prompt`` / ``chosen`` / ``rejected``: string columns (dictionary-encoded strings,
+  a categorical column, too); ``messages`` and conversational ``prompt`` / ``chosen`` / ``rejected``: lists of
+  ``struct<role: string, content: string>``;
 * a null cell means the key is absent in that row (a columnar file cannot leave a key out), so one file can mix text
   and chat rows; whatever is left must be a valid row.
 """
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from app.dataset.rows import PREFERENCE, RowReport, _check_row, row_digest
-from app.errors import DatasetTooLargeError, EmptyDatasetError, TableError
+from app.errors import DataError, DatasetTooLargeError, EmptyDatasetError, TableError
 
 PARQUET = "application/vnd.apache.parquet"
 ARROW = "application/vnd.apache.arrow.file"
@@ -101,8 +103,7 @@ def check_schema(table: Any, *, source: str) -> str:
         raise TableError(f"{source} needs all of 'prompt', 'chosen' and 'rejected' columns "
                          f"(missing: {', '.join(sorted(set(PREFERENCE) - cols))})")
     for field in table.schema:
-        strings = pa.types.is_string(field.type) or pa.types.is_large_string(field.type)
-        if strings and (field.name != "messages"):
+        if _is_text(field.type) and field.name != "messages":
             continue
         if field.name not in _STRING_ONLY and _is_messages(field.type):
             continue
@@ -113,6 +114,16 @@ def check_schema(table: Any, *, source: str) -> str:
     return family
 
 
+def _is_text(t: Any) -> bool:
+    """A string column: plain, large, a string view, or dictionary-encoded strings (a categorical column, as pandas
+    writes one); each cell reads back as a Python ``str``."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
 def _is_messages(t: Any) -> bool:
     import pyarrow as pa
 
@@ -121,8 +132,40 @@ def _is_messages(t: Any) -> bool:
     v = t.value_type
     if not pa.types.is_struct(v) or sorted(v.field(i).name for i in range(v.num_fields)) != ["content", "role"]:
         return False
-    return all(pa.types.is_string(v.field(i).type) or pa.types.is_large_string(v.field(i).type)
-               for i in range(v.num_fields))
+    return all(_is_text(v.field(i).type) for i in range(v.num_fields))
+
+
+def check_file(path: Path) -> tuple[str, str]:
+    """What ``cvm-tune dataset encrypt`` checks before it writes anything: every row of the plaintext file, by the
+    rules the CVM applies (a table by its suffix, :data:`SUFFIXES`, anything else JSONL). Returns the content type
+    and a line to print. A JSONL file is read in chunks and no row is kept (it may be larger than memory); its rows
+    are checked up to the largest ``dataset.max_row_bytes`` a configuration may set.
+
+    Raises:
+        DataError: the file cannot be read (a FIFO or device included: refused without blocking).
+        TableError: a table that cannot be read, or its columns (exit 3).
+        RowError: the first bad row: its number (or line and byte offset), the field, no content (exit 3).
+        EmptyDatasetError: no rows.
+    """
+    from app.config import DatasetSettings
+    from app.dataset.format import CONTENT_TYPE
+    from app.dataset.rows import parse_jsonl
+    from app.fsutil import open_regular
+
+    content_type = SUFFIXES.get(path.suffix.lower(), CONTENT_TYPE)
+    limit = next(m.le for m in DatasetSettings.model_fields["max_row_bytes"].metadata if hasattr(m, "le"))
+    try:
+        with open_regular(path) as fh:
+            if content_type != CONTENT_TYPE:
+                _rows, rep = rows_of_table(read_table(fh.read(), content_type, source=path.name), source=path.name)
+            else:
+                _rows, rep = parse_jsonl(iter(lambda: fh.read(1 << 20), b""), source=path.name, max_row_bytes=limit,
+                                         keep_rows=False)
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror}", fix="pass the plaintext JSONL, Parquet or Arrow file") \
+            from None
+    kinds = ", ".join(f"{k} {v}" for k, v in rep.by_kind.items() if v)
+    return content_type, f"format: {format_name(content_type)}; {rep.rows_kept} rows validated ({kinds})"
 
 
 def parse_table(chunks: Iterable[bytes], content_type: str, *, source: str, dedup: str = "off",
