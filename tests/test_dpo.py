@@ -182,7 +182,8 @@ def test_kill_9_after_a_checkpoint_resumes_bit_identically(baseline: TrainResult
     import torch
 
     log = tmp_path / "log.txt"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "TMPDIR": str(tmp_path)}  # its scratch directory dies with it (SIGKILL: no clean-up runs)
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-c", _KILLED, str(tiny), str(tmp_path / "run")], env=env, cwd=tmp_path,
                                 stdout=out, stderr=subprocess.STDOUT)
@@ -242,6 +243,44 @@ def test_dpo_run_exports_a_bundle_that_verifies_and_records_the_objective(tmp_pa
     assert main(["verify", str(bundle), "--policy", str(policy)]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("ACCEPTED") and "objective: dpo (beta 0.1, loss sigmoid, reference: base model" in printed
+
+
+def test_a_dpo_run_from_a_parquet_table_trains_the_jsonl_runs_adapter(tmp_path: Path) -> None:
+    """The same preference rows as a Parquet table (owner-signed, encrypted like a JSONL dataset): the run records
+    the table format and the same rows hash, trains the same adapter bytes as from JSONL, and its bundle verifies."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from app.cli import main
+    from app.dataset import encrypt_stream
+    from app.dataset.tabular import PARQUET
+
+    rows = [pair(s) for s in TRAIN_SUBJECTS] + [pair(s, split="eval") for s in HELD_OUT]
+    buf = io.BytesIO()
+    schema = pa.schema([(c, pa.string()) for c in ("prompt", "chosen", "rejected", "split")])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), buf)
+    results = {}
+    for name in ("parquet", "jsonl"):
+        root = tmp_path / name
+        root.mkdir()
+        data = root / "prefs.cvmds"
+        if name == "parquet":
+            with open(data, "wb") as out:
+                encrypt_stream(io.BytesIO(buf.getvalue()), out, KEY, dataset_id="prefs", dataset_version=1,
+                               owner_key=OWNER, content_type=PARQUET)
+        else:
+            encrypt_to(data, jsonl(rows), signer=OWNER, dataset_id="prefs")
+        assert main(["run", "--config", str(_cfg(root, data))]) == 0
+        bundle = next(p for p in (root / "out" / "exports").iterdir() if p.is_dir())
+        assert main(["verify", str(bundle), "--policy", str(root / "out" / "simulator-test-policy.yaml")]) == 0
+        results[name] = (json.loads((bundle / "manifest.json").read_bytes()),
+                         (bundle / "adapter" / "adapter_model.safetensors").read_bytes())
+    (pm, pw), (jm, jw) = results["parquet"], results["jsonl"]
+    assert pm["training"]["objective"] == "dpo" and pm["dataset"]["plaintext_format"] == "parquet"
+    assert pm["dataset"]["validation"]["rows_read"] == 12 and pm["evaluation"]["metric"] == "dpo_loss"
+    assert pm["dataset"]["rows_sha256"] == jm["dataset"]["rows_sha256"] and pw == jw
 
 
 def test_sft_rows_under_objective_dpo_are_a_data_error(tmp_path: Path) -> None:
