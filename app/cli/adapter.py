@@ -75,7 +75,6 @@ def _decrypt(args: argparse.Namespace) -> int:
     from attestation.bundle import manifest as B
     from attestation.bundle.verify import file_problems
 
-    from app.cli.verify import _print_verdict, _simulator_hint
     from app.export.confidential import decrypt_dir
 
     out: Path = args.out
@@ -99,12 +98,13 @@ def _decrypt(args: argparse.Namespace) -> int:
     verdict = verify_bundle(args.bundle, policy=load_policy(args.policy), now=args.now or int(time.time()),
                             collateral=read_collateral_file(args.collateral) if args.collateral else None,
                             identities=ids)
-    if _print_verdict(verdict, as_json=False) != 0 or (args.bundle / B.MANIFEST).read_bytes() != raw:
-        if args.policy is None:
-            _simulator_hint([(args.bundle, verdict)])
+    if not verdict.accepted or (args.bundle / B.MANIFEST).read_bytes() != raw:
+        print(verdict.summary())
+        for c in verdict.failed:
+            print(f"FAIL {c.name}: {c.detail}")
         raise CiphertextRejected(f"{args.bundle} does not verify with this identity (the checks above): no "
-                                 "plaintext written", fix=f"cvm-tune verify {args.bundle} --identity KEY says why; "
-                                 "pass the --policy the bundle is to be trusted under")
+                                 "plaintext written", fix="pass the --policy the bundle is to be trusted under (a "
+                                 "bundle the cvm-tune simulator made: the simulator-test-policy.yaml its run wrote)")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
