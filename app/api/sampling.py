@@ -7,6 +7,28 @@ import math
 from typing import Any
 
 
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+
+
+def check_params(p: Any) -> None:
+    """Refuse sampling parameters the sampler cannot honour, before anything is queued.
+
+    Raises:
+        BadRequest: temperature not finite or below 0, top_p outside 0..1, top_k below -1 (-1 and 0: no top-k), or a
+            seed outside 0..2**63-1.
+    """
+    from app.api.errors import BadRequest
+
+    if not (math.isfinite(p.temperature) and p.temperature >= 0):
+        raise BadRequest(f"sampling_params.temperature {p.temperature} must be a finite number >= 0")
+    if not 0.0 <= p.top_p <= 1.0:  # NaN fails too
+        raise BadRequest(f"sampling_params.top_p {p.top_p} must be between 0 and 1")
+    if p.top_k < -1:
+        raise BadRequest(f"sampling_params.top_k {p.top_k} must be -1 (no top-k) or more")
+    if p.seed is not None and not 0 <= p.seed <= MAX_SEED:
+        raise BadRequest(f"sampling_params.seed must be between 0 and {MAX_SEED}")
+
+
 def generate(model: Any, prompt: list[int], *, max_tokens: int, temperature: float, top_k: int, top_p: float,
              stop: list[int], generator: Any, device: str) -> tuple[list[int], list[float], bool]:
     """(tokens, logprobs, stopped): up to ``max_tokens`` tokens after ``prompt`` (KV cache)."""
@@ -42,6 +64,7 @@ def _filtered(probs: Any, top_k: int, top_p: float) -> Any:
     if top_p < 1.0:
         sorted_p, idx = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p * sorted_p.sum()
+        keep[0] = True  # the most probable token always stays (top_p 0: nothing else)
         mask = torch.zeros_like(probs, dtype=torch.bool)
         mask[idx[keep]] = True
         probs = torch.where(mask, probs, torch.zeros_like(probs))

@@ -8,9 +8,9 @@ answer 501 (``NotServed``).
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,7 +18,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from tinker import types
 
-from app.api.errors import ApiError, BadRequest, NotServed, TooLarge, Unauthorized
+from attestation.io.safe_yaml import parse_json
+
+from app.api.errors import ApiError, BadRequest, NotServed, TooLarge, TooMany, Unauthorized
+from app.api.sampling import check_params
 from app.api.service import Service
 
 logger = logging.getLogger(__name__)
@@ -41,7 +44,7 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _refused(_req: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+        return _refusal(exc)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
@@ -58,21 +61,24 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
                     raise Unauthorized("unknown API key (X-API-Key)")
                 request.state.owner = owner
         except ApiError as exc:
-            return JSONResponse({"detail": str(exc)}, status_code=exc.status)
+            return _refusal(exc)
         return await call_next(request)
 
     async def body(request: Request, model: type[Any]) -> Any:
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise TooLarge(f"request body over {MAX_BODY} bytes")
+        raw = await _read(request)
         try:
-            data = json.loads(raw or b"{}")
-        except ValueError as exc:
-            raise BadRequest(f"malformed {model.__name__}: not JSON ({exc})") from None
-        try:
+            data = parse_json(raw or b"{}", "the body", BadRequest, max_bytes=MAX_BODY)
             return model.model_validate(data)
+        except BadRequest as exc:
+            raise BadRequest(f"malformed {model.__name__}: {exc}") from None
         except ValidationError as exc:
             raise BadRequest(f"malformed {model.__name__}: {_first(exc)}") from None
+
+    def capped(owner: str, owners: Iterable[str], cap: int, what: str) -> None:
+        """Refuse one more ``what`` to ``owner`` when it holds ``cap`` (a client that opens them without end)."""
+        if sum(o == owner for o in owners) >= cap:
+            raise TooMany(f"this API key has {cap} {what}, the most the server allows (api config); close one or "
+                          "reuse it")
 
     @app.get("/api/v1/healthz")
     async def healthz() -> Any:
@@ -98,12 +104,13 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
 
     @app.post("/api/v1/telemetry")
     async def telemetry(request: Request) -> Any:
-        await request.body()  # accepted and dropped: nothing about a user's training leaves the CVM
+        await _read(request)  # accepted and dropped: nothing about a user's training leaves the CVM
         return _json({"status": "accepted"})
 
     @app.post("/api/v1/create_session")
     async def create_session(request: Request) -> Any:
         await body(request, types.CreateSessionRequest)
+        capped(request.state.owner, svc.sessions.values(), svc.limits.max_sessions_per_key, "open sessions")
         return _json(types.CreateSessionResponse(session_id=svc.create_session(request.state.owner)))
 
     @app.post("/api/v1/session_heartbeat")
@@ -113,7 +120,7 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish_session(session_id: str, request: Request) -> Any:
-        await request.body()  # {"reason": {"type": "success" | "errored" | "interrupted"}, "detail": ...}
+        await _read(request)  # {"reason": {"type": "success" | "errored" | "interrupted"}, "detail": ...}
         svc.finish_session(request.state.owner, session_id)
         return _json({})
 
@@ -129,10 +136,7 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
     async def forward_backward(request: Request) -> Any:
         if "protobuf" not in request.headers.get("content-type", ""):
             raise BadRequest("forward_backward takes a protobuf body (Content-Type: application/x-protobuf)")
-        raw = await request.body()
-        if len(raw) > MAX_BODY:
-            raise TooLarge(f"request body over {MAX_BODY} bytes")
-        return _json(svc.forward_backward(request.state.owner, raw))
+        return _json(svc.forward_backward(request.state.owner, await _read(request)))
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> Any:
@@ -157,6 +161,8 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request) -> Any:
         req = await body(request, types.CreateSamplingSessionRequest)
+        capped(request.state.owner, (o for o, _path in svc.samplers.values()), svc.limits.max_sampling_sessions_per_key,
+               "sampling sessions")
         return _json(types.CreateSamplingSessionResponse(
             sampling_session_id=svc.create_sampling_session(request.state.owner, req.model_path, req.base_model)))
 
@@ -166,7 +172,9 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
 
     @app.post("/api/v1/asample")
     async def asample(request: Request) -> Any:
-        return _json(svc.sample(request.state.owner, await body(request, types.SampleRequest)))
+        req = await body(request, types.SampleRequest)
+        check_params(req.sampling_params)  # refused here, with the reason, before it is queued
+        return _json(svc.sample(request.state.owner, req))
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request) -> Any:
@@ -181,7 +189,7 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
 
     @app.post("/api/v1/cancel_future")
     async def cancel_future(request: Request) -> Any:
-        await request.body()  # operations run in order and are not cancelled; the result stays retrievable
+        await _read(request)  # operations run in order and are not cancelled; the result stays retrievable
         return _json({"status": "accepted"})
 
     @app.get("/api/v1/cvm_tune/attestation")
@@ -193,6 +201,47 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
         raise NotServed(f"/api/v1/{rest} is not served by the cvm-tune training API")
 
     return app
+
+
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT while :func:`run_until_stopped` runs."""
+
+
+def _stop(_signum: int, _frame: Any) -> None:
+    raise _Stopped
+
+
+def run_until_stopped(server: Any) -> None:
+    """Run a ``uvicorn.Server`` until SIGTERM or SIGINT and return (``api serve`` then exits 0). After its graceful
+    shutdown uvicorn raises the signal it caught again, under the handler found when it started: Python's defaults
+    would end the process by SIGTERM itself, or with KeyboardInterrupt (exit 130). A signal before uvicorn takes
+    over ends the run the same way."""
+    import signal
+
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    except _Stopped:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _refusal(exc: ApiError) -> JSONResponse:
+    """A 4xx (or 501) with its reason; category ``user``, as a refused operation's future reports it."""
+    return JSONResponse({"detail": str(exc), "category": "user"}, status_code=exc.status)
+
+
+async def _read(request: Request) -> bytes:
+    """The request body, refused as soon as it passes :data:`MAX_BODY` (a chunked body announces no length)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise TooLarge(f"request body over {MAX_BODY} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _first(exc: ValidationError) -> str:

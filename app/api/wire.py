@@ -55,8 +55,8 @@ def decode_forward_backward(body: bytes, *, vocab: int, max_seq_len: int, max_to
     """Parse and check a protobuf forward_backward body.
 
     Raises:
-        BadRequest: malformed, an unknown loss, a token id outside the vocabulary, a length mismatch, an image or
-            audio chunk, a sparse tensor, or over the configured limits.
+        BadRequest: malformed (a token chunk that is not whole int32s too), an unknown loss, a token id outside the
+            vocabulary, a length mismatch, an image or audio chunk, a sparse tensor, or over the configured limits.
     """
     msg = pb.ForwardBackwardRequest()
     try:
@@ -76,7 +76,10 @@ def decode_forward_backward(body: bytes, *, vocab: int, max_seq_len: int, max_to
         for chunk in d.model_input:
             if chunk.WhichOneof("chunk") != "encoded_text":
                 raise BadRequest(f"data[{i}]: only token (encoded_text) chunks are served")
-            tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+            raw = chunk.encoded_text.tokens
+            if len(raw) % 4:
+                raise BadRequest(f"data[{i}]: a token chunk of {len(raw)} bytes is not whole int32s")
+            tokens.extend(np.frombuffer(raw, dtype=np.int32).tolist())
         if not tokens or len(tokens) > max_seq_len:
             raise BadRequest(f"data[{i}]: model input has {len(tokens)} tokens (1 to {max_seq_len} allowed)")
         bad = [t for t in tokens if not 0 <= t < vocab]

@@ -22,6 +22,11 @@ class ApiSettings(_Closed):
     max_queued_futures: int = Field(64, ge=1, description="Most operations of one session waiting to run.")
     max_sample_tokens: int = Field(512, ge=1, description="Largest sampling max_tokens.")
     max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank create_model accepts.")
+    max_sessions_per_key: int = Field(64, ge=1, description="Most open sessions (create_session, until the client "
+                                      "closes it) one API key may hold; one more is refused with 429.")
+    max_sampling_sessions_per_key: int = Field(1024, ge=1, description="Most sampling sessions "
+                                               "(create_sampling_session) one API key may create while the server "
+                                               "runs; one more is refused with 429.")
     tls_names: tuple[str, ...] = Field((), description="Host names (or IP addresses) the server's TLS certificate "
                                        "names besides 127.0.0.1 and localhost: the names clients connect to.")
     long_poll_s: float = Field(5.0, ge=0, le=30, description="How long retrieve_future waits for a result before "
