@@ -8,7 +8,8 @@ loopback server with each bundle as a .tar.gz and driven by Debian's chromium th
 Corpus covered here: the demo bundle (a simulator run with a model signature and GPU evidence) and a tampered copy
 for every file the manifest binds, every attestation file and the bundle's layout, under the simulator's test
 policy; the demo bundle under the default policy; the committed sample bundle (tests/data/bundle: a bundle from
-before model signatures, the second run of an audit chain). For each, the page's verdict and every check's name and
+before model signatures, the second run of an audit chain); the committed training-API checkpoint
+(tests/data/api-bundle) with its ops record, with changed records, without one, and with its op-chain head changed. For each, the page's verdict and every check's name and
 status equal the Python verifier's, and the page asked for nothing but the page and the files named in its URL.
 """
 
@@ -39,6 +40,15 @@ SAMPLE = REPO / "tests" / "data" / "bundle"
 SAMPLE_POLICY = REPO / "tests" / "data" / "bundle-policy.yaml"
 NOW = 1795853312  # inside the simulator collateral's window (2020..2099); both verifiers get the same time
 PAGE_BUDGET_MS = 2000  # the demo bundle, verified in the page
+API = REPO / "tests" / "data" / "api-bundle"  # a training-API checkpoint (same simulator root as the sample bundle)
+API_OPS = REPO / "tests" / "data" / "api-bundle-ops.jsonl"  # the client's record of its four ops
+API_OPS_CASES: dict[str, Callable[[list[str]], list[str]]] = {
+    "its ops": lambda ops: ops,
+    "an op dropped": lambda ops: ops[:-1],
+    "a token changed": lambda ops: [ops[0].replace("[1, 5, 9, 14, 3]", "[1, 5, 9, 14, 4]", 1), *ops[1:]],
+    "a learning rate changed": lambda ops: [ops[0], ops[1].replace('"learning_rate": 0.01', '"learning_rate": 0.02'),
+                                            *ops[2:]],
+}
 
 pytestmark = pytest.mark.skipif(shutil.which("node") is None or not Path(CHROMIUM).exists(),
                                 reason="needs node and Debian's chromium (.ci/run installs both)")
@@ -275,15 +285,24 @@ def corpus(demo_bundle: tuple[Path, Path], site: Site, tmp_path_factory: pytest.
     shutil.copyfile(SAMPLE_POLICY, site.root / "sample-policy.yaml")
     cases = []
 
-    def add(name: str, src: Path, policy_name: str | None) -> None:
+    def add(name: str, src: Path, policy_name: str | None, ops: str | None = None) -> None:
         arc = f"{len(cases):02d}.tar.gz"
         pack(src, site.root / arc)
-        py, seconds = python_verdict(src, site.root / policy_name if policy_name else None)
-        cases.append({"name": name, "url": site.url(arc, policy_name), "python": py, "python_s": seconds})
+        py, seconds = python_verdict(src, site.root / policy_name if policy_name else None, ops and site.root / ops)
+        cases.append({"name": name, "url": site.url(arc, policy_name, ops), "python": py, "python_s": seconds})
 
     add("demo", bundle, "simulator-policy.yaml")
     add("demo, default policy", bundle, None)
     add("sample bundle", SAMPLE, "sample-policy.yaml")
+    ops = API_OPS.read_text().splitlines(keepends=True)
+    for name, lines in API_OPS_CASES.items():
+        (site.root / f"ops-{len(cases):02d}.jsonl").write_text("".join(lines(ops)))
+        add(f"api checkpoint, {name}", API, "sample-policy.yaml", f"ops-{len(cases):02d}.jsonl")
+    add("api checkpoint, no ops", API, "sample-policy.yaml")
+    changed = work / "api-head" / API.name
+    shutil.copytree(API, changed)
+    _json_edit("manifest.json", lambda m: m["op_chain"].update(head="0" * 64))(changed)
+    add("api checkpoint, op chain head in the manifest", changed, "sample-policy.yaml")
     for name, edit in TAMPERS.items():
         copy = work / name.replace(" ", "-") / bundle.name
         shutil.copytree(bundle, copy, symlinks=True)
@@ -308,9 +327,13 @@ def test_the_demo_bundle_is_accepted_with_the_simulator_warning(shown: dict[str,
     assert page["ms"] <= PAGE_BUDGET_MS
 
 
-@pytest.mark.parametrize("case", ["demo, default policy", "sample bundle"])
-def test_untampered_bundles_agree(shown: dict[str, dict[str, Any]], case: str) -> None:
+@pytest.mark.parametrize("case", ["demo, default policy", "sample bundle", "api checkpoint, no ops",
+                                  *(f"api checkpoint, {name}" for name in API_OPS_CASES),
+                                  "api checkpoint, op chain head in the manifest"])
+def test_untampered_bundles_and_ops_files_agree(shown: dict[str, dict[str, Any]], case: str) -> None:
     same_checks(shown[case], shown[case]["python"], case)
+    accepted = case in ("sample bundle", "api checkpoint, no ops", "api checkpoint, its ops")
+    assert shown[case]["verdict"]["verdict"] == ("accepted" if accepted else "rejected")
 
 
 @pytest.mark.parametrize("case", sorted(TAMPERS))
