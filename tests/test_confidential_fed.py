@@ -280,3 +280,41 @@ def test_without_secure_aggregation_an_encrypted_update_is_rejected_with_the_fix
     got = Admission(fed, _policy(), tmp_path / "work").check(Message(content=content, metadata=meta),
                                                              RoundTerms(1, "00" * 32, None, 0.0), set())
     assert isinstance(got, Rejected) and "federation.secure_aggregation" in got.reason
+
+
+def test_a_secure_round_whose_aggregate_is_not_its_clients_average_fails_round_aggregate(
+        secure_fed: dict[str, Any], tmp_path: Path) -> None:
+    """The global adapter re-encrypted to the same recipients after a change to one weight, its hashes rewritten:
+    a party that decrypts every update recomputes the average and fails round.aggregate (with the round's other
+    checks it would otherwise pass: the quote no longer binds the rewritten manifest either)."""
+    import numpy as np
+    from safetensors.numpy import load, save
+
+    rd = shutil.copytree(secure_fed["rounds"][-1], tmp_path / "round")
+    ids = _cvm_identities(secure_fed["clients"][0])
+    m = json.loads((rd / R.ROUND_MANIFEST).read_bytes())
+    tensors = load(C.decrypt((rd / R.GLOBAL_ADAPTER).read_bytes(), ids))
+    name = next(k for k, v in tensors.items() if v.size > 4)
+    tensors[name] = (tensors[name] + np.float32(0.5)).astype(tensors[name].dtype)
+    plain = save(dict(sorted(tensors.items())))
+    sealed = C.encrypt(plain, tuple(m["confidentiality"]["recipients"]))
+    (rd / R.GLOBAL_ADAPTER).write_bytes(sealed)
+    m["files"][R.GLOBAL_ADAPTER] = sha256_hex(sealed)
+    m["global_adapter_sha256"] = m["confidentiality"]["plaintext_sha256"] = sha256_hex(plain)
+    (rd / R.ROUND_MANIFEST).write_text(json.dumps(m, sort_keys=True, indent=2) + "\n")
+    checks = {c.name: c for c in verify_round(rd, policy=_policy(), now=int(time.time()), identities=ids).checks}
+    assert checks["round.aggregate"].status == "fail" and name in checks["round.aggregate"].detail
+    assert checks["round.confidential"].status == "pass"  # the stanzas and recipients are right: only the sum is not
+
+
+def test_a_swapped_encrypted_update_is_rejected(secure_fed: dict[str, Any], tmp_path: Path) -> None:
+    """lab-a's update replaced by lab-b's ciphertext (both to the aggregator and valid age files): the client bundle's
+    own file hashes and the round's admitted adapter hash fail."""
+    rd = shutil.copytree(secure_fed["rounds"][-1], tmp_path / "round")
+    a, b = (rd / R.CLIENTS_DIR / n / B.ADAPTER_FILES[1] for n in ("lab-a", "lab-b"))
+    a.write_bytes(b.read_bytes())
+    verdict = verify_round(rd, policy=_policy(), now=int(time.time()))
+    failed = {c.name: c.detail for c in verdict.failed}
+    assert not verdict.accepted and set(failed) == {"client.lab-a"}, failed
+    assert "adapter/adapter_model.safetensors changed" in failed["client.lab-a"]
+    assert "does not hash to the round manifest's value" in failed["client.lab-a"]
