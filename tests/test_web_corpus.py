@@ -2,8 +2,9 @@
 harness, the demo bundle and its tampers): a DP-SGD run (rdp accountant), a confidential run (weights encrypted to
 the dataset owner's and the operator's age keys; no identity given), a continual child (warm-started from the first
 night, with its lineage and promotion decision), a DPO run, and an ops file given for a bundle that records no op
-chain. Each is also tampered where its kind adds a bound field. Not covered (the page says so and never accepts
-them): federated round bundles; training-API checkpoints with their ops (no API bundle is built here).
+chain. Each is also tampered where its kind adds a bound field. A DP run under the prv accountant, whose ε the page
+does not recompute, must come out "incomplete" with every other check equal. Federated round bundles are not
+checked by the page (tests/test_web_verify.py: never accepted); training-API checkpoints are in tests/test_web_verify.py.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from tests.test_web_verify import pytestmark, drive, pack, python_verdict, same_
 
 DP = {"mode": "dp-sgd", "noise_multiplier": 1.0, "target_epsilon": 30.0}
 OPS_CASE = "ops for a bundle without an op chain"
+PRV = "dp, prv accountant"  # the one kind whose ε the page does not recompute
+PRV_CASE = f"{PRV}: as exported"
 DPO = {"objective": "dpo", "per_device_batch_size": 2, "gradient_accumulation_steps": 1}
 
 
@@ -48,6 +51,8 @@ def kinds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pat
     made = {"continual parent": _run(cont), "continual child": _run(cont, rows=SAMPLE[:120] + EVAL, version=2)}
     made["dp"] = _run(tmp_path_factory.mktemp("dp"),
                       training={"privacy": DP, "per_device_batch_size": 2, "gradient_accumulation_steps": 2})
+    made[PRV] = _run(tmp_path_factory.mktemp("prv"), training={
+        "privacy": {**DP, "accountant": "prv"}, "per_device_batch_size": 2, "gradient_accumulation_steps": 2})
     made["confidential"] = _run(tmp_path_factory.mktemp("confidential"), owner=True,
                                 recipients=(C.recipient_of(OPERATOR_ID),))
     made["dpo"] = _run(tmp_path_factory.mktemp("dpo"), training=DPO,
@@ -110,8 +115,25 @@ def shown(kinds: dict[str, tuple[Path, Path]], site: Any, web_copy: Path, tmp_pa
     (site.root / "ops.jsonl").write_text(json.dumps(op) + "\n")
     pythons.append(python_verdict(kinds["dp"][0], kinds["dp"][1], site.root / "ops.jsonl")[0])
     pages.append({"url": site.url(f"kind-{dp:02d}.tar.gz", f"kind-{dp:02d}.yaml", "ops.jsonl")})
-    names = [f"{kind}: {name}" for kind, name, _ in CASES] + [OPS_CASE]
+    shutil.copyfile(kinds[PRV][1], site.root / "kind-prv.yaml")
+    pack(kinds[PRV][0], site.root / "kind-prv.tar.gz")
+    pythons.append(python_verdict(*kinds[PRV])[0])
+    pages.append({"url": site.url("kind-prv.tar.gz", "kind-prv.yaml")})
+    names = [f"{kind}: {name}" for kind, name, _ in CASES] + [OPS_CASE, PRV_CASE]
     return {n: {**p, "python": py} for n, p, py in zip(names, drive(web_copy, pages), pythons, strict=True)}
+
+
+def test_a_check_the_page_cannot_run_is_named_and_the_bundle_not_accepted(shown: dict[str, dict[str, Any]]) -> None:
+    """The prv accountant's ε (dp-accounting's PLD) is not recomputed in the page: privacy.dp says so, the verdict
+    is incomplete, and every other check agrees with cvm-tune verify."""
+    page = shown[PRV_CASE]
+    v, py = page["verdict"], page["python"]
+    assert page["errors"] == [] and py["verdict"] == "accepted"
+    assert v["verdict"] == page["body_verdict"] == "incomplete" and v["not_checked"] == ["privacy.dp"]
+    dp = next(c for c in v["checks"] if c["name"] == "privacy.dp")
+    assert dp["status"] == "skip" and dp["reason"].startswith("not implemented in this page")
+    assert [(c["name"], c["status"]) for c in v["checks"] if c["name"] != "privacy.dp"] == [
+        (c["name"], c["status"]) for c in py["checks"] if c["name"] != "privacy.dp"]
 
 
 @pytest.mark.parametrize("case", [f"{kind}: {name}" for kind, name, _ in CASES] + [OPS_CASE])
