@@ -78,8 +78,14 @@ def test_ddp_interrupted_run_resumes_to_the_same_adapter(tiny: Path, tmp_path: P
     _assert_same_adapter(resumed.adapter_dir, straight.adapter_dir, atol=1e-5)
 
 
-def test_stop_request_reaches_every_rank_which_seal_and_stop_together(tiny: Path, tmp_path: Path) -> None:
-    """SIGTERM in the service (``on_step_end`` says stop): both ranks stop at one step boundary, sealed."""
+def test_stop_request_reaches_every_rank_which_seal_and_stop_together(tiny: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM in the service (``on_step_end`` says stop): both ranks stop at one step boundary, sealed; nothing is
+    left in the temporary directory (the scratch, torch's pytorch-errorfile-*.pickle of the ranks that raised)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     events: list[tuple[str, int]] = []
     with pytest.raises(TrainingStopped, match="stopped at step"):
         # Many steps: the parent polls the stop request between log messages, so the run must outlast a poll.
@@ -90,6 +96,7 @@ def test_stop_request_reaches_every_rank_which_seal_and_stop_together(tiny: Path
     choice = restore_checkpoint(tmp_path / "run" / "checkpoints", key=CKPT_KEY, fingerprint=FP, inputs=INPUTS,
                                 scratch=tmp_path / "scratch")
     assert choice.step == events[-1][1] < 400
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 def test_worker_env_is_torchruns_contract() -> None:

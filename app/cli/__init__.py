@@ -28,6 +28,7 @@ from app.cli import adapter as cli_adapter
 from app.cli import api as cli_api
 from app.cli import federated as cli_federated
 from app.cli import owner as cli_owner
+from app.cli import quiet
 from app.cli.args import Parser, bounded_int, out_option
 from app.errors import CvmTuneError
 
@@ -50,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 ok, 1 rejected, 2 usage/input, 3 data, 4 key, 5 attestation, 6 training, 7 state, 70 bug.",
     )
     p.add_argument("--version", action="version", version=f"cvm-tune {app.__version__}")
-    p.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    p.add_argument("--debug", action="store_true", help="show tracebacks, debug logs, and the warnings and progress bars "
+                   "of the libraries underneath (hidden otherwise)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="run one attested training run now",
@@ -91,9 +93,13 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--dataset", type=Path, metavar="FILE", help="also check the encrypted dataset file against the manifest")
     v.add_argument("--ops", type=Path, metavar="OPS.jsonl", help="also recompute a training-API checkpoint's op chain "
                    "from the client's record of its ops (one JSON op a line; docs/api.md); a mismatch rejects (exit 1)")
-    v.add_argument("--replay", action="store_true", help="with --ops: re-execute the ops from the base model on this "
-                   "machine's CPU and compare the result with the bundle's weights (check op_chain.replay); "
-                   "--base-model DIR names the base model unless it is the built-in tiny model")
+    v.add_argument("--replay", action="store_true", help="re-execute the training on this machine's CPU and compare "
+                   "the weights with the bundle's: with --ops, a training-API checkpoint's ops (check op_chain.replay); "
+                   "without, a nightly run from its config, with --dataset FILE --key-file KEY unless it trained on "
+                   "the bundled sample (check training.replay); --base-model DIR unless the base is the built-in tiny "
+                   "model")
+    v.add_argument("--key-file", type=Path, metavar="KEY", help="with --replay: the dataset key (32 bytes or 64 hex "
+                   "characters) of the --dataset file")
 
     sh = sub.add_parser("show", help="summarize a bundle: run, model, dataset, training, recipients (verifies nothing)",
                         description="Print what an export bundle (a run or a training-API checkpoint) or a federated "
@@ -257,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return _COMMANDS[args.command](args)
+        with quiet.session(debug=args.debug):  # no third-party warnings or bars; nothing left in $HOME or $TMPDIR
+            return _COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from app.errors import ConfigError, CvmTuneError, RoundFailedError, StateError, TrainingError
+from app.federated.quiet import summarised
 
 FEDERATION_ID = "simulation"
 POLICY_FILE = "simulator-test-policy.yaml"
@@ -230,7 +231,8 @@ def run_rounds(prepared: Prepared) -> Any:
         try:
             run_simulation(server_app=server, client_app=client, num_supernodes=n, backend_config={
                 "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                "init_args": {"num_cpus": max(1, min(n, os.cpu_count() or 1)), "include_dashboard": False}})
+                "init_args": {"num_cpus": max(1, min(n, os.cpu_count() or 1)), "include_dashboard": False,
+                              "log_to_driver": logging.getLogger().isEnabledFor(logging.DEBUG)}})
         except RoundFailedError as exc:  # its reasons come from the clients: keep the error on one line
             raise RoundFailedError(" ".join(exc.message.split()), fix=(
                 f"the error names each rejected client and why; a client's output volume is "
@@ -279,7 +281,7 @@ def _quiet_engine() -> Iterator[None]:
     propagate = flwr_log.propagate  # Flower prints its own progress; the root handler would print it twice
     flwr_log.propagate = debug  # --debug: Flower's debug lines too
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), summarised(debug):  # Flower's banners: a line per round of ours instead
             warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
             with contextlib.suppress(ImportError):
                 import flwr.supercore.telemetry as telemetry  # read at import: a process that imported Flower earlier

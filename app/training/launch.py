@@ -33,6 +33,7 @@ This module imports no torch at import time (spawned workers import it after set
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -153,6 +154,9 @@ def _run_workers(req: TrainRequest, plan: Any, world: int, parent: TrainRequest,
             if p.is_alive():
                 p.terminate()
                 p.join(10)
+        for name in procs.error_files:  # torch's pytorch-errorfile-*.pickle in $TMPDIR: a failed rank's traceback
+            with contextlib.suppress(OSError):
+                os.unlink(name)
     drain()
     if failure is not None:
         raise _worker_error(failure, messages)

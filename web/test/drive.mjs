@@ -1,6 +1,7 @@
 // Drives Debian's chromium (headless, through playwright-core: no browser download) for tests/test_web_verify.py.
-// stdin: {"pages": [{"url": URL, "drop": [PATH, ...], "screenshot": PATH}], "timeout_ms": N}: each page is opened
-// (with "drop": the files are dropped onto it, as a user drags them from a file manager); stdout: one JSON list, per
+// stdin: {"pages": [{"url": URL, "pick": [[SELECTOR, [PATH, ...]], ...], "drop": [PATH, ...], "screenshot": PATH}],
+// "timeout_ms": N}: each page is opened (with "pick": files or a folder chosen in its file inputs, in order; with
+// "drop": the files dropped onto it, as a user drags them from a file manager); stdout: one JSON list, per
 // page {url, verdict (the parsed <pre id="verdict-json">), body_verdict, ms (the page's own timing), requests: every
 // URL the page asked for, errors}.
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
@@ -29,7 +30,7 @@ async function dropFiles(page, paths) {
   await page.dispatchEvent("#drop", "drop", { dataTransfer: dt });
 }
 try {
-  for (const { url, drop, screenshot } of input.pages) {
+  for (const { url, pick, drop, screenshot } of input.pages) {
     const page = await context.newPage();
     const requests = [], errors = [];
     page.on("request", (r) => requests.push(r.url()));
@@ -38,6 +39,7 @@ try {
     let verdict = null, bodyVerdict = null, ms = null;
     try {
       await page.goto(url);
+      for (const [selector, paths] of pick || []) await page.setInputFiles(selector, paths);
       if (drop) await dropFiles(page, drop);
       await page.waitForFunction(() => !["loading", "running", "waiting"].includes(document.body.dataset.verdict),
         null, { timeout: input.timeout_ms || 30000 });
