@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,7 +99,16 @@ def test_simulate_runs_verified_rounds_and_leaves_nothing_running(simulated: tup
         m = json.loads((p / R.ROUND_MANIFEST).read_bytes())
         assert sorted(a["client"] for a in m["admitted"]) == ["owner-a", "owner-b", "owner-c"] and m["rejected"] == []
     policy = out / "simulator-test-policy.yaml"
-    assert f"round 2: {rounds[1]}" in text and "Verdict (simulator-test-policy.yaml): ACCEPTED" in text
+    assert f"round 2: 3 admitted, 0 rejected: {rounds[1]}\n" in text and rounds[1].is_absolute()
+    assert "Verdict (simulator-test-policy.yaml): ACCEPTED" in text
+    from app.cli.federated import round_summary
+
+    summary = round_summary(rounds[1])
+    assert summary[0].startswith("admitted: 3: ") and summary[1] == "rejected: 0"
+    clients = re.findall(r"(owner-\w) \(\d+ tokens, weight 0\.\d{3}\)", summary[0])
+    assert sorted(clients) == ["owner-a", "owner-b", "owner-c"]
+    assert summary[2].startswith("aggregate: fedavg of 3 update(s) weighted by trainable tokens; global adapter sha256 ")
+    assert summary[2].endswith(f"({rounds[1] / 'adapter' / 'adapter_model.safetensors'})")
     verify = f"cvm-tune verify {rounds[1]} --policy {policy}"
     assert f"Verify again: {verify}" in text
     # the printed command, as a user runs it, and the link between the two rounds

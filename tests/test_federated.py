@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -124,13 +125,40 @@ def _run_simulation(server_cfg: Path, client_cfgs: list[Path]) -> None:
             os.environ["PYTHONPATH"] = pythonpath
 
 
+class _Shown(logging.Handler):
+    """The records Flower's logger lets through to its console (what `flwr run` shows of the ServerApp)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+
+SHOWN = _Shown()
+
+
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("ray", reason="Flower's simulation engine needs ray (requirements/test.txt)")
     root = tmp_path_factory.mktemp("fed")
     clients = [_client_config(root, i, n) for i, n in enumerate(CLIENTS)]
-    _run_simulation(_server_config(root), clients)
+    logging.getLogger("flwr").addHandler(SHOWN)
+    try:
+        _run_simulation(_server_config(root), clients)
+    finally:
+        logging.getLogger("flwr").removeHandler(SHOWN)
     return root
+
+
+def test_the_server_app_shows_a_line_per_round_instead_of_flower_s_banners(federation: Path) -> None:
+    """Flower's strategy banner and per-round progress (INFO, ~40 lines) give way to one line per round: where its
+    bundle went and how many client bundles it admitted and rejected."""
+    r1, r2 = (p.resolve() for p in _rounds(federation))
+    ours = [f"INFO round 1: 3 admitted, 0 rejected: {r1}", f"INFO round 2: 2 admitted, 1 rejected: {r2}"]
+    assert [line for line in SHOWN.lines if line.startswith("INFO")] == ours
+    assert not any("fraction_evaluate" in line for line in SHOWN.lines)
 
 
 def _rounds(root: Path) -> list[Path]:

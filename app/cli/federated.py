@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from app.cli.args import bounded_int, out_option
 
@@ -35,6 +36,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="training steps per client and round (default 5)")
     s.add_argument("--min-clients", type=bounded_int(1, 8), metavar="M",
                    help="fewest admitted client bundles a round needs (default: every client)")
+    s.add_argument("--secure-aggregation", action="store_true",
+                   help="federation.secure_aggregation: clients encrypt their updates to the aggregator CVM's attested "
+                   "key, and the global adapter is stored encrypted to the admitted clients (docs/federated.md)")
 
 
 def _federated(args: argparse.Namespace) -> int:
@@ -45,19 +49,20 @@ def _simulate(args: argparse.Namespace) -> int:
     from app.federated.simulate import Plan, check_plan, prepare, run_rounds, verify_last
 
     plan = Plan(args.out, clients=args.clients, rounds=args.rounds, strategy=args.strategy, max_steps=args.max_steps,
-                min_clients=args.min_clients)
+                min_clients=args.min_clients, secure_aggregation=args.secure_aggregation)
     check_plan(plan)  # before anything is written
     prepared = prepare(plan)
     print(f"data owners: {', '.join(plan.names)}: keys in {plan.out}/owners, signed encrypted datasets and CVM "
           f"configs in {plan.out}/clients", flush=True)
     print(f"aggregator: {prepared.aggregator_config}", flush=True)
-    print(f"running {plan.rounds} round(s) of {plan.strategy} with {plan.clients} simulated CVMs on Flower's "
+    secure = " with secure aggregation" if plan.secure_aggregation else ""
+    print(f"running {plan.rounds} round(s) of {plan.strategy}{secure} with {plan.clients} simulated CVMs on Flower's "
           "simulation engine …", flush=True)
     result = run_rounds(prepared)
     for n, client, reason in result.rejections:
         print(f"round {n}: rejected {client or '?'}: {reason}")
     for n, path in result.rounds:
-        print(f"round {n}: {path}")
+        print(round_line(n, path))
     verdict, _ = verify_last(prepared, result.rounds)
     last = result.rounds[-1][1]
     print(f"Verdict ({prepared.policy_file.name}): {verdict.summary()}")
@@ -65,6 +70,37 @@ def _simulate(args: argparse.Namespace) -> int:
         print(f"link: round {result.rounds[-1][0]} continued round {result.rounds[-2][0]}")
     print(f"Verify again: cvm-tune verify {last} --policy {prepared.policy_file}")
     return 0
+
+
+def round_line(n: int, bundle: Path) -> str:
+    """``round 2: 3 admitted, 0 rejected: /abs/…/round-0002``: where a round went, as ``federated simulate`` and the
+    ServerApp of ``flwr run`` print it."""
+    m = _manifest(bundle)
+    return f"round {n}: {len(m.admitted)} admitted, {len(m.rejected)} rejected: {bundle.resolve()}"
+
+
+def round_summary(bundle: Path) -> list[str]:
+    """What a round bundle's manifest says the round did: the admitted clients (tokens, weight), the rejected ones
+    (why), the aggregate. For ``cvm-tune verify ROUND_BUNDLE`` after its verdict (the manifest is read, not checked)."""
+    from attestation.rounds import manifest as R
+
+    m = _manifest(bundle)
+    admitted = ", ".join(f"{a.client} ({a.trainable_tokens} tokens, weight {a.weight:.3f})" for a in m.admitted)
+    rejected = "; ".join(f"{r.client or '?'}: {r.reason}" for r in m.rejected)
+    adapter = f"global adapter sha256 {m.global_adapter_sha256[:16]}…"
+    if m.confidentiality is not None:
+        adapter += f", stored as age ciphertext to {len(m.confidentiality.recipients)} recipient(s) (secure aggregation)"
+    else:
+        adapter += f" ({bundle.resolve() / R.GLOBAL_ADAPTER})"
+    return [f"admitted: {len(m.admitted)}: {admitted}",
+            f"rejected: {len(m.rejected)}" + (f": {rejected}" if rejected else ""),
+            f"aggregate: {m.strategy.name} of {len(m.admitted)} update(s) weighted by trainable tokens; {adapter}"]
+
+
+def _manifest(bundle: Path) -> Any:
+    from attestation.rounds import manifest as R
+
+    return R.RoundManifest.model_validate_json((bundle / R.ROUND_MANIFEST).read_bytes())
 
 
 COMMANDS = {"federated": _federated}

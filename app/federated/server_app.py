@@ -77,8 +77,14 @@ def make_server_app(config_path: Path | None = None) -> ServerApp:
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
+        from app.cli.federated import round_line
+        from app.federated.quiet import OURS, summarised
+
         path = config_path or Path(str(context.run_config.get("cvm-tune-config", DEFAULT_CONFIG)))
-        run_federation(grid, load_config(path), f"flwr-{context.run_id}")
+        with summarised() as flwr_log:
+            result = run_federation(grid, load_config(path), f"flwr-{context.run_id}")
+            for n, bundle in result.rounds:
+                flwr_log.info(round_line(n, bundle), extra=OURS)
 
     return server
 

@@ -53,6 +53,7 @@ class Plan:
     strategy: str = "fedavg"
     max_steps: int = 5
     min_clients: int | None = None
+    secure_aggregation: bool = False
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -131,7 +132,8 @@ def prepare(plan: Plan) -> Prepared:
             "federation": federation}))
     aggregator: dict[str, Any] = {
         "rounds": plan.rounds, "strategy": plan.strategy, "min_clients": plan.min_clients or plan.clients,
-        "round_timeout_s": ROUND_TIMEOUT_S, "client_compose_hashes": [compose], "clients": owners}
+        "round_timeout_s": ROUND_TIMEOUT_S, "client_compose_hashes": [compose], "clients": owners,
+        "secure_aggregation": plan.secure_aggregation}
     if initial is not None:
         aggregator["initial_adapter"] = str(initial[0])
     agg = _write_config(out / "aggregator" / "config.yaml",
