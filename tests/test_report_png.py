@@ -26,3 +26,14 @@ def test_png_is_deterministic_and_fixed_size() -> None:
 def test_importing_the_report_module_loads_no_matplotlib() -> None:
     code = "import sys, app.export.report; assert 'matplotlib' not in sys.modules, 'matplotlib imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={"PYTHONPATH": str(REPO)})
+
+
+def test_drawing_leaves_nothing_in_home_or_tmpdir(tmp_path: Path) -> None:
+    """Outside a cvm-tune command (which sets MPLCONFIGDIR): matplotlib's font cache goes to a directory removed after."""
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    home.mkdir()
+    tmp.mkdir()
+    code = "from app.export.report import loss_png; assert loss_png([[1, 2.0]], title='t').startswith(b'\\x89PNG')"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path,
+                   env={"PYTHONPATH": str(REPO), "HOME": str(home), "TMPDIR": str(tmp)})
+    assert list(home.iterdir()) == [] and list(tmp.iterdir()) == []

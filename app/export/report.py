@@ -7,10 +7,14 @@ matplotlib (Agg, no display) is imported only here, only when a report is writte
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import resource
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +75,26 @@ def write(stage: Path, report: dict[str, Any]) -> dict[str, Path]:
 
 def loss_png(losses: list[list[float]], *, title: str) -> bytes:
     """A PNG of the training loss per optimizer step (deterministic bytes: no timestamps)."""
+    with _private_mplconfig():
+        return _loss_png(losses, title=title)
+
+
+@contextlib.contextmanager
+def _private_mplconfig() -> Iterator[None]:
+    """Unless ``MPLCONFIGDIR`` is set (``cvm-tune`` sets it for every command), matplotlib's first import writes its
+    font cache to a temporary directory removed afterwards, not ``~/.cache/matplotlib`` or ``$TMPDIR``."""
+    if "MPLCONFIGDIR" in os.environ or "matplotlib" in sys.modules:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="cvm-tune-mpl-") as tmp:
+        os.environ["MPLCONFIGDIR"] = tmp
+        try:
+            yield
+        finally:
+            del os.environ["MPLCONFIGDIR"]
+
+
+def _loss_png(losses: list[list[float]], *, title: str) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
