@@ -179,6 +179,23 @@ def test_a_failure_in_the_engine_fails_the_command_with_one_line(tmp_path: Path,
     _assert_nothing_running()
 
 
+def test_round_summary_escapes_what_a_client_sent_and_reads_nothing_it_cannot(simulated: tuple[Path, int, str],
+                                                                               tmp_path: Path) -> None:
+    from app.cli.federated import round_summary
+
+    rounds = sorted((simulated[0] / "aggregator" / "output" / "rounds" / "simulation").glob("round-*"))
+    m = json.loads((rounds[-1] / R.ROUND_MANIFEST).read_bytes())
+    m["rejected"] = [{"client": "evil\x1b[2J", "node_id": 7, "reason": "replayed\nround 9: 0 admitted"}]
+    copy = tmp_path / "round"
+    copy.mkdir()
+    (copy / R.ROUND_MANIFEST).write_text(json.dumps(m))
+    lines = round_summary(copy)
+    assert lines[1] == "rejected: 1: evil\\x1b[2J: replayed\\nround 9: 0 admitted"
+    assert all(line.isprintable() for line in lines)
+    (copy / R.ROUND_MANIFEST).write_text("{")
+    assert round_summary(copy) == [] and round_summary(tmp_path / "missing") == []
+
+
 def test_a_round_bundle_that_fails_verification_fails_the_command(simulated: tuple[Path, int, str], tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:

@@ -81,10 +81,16 @@ def round_line(n: int, bundle: Path) -> str:
 
 def round_summary(bundle: Path) -> list[str]:
     """What a round bundle's manifest says the round did: the admitted clients (tokens, weight), the rejected ones
-    (why), the aggregate. For ``cvm-tune verify ROUND_BUNDLE`` after its verdict (the manifest is read, not checked)."""
+    (why), the aggregate. For ``cvm-tune verify ROUND_BUNDLE`` after its verdict (the manifest is read, not checked):
+    nothing when the manifest cannot be read (the verdict says why)."""
     from attestation.rounds import manifest as R
 
-    m = _manifest(bundle)
+    from app.cli.show import _printable
+
+    try:
+        m = _manifest(bundle)
+    except (OSError, ValueError):  # pydantic's ValidationError is a ValueError
+        return []
     admitted = ", ".join(f"{a.client} ({a.trainable_tokens} tokens, weight {a.weight:.3f})" for a in m.admitted)
     rejected = "; ".join(f"{r.client or '?'}: {r.reason}" for r in m.rejected)
     adapter = f"global adapter sha256 {m.global_adapter_sha256[:16]}…"
@@ -92,9 +98,10 @@ def round_summary(bundle: Path) -> list[str]:
         adapter += f", stored as age ciphertext to {len(m.confidentiality.recipients)} recipient(s) (secure aggregation)"
     else:
         adapter += f" ({bundle.resolve() / R.GLOBAL_ADAPTER})"
-    return [f"admitted: {len(m.admitted)}: {admitted}",
-            f"rejected: {len(m.rejected)}" + (f": {rejected}" if rejected else ""),
-            f"aggregate: {m.strategy.name} of {len(m.admitted)} update(s) weighted by trainable tokens; {adapter}"]
+    lines = [f"admitted: {len(m.admitted)}: {admitted}",
+             f"rejected: {len(m.rejected)}" + (f": {rejected}" if rejected else ""),
+             f"aggregate: {m.strategy.name} of {len(m.admitted)} update(s) weighted by trainable tokens; {adapter}"]
+    return [_printable(line) for line in lines]  # a rejected client's name and reason are whatever it sent
 
 
 def _manifest(bundle: Path) -> Any:
