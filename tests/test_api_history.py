@@ -292,7 +292,14 @@ def test_ops_usage_errors_exit_2(trained: tuple[Path, list[dict[str, Any]]], pol
     if extra:
         argv = ["verify", *(["--chain", str(bundle.parent)] if extra[0] == "--chain" else
                             [str(bundle), "--parent", str(bundle)]), "--ops", str(tmp_path / "x.jsonl"), "--json"]
-    else:  # an ops file that cannot be read at all, and --replay without --ops
-        assert main(["verify", str(bundle), "--policy", str(policy), "--replay"]) == 2
+    else:  # an ops file that cannot be read at all, and a dataset key without a run to replay
+        assert main(["verify", str(bundle), "--policy", str(policy), "--key-file", str(tmp_path / "k")]) == 2
         argv = ["verify", str(bundle), "--policy", str(policy), "--ops", str(tmp_path), "--json"]
     assert main(argv) == 2
+
+
+def test_a_checkpoint_replayed_as_a_run_says_to_pass_its_ops(trained: tuple[Path, list[dict[str, Any]]],
+                                                            policy: Path) -> None:
+    code, doc = verify(trained[0], policy, None, "--replay")
+    check = next(c for c in doc["checks"] if c["name"] == "training.replay")
+    assert (code, doc["verdict"], check["status"]) == (1, "rejected", "fail") and "--ops" in check["reason"]

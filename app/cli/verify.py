@@ -25,9 +25,9 @@ def _verify(args: argparse.Namespace) -> int:
                           fix="cvm-tune verify exports/RUN_ID, or cvm-tune verify --chain exports/")
     if args.ops is not None and (args.chain is not None or args.parent is not None):
         raise ConfigError("--ops checks one training-API checkpoint", fix="drop --chain/--parent when passing --ops")
-    if args.replay and args.ops is None:
-        raise ConfigError("--replay re-executes the ops of a training-API checkpoint: it needs --ops",
-                          fix="cvm-tune verify BUNDLE --ops OPS.jsonl --replay")
+    if args.key_file is not None and not (args.replay and args.ops is None):
+        raise ConfigError("--key-file is the dataset key for replaying a run", fix="cvm-tune verify BUNDLE --replay "
+                          "--dataset DATASET.cvmds --key-file KEY (or drop --key-file)")
     if args.chain is not None and (args.parent or args.collateral or args.base_model or args.dataset):
         raise ConfigError("--chain verifies whole bundles: --parent, --collateral, --base-model and --dataset apply "
                           "to one BUNDLE", fix="drop them, or verify one bundle at a time")
@@ -53,10 +53,15 @@ def _verify(args: argparse.Namespace) -> int:
                                 identities=identities(args.identity), ops_file=args.ops)
     except OpsFileError as exc:
         raise ConfigError(f"--ops: {exc}", fix="pass the JSONL of the ops as sent (docs/api.md)") from None
-    if args.replay:  # the client's ops re-executed from the base model on this machine: the bundle's weights?
+    if args.replay and args.ops is not None:  # the client's ops re-executed from the base model: its weights?
         from app.api.replay import replay_check
 
         verdict = replay_check(verdict, args.bundle, args.ops, base_model_dir=args.base_model, progress=_stderr)
+    elif args.replay:  # a nightly run re-executed from its configuration, base model and dataset
+        from app.run.replay import replay_run
+
+        verdict = replay_run(verdict, args.bundle, dataset=args.dataset, key_file=args.key_file,
+                             base_model_dir=args.base_model, progress=_stderr)
     if args.parent is None:
         code = _print_verdict(verdict, as_json=args.json)  # op_chain.ops / op_chain.replay are checks of the verdict
         if not args.json:
@@ -78,9 +83,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _print_ops(verdict: Verdict) -> None:
-    """The op-chain checks, one line each, whatever their result (they are why ``--ops``/``--replay`` were given)."""
+    """The op-chain and replay checks, one line each, whatever their result (why ``--ops``/``--replay`` were given)."""
     for c in verdict.checks:
-        if c.name in ("op_chain.ops", "op_chain.replay"):
+        if c.name in ("op_chain.ops", "op_chain.replay", "training.replay"):
             label = "op chain" if c.name == "op_chain.ops" else "replay"
             print(f"{label}: {'pass' if c.status == 'pass' else 'FAIL'}: {c.detail}")
 

@@ -175,7 +175,8 @@ def _manifest(x: ExportInputs, stage: Path, artifacts: dict[str, str], report_fi
     return {
         "schema": B.MANIFEST_SCHEMA, "run_id": x.run_id, "started_at": x.started_at, "created_at": utc_now(),
         "code": {"package": "cvm-tune", "version": app.__version__, "source_sha256": x.code_sha},
-        "backend": {"name": r.backend, "device": r.device, "libraries": export.library_versions(r.library_versions)},
+        "backend": {"name": r.backend, "device": r.device, "libraries": export.library_versions(r.library_versions),
+                    "cpu_threads": _torch_threads()},
         "base_model": {"name": x.base_name, "source": x.cfg.base_model.source, "tree_sha256": x.base_tree,
                        "files": x.base_files, "hub_id": x.cfg.base_model.hub_id, "revision": x.cfg.base_model.revision},
         "dataset": x.dataset,
@@ -247,3 +248,11 @@ def publish_gate(verdicts: list[tuple[str, Verdict]], simulated: bool, run_id: s
 def gate_failures(verdicts: list[tuple[str, Verdict]], simulated: bool) -> list[str]:
     """``"check: detail"`` for every check that withholds a bundle (see :func:`publish_gate`)."""
     return [f"{c.name}: {c.detail}" for c in verdicts[0][1].failed if simulated or c.name in INTEGRITY_CHECKS]
+
+
+def _torch_threads() -> int | None:
+    """torch's CPU threads as the training ran (a replay on a CPU needs the same split of its reductions)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return int(torch.get_num_threads()) if torch is not None else None

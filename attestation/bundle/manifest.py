@@ -119,6 +119,7 @@ class BackendInfo(_Closed):
     name: Literal["hf", "unsloth"]
     device: str
     libraries: dict[str, str]
+    cpu_threads: int | None = Field(None, ge=1)  # torch's CPU threads (a replay needs them); absent in older bundles
 
 
 class BaseModelInfo(_Closed):

@@ -5,6 +5,7 @@ import { opChainCheck } from "../src/opchain.js";
 import { rdpEpsilon } from "../src/rdp.js";
 import { Findings } from "../src/bundle.js";
 import { checkMrConfigId } from "../src/compose.js";
+import { manifestMembers } from "../src/schema.js";
 import { canonical, parseJsonExact, pyFloat, unhex } from "../src/util.js";
 
 const enc = new TextEncoder();
@@ -14,6 +15,7 @@ const FUNCTIONS = {
   rdpEpsilon: (history, delta) => rdpEpsilon(history, delta),
   mrConfigId: (v) => checkMrConfigId(unhex(v.mr_config_id), v.compose_hash, v.app_id,
     v.key_provider === null ? null : enc.encode(JSON.stringify(v.key_provider)))[0],
+  manifestMembers: () => manifestMembers(),
   opChain: (manifestOpChain, opsText) => {
     const f = new Findings();
     opChainCheck(f, { op_chain: manifestOpChain }, enc.encode(opsText));
