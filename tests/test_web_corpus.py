@@ -4,7 +4,8 @@ the dataset owner's and the operator's age keys; no identity given), a continual
 night, with its lineage and promotion decision), a DPO run, and an ops file given for a bundle that records no op
 chain. Each is also tampered where its kind adds a bound field. A DP run under the prv accountant, whose ε the page
 does not recompute, must come out "incomplete" with every other check equal. Federated round bundles are not
-checked by the page (tests/test_web_verify.py: never accepted); training-API checkpoints are in tests/test_web_verify.py.
+checked by the page (tests/test_web_verify.py: never accepted); training-API checkpoints are in
+tests/test_web_verify.py.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ import json
 import math
 import re
 import subprocess
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,30 @@ def test_mrconfigid_rule_vectors_of_the_spec(web_copy: Path) -> None:
     rules = [r for r in rules if r["rule"].startswith("3.")]
     assert len(rules) >= 5
     got = call(web_copy, *(("mrConfigId", [r]) for r in rules))
-    assert {r["rule"]: ok for r, ok in zip(rules, got, strict=True)} == {r["rule"]: r["expect"] == "pass" for r in rules}
+    want = {r["rule"]: r["expect"] == "pass" for r in rules}
+    assert {r["rule"]: ok for r, ok in zip(rules, got, strict=True)} == want
+
+
+def _members(model: Any) -> dict[str, Any] | None:
+    """{member (its JSON name): its own members, or None} of a pydantic model, through Optional, lists and tuples."""
+    from pydantic import BaseModel
+
+    def nested(annotation: Any) -> dict[str, Any] | None:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return _members(annotation)
+        if typing.get_origin(annotation) is dict:
+            return None
+        return next((n for a in typing.get_args(annotation) if (n := nested(a)) is not None), None)
+
+    return {(f.alias or name): nested(f.annotation) for name, f in model.model_fields.items()}
+
+
+def test_the_page_knows_every_member_of_the_manifest(web_copy: Path) -> None:
+    """web/src/schema.js lists the manifest's closed objects member by member: a member added to the Python model
+    must be added there too (else the page would reject every new bundle's manifest.schema)."""
+    from attestation.bundle.manifest import Manifest
+
+    assert call(web_copy, ("manifestMembers", []))[0] == _members(Manifest)
 
 
 def _spec_vectors() -> dict[str, str]:

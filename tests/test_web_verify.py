@@ -9,8 +9,9 @@ Corpus covered here: the demo bundle (a simulator run with a model signature and
 for every file the manifest binds, every attestation file and the bundle's layout, under the simulator's test
 policy; the demo bundle under the default policy; the committed sample bundle (tests/data/bundle: a bundle from
 before model signatures, the second run of an audit chain); the committed training-API checkpoint
-(tests/data/api-bundle) with its ops record, with changed records, without one, and with its op-chain head changed. For each, the page's verdict and every check's name and
-status equal the Python verifier's, and the page asked for nothing but the page and the files named in its URL.
+(tests/data/api-bundle) with its ops record, with changed records, without one, and with its op-chain head changed.
+For each, the page's verdict and every check's name and status equal the Python verifier's, and the page asked for
+nothing but the page and the files named in its URL.
 """
 
 from __future__ import annotations
@@ -359,6 +360,18 @@ def test_opened_from_disk_a_dropped_bundle_and_policy_are_verified(web_copy: Pat
     assert page["errors"] == [] and page["body_verdict"] == "accepted"
     assert page["verdict"]["policy"] == "cvm-tune-simulator-test-ca" and page["verdict"]["test_root"] is True
     assert [r for r in page["requests"] if not r.startswith("file://")] == []
+
+
+def test_opened_from_disk_a_chosen_bundle_folder_is_verified(web_copy: Path, demo_bundle: tuple[Path, Path],
+                                                             tmp_path: Path) -> None:
+    """The other way in from disk: the policy and then the bundle folder chosen with the page's file inputs."""
+    bundle, policy = demo_bundle
+    shutil.copyfile(WEB / "dist" / "verify.html", tmp_path / "verify.html")
+    [page] = drive(web_copy, [{"url": (tmp_path / "verify.html").as_uri(),
+                               "pick": [["#pick-policy", [str(policy)]], ["#pick-folder", [str(bundle)]]]}])
+    assert page["errors"] == [] and page["body_verdict"] == "accepted"
+    assert [(c["name"], c["status"]) for c in page["verdict"]["checks"]] == [
+        (c["name"], c["status"]) for c in python_verdict(bundle, policy)[0]["checks"]]
 
 
 def test_a_kind_the_page_does_not_check_is_never_accepted(web_copy: Path, site: Site, tmp_path: Path) -> None:

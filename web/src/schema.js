@@ -12,13 +12,13 @@ const int = (min = -Infinity, max = Infinity) => (v, p) => (!(v instanceof Num) 
 const num = (ok = () => true) => (v, p) => (!(v instanceof Num) || !ok(v.value) ? `${p}: must be a number in range` : null);
 const bool = (v, p) => (typeof v !== "boolean" ? `${p}: must be a boolean` : null);
 const lit = (...vals) => (v, p) => (!vals.includes(v) ? `${p}: must be one of ${vals.join(", ")}` : null);
-const opt = (spec) => (v, p) => (v === null ? null : spec(v, p));
-const list = (spec, min = 0) => (v, p) => {
+const opt = (spec) => Object.assign((v, p) => (v === null ? null : spec(v, p)), { inner: spec });
+const list = (spec, min = 0) => Object.assign((v, p) => {
   if (!Array.isArray(v)) return `${p}: must be a list`;
   if (v.length < min) return `${p}: needs at least ${min} item(s)`;
   for (let i = 0; i < v.length; i++) { const e = spec(v[i], `${p}.${i}`); if (e) return e; }
   return null;
-};
+}, { inner: spec });
 const dict = (spec, min = 0) => (v, p) => {
   if (!isObj(v)) return `${p}: must be an object`;
   if (Object.keys(v).length < min) return `${p}: needs at least ${min} member(s)`;
@@ -30,7 +30,7 @@ const any = () => null;
 
 /** A closed object: `req` members required, `optional` members may be absent. */
 function obj(req, optional = {}) {
-  return (v, p) => {
+  const check = (v, p) => {
     if (!isObj(v)) return `${p}: must be an object`;
     for (const k of Object.keys(v)) if (!(k in req) && !(k in optional)) return `${p}.${k}: extra inputs are not permitted`;
     for (const [k, spec] of Object.entries(req)) {
@@ -41,18 +41,22 @@ function obj(req, optional = {}) {
     for (const [k, spec] of Object.entries(optional)) if (k in v) { const e = spec(v[k], `${p}.${k}`); if (e) return e; }
     return null;
   };
+  return Object.assign(check, { members: { ...req, ...optional } });
 }
 
 const batchSizes = obj({ micro: int(), accumulation: int(), eval_micro: int() });
 const GPU = obj({
   present: bool, nvidia_smi: lit("ok", "missing", "error"), devices: list(obj({ index: int(), name: str(), uuid: str(), pci_bus_id: str(), driver_version: str(), vbios_version: str() })),
-  cc_mode: str(), cc_environment: opt(str()), ready_state: opt(str()), nvidia_report: opt(dict(any)), nonce: str(H64), evidence_sha256: str(H64),
+  cc_mode: str(), cc_environment: opt(str()), ready_state: opt(str()), nonce: str(H64), evidence_sha256: str(H64),
+  nvidia_report: opt(obj({ tool: lit("nvattest"), status: lit("ok", "error", "timeout", "unparseable") }, {
+    result_code: opt(int()), result_message: opt(str()), overall: opt(bool), measres: dict(str()), nonce_match: opt(bool),
+    consistent: opt(bool), signed: opt(bool), versions: dict(list(str())) })),
 });
 
 const MANIFEST = obj({
   run_id: str(RUN_ID), started_at: str(), created_at: str(),
   code: obj({ package: str(), version: str(), source_sha256: str(H64) }),
-  backend: obj({ name: lit("hf", "unsloth"), device: str(), libraries: dict(str()) }),
+  backend: obj({ name: lit("hf", "unsloth"), device: str(), libraries: dict(str()) }, { cpu_threads: opt(int(1)) }),
   base_model: obj({ name: str(), source: str(), tree_sha256: str(H64), files: dict(str()) }, { hub_id: opt(str()), revision: opt(str()) }),
   dataset: obj({
     dataset_id: str(), dataset_version: int(), format: str(), encrypted_sha256: str(H64), encrypted_size: int(),
@@ -109,4 +113,12 @@ function sortedUnique(v, p) {
 /** Why `value` is not a cvm-tune/manifest/v1 manifest (null: it is). */
 export function manifestProblem(value) {
   return MANIFEST(value, "manifest");
+}
+
+/** The members of every closed object the page knows, nested ({member: {its members}} or null for a leaf): what
+ * tests/test_web_units.py compares with the Python manifest model, so a new manifest member cannot go unnoticed. */
+export function manifestMembers(spec = MANIFEST) {
+  while (spec.inner) spec = spec.inner;
+  if (!spec.members) return null;
+  return Object.fromEntries(Object.entries(spec.members).map(([k, v]) => [k, manifestMembers(v)]));
 }
