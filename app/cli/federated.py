@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 from app.cli.args import bounded_int, out_option
 
@@ -46,6 +45,7 @@ def _federated(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    from app.federated.quiet import round_line
     from app.federated.simulate import Plan, check_plan, prepare, run_rounds, verify_last
 
     plan = Plan(args.out, clients=args.clients, rounds=args.rounds, strategy=args.strategy, max_steps=args.max_steps,
@@ -72,13 +72,6 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def round_line(n: int, bundle: Path) -> str:
-    """``round 2: 3 admitted, 0 rejected: /abs/…/round-0002``: where a round went, as ``federated simulate`` and the
-    ServerApp of ``flwr run`` print it."""
-    m = _manifest(bundle)
-    return f"round {n}: {len(m.admitted)} admitted, {len(m.rejected)} rejected: {bundle.resolve()}"
-
-
 def round_summary(bundle: Path) -> list[str]:
     """What a round bundle's manifest says the round did: the admitted clients (tokens, weight), the rejected ones
     (why), the aggregate. For ``cvm-tune verify ROUND_BUNDLE`` after its verdict (the manifest is read, not checked):
@@ -86,9 +79,10 @@ def round_summary(bundle: Path) -> list[str]:
     from attestation.rounds import manifest as R
 
     from app.cli.show import _printable
+    from app.federated.quiet import round_manifest
 
     try:
-        m = _manifest(bundle)
+        m = round_manifest(bundle)
     except (OSError, ValueError):  # pydantic's ValidationError is a ValueError
         return []
     admitted = ", ".join(f"{a.client} ({a.trainable_tokens} tokens, weight {a.weight:.3f})" for a in m.admitted)
@@ -102,12 +96,6 @@ def round_summary(bundle: Path) -> list[str]:
              f"rejected: {len(m.rejected)}" + (f": {rejected}" if rejected else ""),
              f"aggregate: {m.strategy.name} of {len(m.admitted)} update(s) weighted by trainable tokens; {adapter}"]
     return [_printable(line) for line in lines]  # a rejected client's name and reason are whatever it sent
-
-
-def _manifest(bundle: Path) -> Any:
-    from attestation.rounds import manifest as R
-
-    return R.RoundManifest.model_validate_json((bundle / R.ROUND_MANIFEST).read_bytes())
 
 
 COMMANDS = {"federated": _federated}

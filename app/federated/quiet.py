@@ -1,6 +1,6 @@
 """Flower's console output, summarised: without debug logging, its strategy banner and per-round progress (about 40
-lines) give way to one line per round of ours (:func:`app.cli.federated.round_line`), and it writes colour codes only
-to a terminal. Used by ``cvm-tune federated simulate`` and by the ServerApp that ``flwr run`` starts."""
+lines) give way to one line per round of ours (:func:`round_line`), and it writes colour codes only to a terminal.
+Used by ``cvm-tune federated simulate`` and by the ServerApp that ``flwr run`` starts. Light at import (no Flower)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 OURS = {"cvm_tune": True}  # ``extra=`` of the lines we log through Flower's logger: always shown
 EXPECTED = ("fraction_evaluate is set to 0.0",)  # warnings about what we set on purpose (no federated evaluation)
@@ -49,3 +51,20 @@ def summarised(debug: bool | None = None) -> Iterator[logging.Logger]:
     finally:
         if drop is not None:
             flwr_log.removeFilter(drop)
+
+
+def round_line(n: int, bundle: Path) -> str:
+    """``round 2: 3 admitted, 0 rejected: /abs/…/round-0002``: where a round bundle went and its client counts."""
+    m = round_manifest(bundle)
+    return f"round {n}: {len(m.admitted)} admitted, {len(m.rejected)} rejected: {bundle.resolve()}"
+
+
+def round_manifest(bundle: Path) -> Any:
+    """The round bundle's manifest (``RoundManifest``), read as it is: not verified.
+
+    Raises:
+        OSError: unreadable; ValueError (pydantic's ValidationError): not a round manifest.
+    """
+    from attestation.rounds import manifest as R
+
+    return R.RoundManifest.model_validate_json((bundle / R.ROUND_MANIFEST).read_bytes())

@@ -77,8 +77,7 @@ def make_server_app(config_path: Path | None = None) -> ServerApp:
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
-        from app.cli.federated import round_line
-        from app.federated.quiet import OURS, summarised
+        from app.federated.quiet import OURS, round_line, summarised
 
         path = config_path or Path(str(context.run_config.get("cvm-tune-config", DEFAULT_CONFIG)))
         with summarised() as flwr_log:
