@@ -36,7 +36,7 @@ NO_COLOR_ENV = {"NO_COLOR": "1", "RAY_COLOR_PREFIX": "0"}
 # under the private directory: variable -> sub-directory
 PRIVATE_ENV = {"MPLCONFIGDIR": "matplotlib", "HF_HOME": "hf", "XDG_CACHE_HOME": "cache",
                "TORCHINDUCTOR_CACHE_DIR": "torchinductor", "TRITON_CACHE_DIR": "triton", "FLWR_HOME": "flwr"}
-MAX_RAY_TMPDIR = 40  # ray's session sockets live ~70 characters below it; a unix socket path holds 107
+MAX_RAY_TMPDIR = 36  # ray's sockets live ~70 characters below it (ray/session_<date>_<pid>/sockets/plasma_store)
 
 
 class _ThirdPartyErrorsOnly(logging.Filter):
@@ -49,15 +49,23 @@ def colour() -> bool:
     return sys.stderr.isatty()
 
 
+def cache_env(private: Path) -> tuple[dict[str, str], Path]:
+    """The variables that point the libraries' caches below ``private``, and ray's temporary directory (``RAY_TMPDIR``:
+    ``private/ray``, or a new directory in /tmp when that path is too long for ray's unix sockets; the caller removes
+    it)."""
+    env = {name: str(private / sub) for name, sub in PRIVATE_ENV.items()}
+    ray = private / "ray"
+    if len(str(ray)) > MAX_RAY_TMPDIR:  # a long $TMPDIR (macOS)
+        ray = Path(tempfile.mkdtemp(prefix="cvm-tune-ray-", dir="/tmp"))
+    env["RAY_TMPDIR"] = str(ray)
+    return env, ray
+
+
 @contextlib.contextmanager
 def session(*, debug: bool) -> Iterator[Path]:
     """Run a command quietly (unless ``debug``) with a private cache directory; yields that directory."""
     private = Path(tempfile.mkdtemp(prefix="cvm-tune-"))
-    env = {name: str(private / sub) for name, sub in PRIVATE_ENV.items()}
-    ray = private / "ray"
-    if len(str(ray)) > MAX_RAY_TMPDIR:  # a long $TMPDIR (macOS): a short one of its own, removed with the other
-        ray = Path(tempfile.mkdtemp(prefix="cvm-tune-ray-", dir="/tmp"))
-    env["RAY_TMPDIR"] = str(ray)
+    env, ray = cache_env(private)
     if not debug:
         env.update(QUIET_ENV)
     if not colour():
