@@ -89,7 +89,7 @@ def _datums(srv: Server) -> list[Any]:
     return api_drive._datums(srv.out / "models" / "tiny-llama")
 
 
-def _verify(srv: Server, bundle: Path, ops: list[dict[str, Any]], tmp: Path) -> tuple[int, str]:
+def _verify(srv: Server, bundle: Path, ops: list[dict[str, Any]], tmp: Path, *extra: str) -> tuple[int, str]:
     """``cvm-tune verify BUNDLE --policy <simulator policy> --ops OPS`` (in this process): (exit code, stdout)."""
     import contextlib
     import io
@@ -101,7 +101,7 @@ def _verify(srv: Server, bundle: Path, ops: list[dict[str, Any]], tmp: Path) -> 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = main(["verify", str(bundle), "--policy", str(srv.out / "simulator-test-policy.yaml"), "--ops",
-                     str(ops_file)])
+                     str(ops_file), *extra])
     return code, out.getvalue()
 
 
@@ -181,8 +181,8 @@ def test_kill9_between_steps_then_continue_from_the_saved_state(server: Server, 
     assert losses[0] < 0.7 * state["first_loss"]  # continued from the trained weights, not from scratch
     path = tc.save_state("after-kill").result().path
     bundle = _bundle(server, tc.model_id, path)
-    code, out = _verify(server, bundle, ops, tmp_path)
-    assert code == 0 and "op chain: pass: 25 ops" in out, out
+    code, out = _verify(server, bundle, ops, tmp_path, "--replay")  # the whole history, across the kill, replays
+    assert code == 0 and "op chain: pass: 25 ops" in out and "replay: pass: 25 ops" in out, out
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["op_chain"]["optimizer_steps"] == manifest["training"]["global_step"] == 12
     state["model_id"] = tc.model_id
