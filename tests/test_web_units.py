@@ -87,6 +87,65 @@ def test_the_page_knows_every_member_of_the_manifest(web_copy: Path) -> None:
     assert call(web_copy, ("manifestMembers", []))[0] == _members(Manifest)
 
 
+def _gpu_evidence() -> list[bytes]:
+    """gpu-evidence.json documents: no GPU; H100s in and out of CC mode; with nvattest's real report, a replayed one,
+    edited claims, a changed version, an unparseable one, a timeout; a malformed document."""
+    from tests import test_gpu_evidence as T
+
+    sample = T.SAMPLE.read_text()
+    nvattest = [sample, T._reencode(sample, T.SAMPLE_NONCE), T._reencode(sample, "cd" * 32),
+                T._reencode(sample, T.SAMPLE_NONCE, edit={"measres": "fail"}),
+                T._reencode(sample, T.SAMPLE_NONCE, edit={"measres": "fail"}, fix_digests=False),
+                sample.replace('"measres": "success"', '"measres": "fail"'),
+                T._reencode(sample, T.SAMPLE_NONCE, edit={"x-nvidia-gpu-vbios-version": "96.00.5E.00.01"}), "not json"]
+    docs = [[T._cmd("query-gpu", "", "missing", None)], T._h100(), T._h100(cc="cc_status_off.txt"),
+            T._h100(devtools="cc_devtools_on.txt"), T._h100(query="cc_query_ppcie_h200.txt"),
+            T._h100(query="cc_query_on_h100nvl.txt"), *(T._h100(nvattest=n) for n in nvattest),
+            [*T._h100(), T._cmd("nvattest", "", "timeout", None)], [*T._h100(), T._cmd("nvattest", "x", "error", 1)]]
+    return [T._evidence(d) for d in docs] + [b'{"schema": "cvm-tune/gpu-evidence/v1"}\n']
+
+
+def test_gpu_evidence_is_summarised_and_judged_as_the_python_verifier_does(web_copy: Path) -> None:
+    from types import SimpleNamespace
+
+    from attestation.tdx import gpu as G
+
+    evidence = _gpu_evidence()
+    got = call(web_copy, *(("gpu", [data.decode()]) for data in evidence))
+    for data, page in zip(evidence, got, strict=True):
+        try:
+            info = G.summarize(data)
+        except G.GpuEvidenceError as exc:
+            assert page == {"error": str(exc)}
+            continue
+        summary = page["summary"]
+        if summary["nvidia_report"] is not None:  # the page leaves out the members a report without status ok lacks
+            summary["nvidia_report"] = {**G.NvidiaReport(tool="nvattest", status="error").model_dump(mode="json"),
+                                        **summary["nvidia_report"]}
+        assert summary == info.model_dump(mode="json")
+        entry = SimpleNamespace(type="gpu.evidence", data={"evidence_sha256": info.evidence_sha256}, prev=info.nonce)
+        assert page["check"] == list(G.check(data, info, [entry]))
+
+
+def test_dstacks_boot_time_gpu_attestation_is_read_as_the_python_verifier_reads_it(web_copy: Path) -> None:
+    from attestation.tdx.eventlog import RUNTIME_EVENT_TYPE, Event
+    from attestation.tdx.gpu_dstack import boot_gpu_attestation
+
+    good = {"provider": "nvidia", "devices": 8, "cc_mode": "on", "devtools": False, "evidence_sha256": "ab" * 32}
+    logs = [[("system-ready", "")], [("gpu-attestation", json.dumps(good)), ("system-ready", "")],
+            [("system-ready", ""), ("gpu-attestation", json.dumps(good))],
+            [("gpu-attestation", json.dumps(good)), ("gpu-attestation", json.dumps(good)), ("system-ready", "")],
+            [("gpu-attestation", json.dumps({**good, "devtools": True})), ("system-ready", "")],
+            [("gpu-attestation", json.dumps({**good, "cc_mode": "off"})), ("system-ready", "")],
+            [("gpu-attestation", json.dumps({**good, "provider": "amd"})), ("system-ready", "")],
+            [("gpu-attestation", "{}"), ("system-ready", "")]]
+    got = call(web_copy, *(("bootGpu", [log]) for log in logs))
+    for log, page in zip(logs, got, strict=True):
+        events = tuple(Event(i, 3, RUNTIME_EVENT_TYPE, b"", name, payload.encode()) for i, (name, payload) in enumerate(log))
+        want = boot_gpu_attestation(events)
+        assert page == (None if want is None else list(want)), log
+
+
 def _spec_vectors() -> dict[str, str]:
     text = (REPO / "docs" / "verifier-spec.md").read_text(encoding="utf-8")
     block = re.search(r"^```op-chain-vectors\n(.*?)^```", text, flags=re.S | re.M)

@@ -1,8 +1,7 @@
 // gpu.evidence (verifier-spec §12): gpu-evidence.json re-summarised must be the manifest's `gpu`, committed by the
-// last gpu.evidence audit entry, its nonce that entry's prev. An NVIDIA (nvattest) report and dstack's boot-time GPU
-// attestation event are not read by this page: such bundles get a check that says so.
-import { NOT_IMPLEMENTED_GPU } from "./messages.js";
-import { isObj, jsonEqual, sha256hex, utf8 } from "./util.js";
+// last gpu.evidence audit entry, its nonce that entry's prev; an NVIDIA (nvattest) report must be self-consistent and
+// carry that nonce; dstack's boot-time GPU attestation event, when the OS made one, must say CC on, DevTools off.
+import { enc, isObj, jsonEqual, sha256hex, utf8 } from "./util.js";
 
 class GpuEvidenceError extends Error {}
 
@@ -69,10 +68,61 @@ function summarize(data) {
   let report = null;
   if (att && att.status !== "missing") {
     if (att.status === "timeout") report = { tool: "nvattest", status: "timeout" };
-    else return { unsupported: true };
+    else {
+      report = parseNvattest(att.stdout, doc.nonce);
+      if (att.status === "error" && report.status === "unparseable") report = { tool: "nvattest", status: "error" };
+    }
   }
   return { present: devices.length > 0, nvidia_smi: smi, devices, cc_mode: mode, cc_environment: env, ready_state: ready,
     nvidia_report: report, nonce: doc.nonce, evidence_sha256: sha256hex(data) };
+}
+
+function jwt(token) {
+  const parts = String(token).split(".");
+  if (parts.length !== 3) throw new GpuEvidenceError("EAT token is not a JWT");
+  const [header, claims] = parts.slice(0, 2).map((p) => {
+    const b = atob(p.replace(/-/g, "+").replace(/_/g, "/") + "=".repeat((4 - (p.length % 4)) % 4));
+    return JSON.parse(utf8(Uint8Array.from(b, (c) => c.charCodeAt(0))));
+  });
+  if (!isObj(header) || !isObj(claims)) throw new GpuEvidenceError("EAT token parts are not JSON objects");
+  return [header, claims];
+}
+
+/** nvattest's --format json output, summarised (attestation/tdx/gpu.py parse_nvattest). */
+function parseNvattest(text, nonce) {
+  let doc, overallToken, gpuTokens, listed, header, overall, gpus;
+  try {
+    doc = JSON.parse(text);
+    overallToken = doc.detached_eat[0][1];
+    gpuTokens = doc.detached_eat[1];
+    listed = "claims" in doc ? doc.claims : [];
+    if (!isObj(gpuTokens) || typeof overallToken !== "string" || !Array.isArray(listed)) throw new TypeError("detached_eat layout");
+    [header, overall] = jwt(overallToken);
+    gpus = Object.fromEntries(Object.keys(gpuTokens).sort().map((n) => [n, jwt(gpuTokens[n])]));
+  } catch {
+    return { tool: "nvattest", status: "unparseable" };
+  }
+  const submods = overall.submods || {};
+  const names = Object.keys(gpuTokens);
+  const digestsOk = isObj(submods) && Object.keys(submods).length === names.length && names.every((n) =>
+    jsonEqual(submods[n], ["DIGEST", ["SHA256", sha256hex(enc.encode(gpuTokens[n]))]]));
+  const tokens = Object.values(gpus).map(([, g]) => g);
+  const claimsOk = listed.length === tokens.length && listed.every((c) => isObj(c) && tokens.some((g) =>
+    Object.entries(c).every(([k, v]) => jsonEqual(g[k] ?? null, v))));
+  const nonces = [overall.eat_nonce, ...Object.values(gpus).map(([, g]) => g.eat_nonce)];
+  const pyStr = (v) => (v === undefined || v === null ? "None" : typeof v === "boolean" ? (v ? "True" : "False") : String(v));
+  const att = overall["x-nvidia-overall-att-result"];
+  return {
+    tool: "nvattest", status: "ok",
+    result_code: Number.isInteger(doc.result_code) && typeof doc.result_code !== "boolean" ? doc.result_code : null,
+    result_message: typeof doc.result_message === "string" ? doc.result_message : null,
+    overall: typeof att === "boolean" ? att : null,
+    measres: Object.fromEntries(Object.entries(gpus).map(([n, [, g]]) => [n, pyStr(g.measres)])),
+    nonce_match: nonces.every((n) => n === nonce),
+    consistent: digestsOk && claimsOk,
+    signed: !(header.alg === "none" && Object.values(gpus).every(([h]) => h.alg === "none")),
+    versions: Object.fromEntries(Object.entries(gpus).map(([n, [, g]]) => [n, [pyStr(g["x-nvidia-gpu-driver-version"]), pyStr(g["x-nvidia-gpu-vbios-version"])]])),
+  };
 }
 
 const REPORT_DEFAULTS = { result_code: null, result_message: null, overall: null, measres: {}, nonce_match: null, consistent: null, signed: null, versions: {} };
@@ -82,7 +132,17 @@ function problems(info) {
   const out = [];
   if (info.cc_mode !== "on") out.push(`GPU confidential-compute mode is ${info.cc_mode}, not on`);
   if (![null, "ready"].includes(info.ready_state)) out.push(`GPU ready state is '${info.ready_state}'`);
-  if (info.nvidia_report) out.push(`NVIDIA attestation ${info.nvidia_report.status}`);
+  const r = info.nvidia_report;
+  if (r && r.status !== "ok") out.push(`NVIDIA attestation ${r.status}`);
+  else if (r) {
+    if (!(r.result_code === 0 && r.overall === true && Object.values(r.measres).every((v) => v === "success"))) out.push("NVIDIA attestation did not succeed");
+    if (!r.nonce_match) out.push("NVIDIA attestation report carries another nonce (not fresh for this run)");
+    if (!r.consistent) out.push("NVIDIA attestation report is internally inconsistent");
+    const key = (a) => a.join("\u0000");
+    const smi = info.devices.map((d) => [d.driver_version, d.vbios_version.toLowerCase()]).map(key).sort();
+    const rep = Object.values(r.versions).map((v) => [v[0], v[1].toLowerCase()]).map(key).sort();
+    if (!jsonEqual(smi, rep)) out.push("NVIDIA report's driver/VBIOS versions differ from nvidia-smi's");
+  }
   return out;
 }
 
@@ -92,8 +152,13 @@ function describe(info) {
   const d0 = info.devices[0];
   let t = `${info.devices.length} x ${names.join(", ")} (driver ${d0.driver_version}, VBIOS ${d0.vbios_version}); CC mode ${info.cc_mode}`
     + (info.ready_state ? `, ${info.ready_state}` : "") + (info.cc_environment ? `, ${info.cc_environment}` : "");
-  if (!info.nvidia_report) t += "; no NVIDIA attestation report (nvattest not installed): the CC mode is nvidia-smi's word only (reported by the driver inside the CVM, unsigned)";
-  else t += `; NVIDIA attestation ${info.nvidia_report.status}`;
+  const r = info.nvidia_report;
+  if (!r) t += "; no NVIDIA attestation report (nvattest not installed): the CC mode is nvidia-smi's word only (reported by the driver inside the CVM, unsigned)";
+  else if (r.status !== "ok") t += `; NVIDIA attestation ${r.status}`;
+  else {
+    t += `; NVIDIA local verifier: overall ${r.overall === null ? "None" : r.overall ? "True" : "False"}, measres ${[...new Set(Object.values(r.measres))].sort().join(",")}`
+      + (r.signed ? "" : " (unsigned local-mode EAT: self-reported, not checkable offline)");
+  }
   return t;
 }
 
@@ -104,7 +169,6 @@ function check(data, recorded, entries) {
     if (e instanceof GpuEvidenceError) return ["fail", e.message];
     throw e;
   }
-  if (info.unsupported) return ["skip", NOT_IMPLEMENTED_GPU];
   const rec = { ...recorded, nvidia_report: recorded.nvidia_report && { ...REPORT_DEFAULTS, ...recorded.nvidia_report } };
   const mine = { ...info, nvidia_report: info.nvidia_report && { ...REPORT_DEFAULTS, ...info.nvidia_report } };
   if (!jsonEqual(mine, rec)) return ["fail", "the manifest's gpu summary is not what gpu-evidence.json says"];
@@ -113,13 +177,44 @@ function check(data, recorded, entries) {
   const last = ev[ev.length - 1];
   if (last.data.evidence_sha256 !== info.evidence_sha256) return ["fail", "the last gpu.evidence audit entry commits to another gpu-evidence.json"];
   if (last.prev !== info.nonce) return ["fail", "the evidence nonce is not the audit chain head it was collected at (not fresh for this run)"];
+  const r = info.nvidia_report;
+  if (r && r.status === "ok" && !(r.consistent && r.nonce_match)) return ["fail", `the NVIDIA attestation report ${r.consistent ? "carries another nonce" : "is inconsistent"}`];
   const issues = problems(info);
   return ["pass", describe(info) + (issues.length ? `; NOT attested confidential GPUs: ${issues.join("; ")}` : "")];
 }
 
-export function gpuStep(f, data, m, events, entries) {
-  const dstack = (events || []).some((e) => e.imr === 3 && e.type === 0x08000001 && e.event === "gpu-attestation");
-  if (dstack) { f.add("gpu.evidence", "skip", NOT_IMPLEMENTED_GPU); return; }
-  if (m.gpu == null) { f.add("gpu.evidence", "skip", "the manifest records no GPU evidence (bundle from before cvm-tune collected it)"); return; }
-  f.add("gpu.evidence", ...check(data, m.gpu, Array.isArray(entries) ? entries : []));
+/** [ok, what dstack measured] for the gpu-attestation boot event; null when there is none (attestation/tdx/gpu_dstack.py). */
+function bootGpuAttestation(events) {
+  const found = [];
+  let ready = false;
+  for (const ev of (events || []).filter((e) => e.imr === 3 && e.type === 0x08000001)) {
+    if (ev.event === "system-ready") ready = true;
+    else if (ev.event === "gpu-attestation") found.push([ev, ready]);
+  }
+  if (!found.length) return null;
+  if (found.length > 1 || found[0][1]) return [false, `dstack GPU attestation event ${found.length > 1 ? "repeated" : "after system-ready"}: not dstack's`];
+  let doc;
+  try {
+    doc = JSON.parse(utf8(found[0][0].payload));
+    for (const k of ["devices", "cc_mode", "devtools", "evidence_sha256"]) if (!(k in doc)) throw new Error(`'${k}'`);
+  } catch (e) { return [false, `dstack GPU attestation event is not the expected summary: ${e.message}`]; }
+  const { devices, cc_mode: cc, devtools, evidence_sha256: digest } = doc;
+  if (!(doc.provider === "nvidia" && Number.isInteger(devices) && typeof devices !== "boolean" && devices >= 1 && typeof digest === "string" && /^[0-9a-f]{64}$/.test(digest))) {
+    return [false, "dstack GPU attestation event is not the expected summary"];
+  }
+  return [cc === "on" && devtools === false, `dstack measured a boot-time NVIDIA attestation: ${devices} GPU(s), CC ${cc}, DevTools ${devtools ? "on" : "off"}, nvattest output sha256 ${digest.slice(0, 16)}… (read from RTMR3; the report itself is not in the bundle)`];
 }
+
+export function gpuStep(f, data, m, events, entries) {
+  const dstack = bootGpuAttestation(events);
+  if (m.gpu == null) {
+    if (dstack === null) f.add("gpu.evidence", "skip", "the manifest records no GPU evidence (bundle from before cvm-tune collected it)");
+    else f.add("gpu.evidence", dstack[0] ? "pass" : "fail", dstack[1]);
+    return;
+  }
+  let [status, detail] = check(data, m.gpu, Array.isArray(entries) ? entries : []);
+  if (dstack !== null) [status, detail] = [dstack[0] ? status : "fail", `${detail}; ${dstack[1]}`];
+  f.add("gpu.evidence", status, detail);
+}
+
+export { bootGpuAttestation, check as gpuCheck, summarize };

@@ -1,6 +1,5 @@
 // What the page says when it cannot run a check that `cvm-tune verify` runs: never a pass, never an "accepted".
 export const NOT_IMPLEMENTED = "not implemented in this page";
-export const NOT_IMPLEMENTED_GPU = `${NOT_IMPLEMENTED}: an NVIDIA attestation report (nvattest) or dstack's boot-time GPU attestation is checked by \`cvm-tune verify\` only`;
 
 /** True for a check the page reported as not run (its reason starts with NOT_IMPLEMENTED). */
 export const notImplemented = (c) => c.status === "skip" && c.reason.startsWith(NOT_IMPLEMENTED);
