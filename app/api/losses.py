@@ -1,11 +1,16 @@
-"""The Tinker losses, per datum, summed (``loss:sum``): ``cross_entropy``, ``importance_sampling``, ``ppo``.
+"""The Tinker losses, per datum, summed (``loss:sum``): ``cross_entropy``, ``importance_sampling``, ``ppo``,
+``cispo``, ``dro``, as Tinker defines them.
 
-``logp`` are the model's log-probabilities of ``target_tokens``; ``inputs`` are the datum's ``loss_fn_inputs``.
+``logp`` are the model's log-probabilities of ``target_tokens``; ``inputs`` are the datum's ``loss_fn_inputs``
+(``logprobs``: the sampler's, ``advantages``: the client's); ``r = exp(logp - logprobs)``.
 
 * cross_entropy: ``-sum(weights * logp)`` (weights default to 1).
-* importance_sampling: ``-sum(exp(logp - logprobs) * advantages)``, ``logprobs`` being the sampler's.
-* ppo: ``-sum(min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A))``, ``r = exp(logp - logprobs)``; thresholds from
-  ``loss_fn_config`` (``clip_low_threshold``/``clip_high_threshold``, default 0.2 each).
+* importance_sampling: ``-sum(r * advantages)``.
+* ppo: ``-sum(min(r * A, clamp(r, low, high) * A))``; ``low``/``high`` are ``loss_fn_config``'s
+  ``clip_low_threshold``/``clip_high_threshold``, bounds of the ratio itself (default 0.8 and 1.2: ε = 0.2).
+* cispo: ``-sum(sg(clamp(r, low, high)) * logp * A)``, the clipped ratio a constant weight (same thresholds and
+  defaults as ppo).
+* dro: ``-sum(logp * A - beta / 2 * (logp - logprobs) ** 2)``; ``beta`` from ``loss_fn_config`` (default 0.05).
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ from typing import Any
 import numpy as np
 
 
-CONFIG_KEYS = {"cross_entropy": (), "importance_sampling": (), "ppo": ("clip_low_threshold", "clip_high_threshold")}
+CONFIG_KEYS = {"cross_entropy": (), "importance_sampling": (), "ppo": ("clip_low_threshold", "clip_high_threshold"),
+               "cispo": ("clip_low_threshold", "clip_high_threshold"), "dro": ("beta",)}
+CLIP_DEFAULTS = (0.8, 1.2)  # ppo and cispo: the importance ratio's bounds (Tinker's ε = 0.2)
+DRO_BETA = 0.05
 
 
 def check_config(name: str, config: dict[str, Any] | None) -> None:
@@ -36,6 +44,15 @@ def check_config(name: str, config: dict[str, Any] | None) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                 or not 0 <= value <= 1e6:
             raise BadRequest(f"loss_fn_config.{key} must be a finite number in [0, 1e6] (got {value!r})")
+    if name in ("ppo", "cispo"):
+        low, high = _clip(config)
+        if low > high:
+            raise BadRequest(f"loss_fn_config: clip_low_threshold {low} is above clip_high_threshold {high}")
+
+
+def _clip(config: dict[str, Any] | None) -> tuple[float, float]:
+    cfg = config or {}
+    return float(cfg.get("clip_low_threshold", CLIP_DEFAULTS[0])), float(cfg.get("clip_high_threshold", CLIP_DEFAULTS[1]))
 
 
 def loss(name: str, logp: Any, inputs: dict[str, np.ndarray], config: dict[str, Any] | None) -> Any:
@@ -48,11 +65,15 @@ def loss(name: str, logp: Any, inputs: dict[str, np.ndarray], config: dict[str, 
 
     if name == "cross_entropy":
         return -(field("weights", 1.0) * logp).sum()
-    ratio = torch.exp(logp - field("logprobs"))
     adv = field("advantages")
+    if name == "dro":
+        beta = float((config or {}).get("beta", DRO_BETA))
+        return -(logp * adv - 0.5 * beta * (logp - field("logprobs")) ** 2).sum()
+    ratio = torch.exp(logp - field("logprobs"))
     if name == "importance_sampling":
         return -(ratio * adv).sum()
-    cfg = config or {}
-    low, high = float(cfg.get("clip_low_threshold", 0.2)), float(cfg.get("clip_high_threshold", 0.2))
-    clipped = torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    low, high = _clip(config)
+    clipped = torch.clamp(ratio, low, high)
+    if name == "cispo":
+        return -(clipped.detach() * logp * adv).sum()
     return -torch.minimum(ratio * adv, clipped * adv).sum()
