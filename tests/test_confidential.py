@@ -21,7 +21,7 @@ from app.cli import main as cli_main
 from app.config import Config
 from app.dataset import encrypt_stream
 from app.dataset.format_header import read_header
-from app.errors import CiphertextRejected, ConfigError, DatasetFormatError, NotARecipientError
+from app.errors import CiphertextRejected, ConfigError, DatasetFormatError
 from app.run.inputs import scratch_dir
 from app.run.pipeline import RunHooks, run_once
 from attestation.outputs import confidential as C
@@ -181,6 +181,11 @@ def test_verify_for_anyone_and_for_a_recipient(night: dict[str, Any]) -> None:
     assert "does not decrypt" in checks["confidential.plaintext"]["reason"]
 
 
+def _policy_file(night: dict[str, Any]) -> str:
+    """The simulator's test policy the run wrote (adapter decrypt verifies the bundle under a policy first)."""
+    return str(night["root"] / "out" / "simulator-test-policy.yaml")
+
+
 def _plain_hashes(bundle: Path, d: str) -> dict[str, str]:
     return {rel[len(d) + 1:]: h for rel, h in _manifest(bundle)["confidentiality"]["plaintext_sha256"].items()
             if rel.startswith(d + "/")}
@@ -225,7 +230,8 @@ def test_signature_tampering_is_rejected_for_a_recipient(night: dict[str, Any], 
     adapter = bundle / "adapter"
     if case == "another-key":  # a recipient decrypts the weights and signs them with a key of its own
         plain = tmp_path / "plain"
-        assert cli_main(["adapter", "decrypt", str(bundle), "--identity", str(night["owner_key"]), "-o", str(plain)]) == 0
+        assert cli_main(["adapter", "decrypt", str(bundle), "--identity", str(night["owner_key"]), "-o", str(plain),
+                         "--policy", _policy_file(night)]) == 0
         (plain / "model.sig").unlink()
         other = ec.generate_private_key(ec.SECP256R1())
         sign_dir(other, plain)
@@ -264,7 +270,8 @@ def test_publish_says_the_staged_weights_are_ciphertext(night: dict[str, Any], t
 
 def test_adapter_decrypt_writes_a_peft_directory_that_loads(night: dict[str, Any], tmp_path: Path) -> None:
     out = tmp_path / "adapter"
-    assert cli_main(["adapter", "decrypt", str(night["bundle"]), "--identity", str(night["owner_key"]), "-o", str(out)]) == 0
+    assert cli_main(["adapter", "decrypt", str(night["bundle"]), "--identity", str(night["owner_key"]), "-o", str(out),
+                     "--policy", _policy_file(night)]) == 0
     want = _manifest(night["bundle"])["confidentiality"]["plaintext_sha256"][WEIGHTS]
     assert hashlib.sha256((out / "adapter_model.safetensors").read_bytes()).hexdigest() == want
     from peft import PeftModel
@@ -277,7 +284,7 @@ def test_adapter_decrypt_writes_a_peft_directory_that_loads(night: dict[str, Any
     assert any("lora_B" in n and p.abs().sum() > 0 for n, p in model.named_parameters())
     merged = tmp_path / "merged"
     assert cli_main(["adapter", "decrypt", str(night["bundle"]), "--identity", str(night["operator_key"]), "-o",
-                     str(merged), "--dir", "merged"]) == 0
+                     str(merged), "--dir", "merged", "--policy", _policy_file(night)]) == 0
     assert AutoModelForCausalLM.from_pretrained(str(merged)) is not None
 
 
@@ -299,12 +306,17 @@ def test_adapter_decrypt_refuses_and_writes_nothing(night: dict[str, Any], tmp_p
         else:
             del data[-100:]
         (bundle / WEIGHTS).write_bytes(bytes(data))
-    code = cli_main(["adapter", "decrypt", str(bundle), "--identity", str(key), "-o", str(out)])
-    want = {"non-empty": ConfigError, "stranger": NotARecipientError}.get(case, CiphertextRejected)
-    assert code == want.exit_code and code == {"non-empty": 2, "stranger": 4}.get(case, 1)
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and {"non-empty": "is not an empty directory", "stranger": "does not decrypt with "
-                                          "the identity given"}.get(case, "is not the file the manifest binds") in err
+    code = cli_main(["adapter", "decrypt", str(bundle), "--identity", str(key), "-o", str(out), "--policy",
+                     _policy_file(night)])
+    want = ConfigError if case == "non-empty" else CiphertextRejected  # the bundle does not verify with this identity
+    assert code == want.exit_code and code == (2 if case == "non-empty" else 1)
+    printed = capsys.readouterr()
+    err = printed.err
+    assert err.startswith("error: ") and ("is not an empty directory" if case == "non-empty" else
+                                          "does not verify with this identity") in err, err
+    if case != "non-empty":
+        failed = "confidential.plaintext" if case == "stranger" else "manifest.files"
+        assert f"FAIL {failed}" in printed.out, printed.out
     if case == "non-empty":
         assert [p.name for p in out.iterdir()] == ["keep"]
     else:

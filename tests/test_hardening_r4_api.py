@@ -174,7 +174,6 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(real: Any, route: st
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason="app.api.serve must run uvicorn through app.api.server.run_until_stopped")
 def test_sigterm_ends_serve_with_exit_0(real: Any) -> None:
     assert real.proc is not None and real.proc.poll() is None
     real.stop()  # SIGTERM

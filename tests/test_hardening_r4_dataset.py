@@ -108,7 +108,6 @@ def test_encrypt_accepts_a_categorical_parquet_column(tmp_path: Path, capsys: py
     assert (tmp_path / "o.cvmds").is_file() and "3 rows validated" in capsys.readouterr().out
 
 
-@pytest.mark.xfail(strict=True, reason="app/cli/owner.py _encrypt must check the input with tabular.check_file")
 @pytest.mark.parametrize(("rows", "where", "field"), BAD[:3], ids=["text-type", "chat-role", "pref-chosen"])
 def test_encrypt_refuses_a_bad_jsonl_row_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                             rows: list[Any], where: str, field: str) -> None:

@@ -17,10 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from app.cli import main
-from app.cli.owner import _check_table
 from app.dataset import open_encrypted, parse_jsonl
 from app.dataset.row_sets import rows_sha256
-from app.dataset.tabular import ARROW, PARQUET, parse_table, read_table, rows_of_table
+from app.dataset.tabular import ARROW, PARQUET, check_file, parse_table, read_table, rows_of_table
 from app.errors import EmptyDatasetError, RowError, TableError
 from attestation.io.hashing import canonical_json
 from tests.owner_fixtures import CANARY, KEY, encrypt_to, files_containing, jsonl, owner_key
@@ -115,7 +114,7 @@ def test_encrypt_validates_a_table_first_and_writes_nothing_when_it_is_bad(tmp_p
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(parquet_bytes(pa.table({"text": ["fine"], "meta": [{"k": "v"}]})))
     with pytest.raises(TableError, match="column\\(s\\) 'meta'"):
-        _check_table(bad)
+        check_file(bad)
     args = ["dataset", "encrypt", "--owner-key", str(tmp_path / "owner.key"), "--key-file", str(tmp_path / "d.key"),
             "--dataset-id", "tickets", "--dataset-version", "1", "-o", str(tmp_path / "out.cvmds")]
     assert main([*args[:2], str(bad), *args[2:]]) == 3

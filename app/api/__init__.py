@@ -143,4 +143,6 @@ def serve(cfg: Config, listen: str, progress: Progress = print, *, plain_http: b
             progress(f"listening on {scheme}://{host}:{bound} (base model {svc.base_name})")  # type: ignore[attr-defined]
 
         server.startup = startup  # type: ignore[method-assign]
-        server.run()
+        from app.api.server import run_until_stopped
+
+        run_until_stopped(server)  # SIGTERM / SIGINT: a graceful stop, exit 0 as documented

@@ -129,7 +129,9 @@ def _encrypt(args: argparse.Namespace) -> int:
     owner = load_owner_key(args.owner_key)
     if not args.input.is_file():
         raise ConfigError(f"{args.input} is not a file", fix="pass the plaintext JSONL, Parquet or Arrow file")
-    content_type, checked = _check_table(args.input)  # tables: every row validated before anything is written
+    from app.dataset.tabular import check_file
+
+    content_type, checked = check_file(args.input)  # every row validated, by the CVM's rules, before anything is written
     key, created = _dataset_key(args.key_file)
     res = encrypt_file(args.input, args.out, key, dataset_id=args.dataset_id, dataset_version=args.dataset_version,
                        chunk_size=args.chunk_size, metadata=meta or None, owner_key=owner, content_type=content_type)
@@ -145,25 +147,6 @@ def _encrypt(args: argparse.Namespace) -> int:
         print(f"weights trained on it are exported only as age ciphertext to {len(res.header.recipients)} recipient(s) "
               "and the CVM's own key")
     return 0
-
-
-def _check_table(path: Path) -> tuple[str, str | None]:
-    """The content type of ``path`` by its suffix; a Parquet / Arrow table is read and every row validated (the rules
-    the CVM applies), returning a line to print. Raises TableError / RowError / EmptyDatasetError (exit 3)."""
-    from app.dataset import tabular
-    from app.dataset.format import CONTENT_TYPE
-    from app.errors import DataError
-
-    content_type = tabular.SUFFIXES.get(path.suffix.lower())
-    if content_type is None:
-        return CONTENT_TYPE, None
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise DataError(f"cannot read {path}: {exc.strerror}", fix="check the path") from exc
-    rows, rep = tabular.rows_of_table(tabular.read_table(data, content_type, source=path.name), source=path.name)
-    kinds = ", ".join(f"{k} {v}" for k, v in rep.by_kind.items() if v)
-    return content_type, f"format: {tabular.format_name(content_type)}; {len(rows)} rows validated ({kinds})"
 
 
 def _inspect(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 from attestation.bundle import manifest as B
 from attestation.outputs import confidential as C
 from attestation.bundle import model_sig
-from attestation.io.hashing import sha256_hex
+from attestation.io.hashing import read_regular, sha256_hex
 from attestation.io.safe_yaml import parse_json
 from attestation.verdict import QuoteFindings
 
@@ -94,8 +94,7 @@ def _outputs(root: Path, m: B.Manifest, info: C.ConfidentialityInfo, owner: tupl
 
 def _read(path: Path, limit: int | None = None) -> bytes:
     try:
-        with open(path, "rb") as fh:
-            return fh.read(limit) if limit else fh.read()
+        return read_regular(path, limit or None)
     except OSError:
         return b""
 

@@ -45,7 +45,7 @@ from attestation.errors import AttestationError, BundleError
 from attestation.tdx.eventlog import Event, parse_event_log
 from attestation.tdx.gpu import check as gpu_check
 from attestation.tdx.gpu_dstack import boot_gpu_attestation
-from attestation.io.hashing import sha256_file, sha256_hex
+from attestation.io.hashing import read_regular, sha256_file, sha256_hex
 from attestation.policy import Policy
 from attestation.tdx.quote import MAX_QUOTE_BYTES
 from attestation.io.safe_yaml import MAX_DEPTH, depth
@@ -120,8 +120,7 @@ def verify_bundle(
 
 
 def _read(path: Path, limit: int = MAX_FILE) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read(limit)
+    return read_regular(path, limit)  # a FIFO or device in a bundle is refused (OSError), never waited on
 
 
 def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> B.Manifest | None:
@@ -197,8 +196,8 @@ def _bundle_collateral(f: QuoteFindings, root: Path) -> Collateral | None:
         return None
     try:
         return parse_collateral(_read(path))
-    except AttestationError as exc:
-        f.add("collateral.parse", "fail", exc.message)
+    except (OSError, AttestationError) as exc:
+        f.add("collateral.parse", "fail", getattr(exc, "message", f"{B.COLLATERAL} unreadable or not a regular file"))
         return None
 
 

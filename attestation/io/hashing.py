@@ -8,6 +8,7 @@ always describes regular bytes.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import mmap
@@ -28,6 +29,20 @@ def canonical_json(obj: Any) -> bytes:
 def sha256_hex(data: bytes) -> str:
     """Hex SHA-256 of ``data``."""
     return hashlib.sha256(data).hexdigest()
+
+
+def read_regular(path: Path, limit: int | None = None) -> bytes:
+    """At most ``limit`` bytes (all without one) of a regular file, opened without blocking: a FIFO, device or socket
+    planted in a bundle or named as an input is refused at once (``OSError``), never waited on.
+
+    Raises:
+        OSError: missing, unreadable, or not a regular file.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    with open(fd, "rb", buffering=0, closefd=True) as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        return fh.read(limit) if limit is not None else fh.read()
 
 
 def sha256_file(path: Path) -> str:

@@ -25,6 +25,7 @@ import pyrage
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from attestation.errors import AttestationError
+from attestation.io.hashing import read_regular
 
 SCHEME = "age-v1/x25519"
 CVM_KEY_PATH = "cvm-tune/outputs/v1"
@@ -140,9 +141,10 @@ def load_identities(path: Path) -> list[pyrage.x25519.Identity]:
         IdentityError: unreadable, or no valid ``AGE-SECRET-KEY-1…`` line.
     """
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_regular(Path(path), 1 << 20).decode("utf-8")  # a FIFO or device is refused, not waited on
     except (OSError, UnicodeDecodeError) as exc:
-        raise IdentityError(f"cannot read the identity file {path}: {type(exc).__name__}") from None
+        why = (exc.strerror or type(exc).__name__) if isinstance(exc, OSError) else "not UTF-8 text"
+        raise IdentityError(f"cannot read the identity file {path}: {why}") from None
     out = []
     for line in text.splitlines():
         line = line.strip()
