@@ -349,6 +349,34 @@ def test_the_page_asks_for_nothing_but_the_named_files(shown: dict[str, dict[str
         only_named_files(page)
 
 
+def test_random_bit_flips_get_the_same_checks(web_copy: Path, demo_bundle: tuple[Path, Path], tmp_path: Path) -> None:
+    """One flipped bit anywhere (mostly in the files with parsers of their own): the page's verifier, run by node on
+    the modules it bundles, and cvm-tune verify give every check the same status (a fixed seed: reproducible)."""
+    import random
+
+    bundle, policy = demo_bundle
+    rnd = random.Random(36)
+    parsed = ["quote.bin", "event_log.json", "collateral.json", "audit.jsonl", "manifest.json", "gpu-evidence.json",
+              "adapter/model.sig", "quote.hex"]
+    every = sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*") if p.is_file())
+    flips = []
+    for i in range(120):
+        name = rnd.choice(parsed if i % 4 else every)
+        flips.append((name, rnd.randrange((bundle / name).stat().st_size), 1 << rnd.randrange(8)))
+    proc = subprocess.run(["node", str(web_copy / "test" / "mutate.mjs")], capture_output=True, text=True, timeout=300,
+                          input=json.dumps({"bundle": str(bundle), "policy": policy.read_text(), "now": NOW,
+                                            "flips": flips}), check=True)
+    for (name, at, bit), page in zip(flips, json.loads(proc.stdout), strict=True):
+        copy = tmp_path / f"{name.replace('/', '-')}-{at}-{bit}" / bundle.name
+        shutil.copytree(bundle, copy)
+        data = bytearray((copy / name).read_bytes())
+        data[at] ^= bit
+        (copy / name).write_bytes(bytes(data))
+        py = [[c["name"], c["status"]] for c in python_verdict(copy, policy)[0]["checks"]]
+        assert page == py, f"{name} byte {at} bit {bit}"
+        shutil.rmtree(copy.parent)
+
+
 def test_opened_from_disk_a_dropped_bundle_and_policy_are_verified(web_copy: Path, demo_bundle: tuple[Path, Path],
                                                                     tmp_path: Path) -> None:
     bundle, policy = demo_bundle
