@@ -303,3 +303,16 @@ def test_a_checkpoint_replayed_as_a_run_says_to_pass_its_ops(trained: tuple[Path
     code, doc = verify(trained[0], policy, None, "--replay")
     check = next(c for c in doc["checks"] if c["name"] == "training.replay")
     assert (code, doc["verdict"], check["status"]) == (1, "rejected", "fail") and "--ops" in check["reason"]
+
+
+def test_a_finished_session_ends_its_sampling_sessions(svc: Any) -> None:
+    """Sampling sessions end with the session that made them, so a key's cap counts live ones only."""
+    c = Client(svc)
+    made = [svc.create_sampling_session(c.owner, None, "cvm-tune/tiny-llama", c.session) for _ in range(3)]
+    other = Client(svc)
+    kept = svc.create_sampling_session(other.owner, None, "cvm-tune/tiny-llama", other.session)
+    assert all(s in svc.samplers for s in [*made, kept])
+    svc.finish_session("b" * 64, c.session)  # another key cannot end it
+    assert all(s in svc.samplers for s in made)
+    svc.finish_session(c.owner, c.session)
+    assert not any(s in svc.samplers for s in made) and kept in svc.samplers

@@ -164,7 +164,8 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
         capped(request.state.owner, (o for o, _path in svc.samplers.values()), svc.limits.max_sampling_sessions_per_key,
                "sampling sessions")
         return _json(types.CreateSamplingSessionResponse(
-            sampling_session_id=svc.create_sampling_session(request.state.owner, req.model_path, req.base_model)))
+            sampling_session_id=svc.create_sampling_session(request.state.owner, req.model_path, req.base_model,
+                                                            req.session_id)))
 
     @app.get("/api/v1/samplers/{sampler_id}")
     async def sampler(sampler_id: str, request: Request) -> Any:

@@ -52,6 +52,7 @@ class Service:
         self.base_name, self.limits = base_name, limits
         self.sessions: dict[str, str] = {}  # session id -> owner
         self.samplers: dict[str, tuple[str, str | None]] = {}  # sampling session id -> (owner, checkpoint path)
+        self.sampler_session: dict[str, str] = {}  # sampling session id -> the session it belongs to (ended with it)
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}  # long polls
         self._waiters_lock = threading.Lock()
         self.completions = Completions(limits.long_poll_s)  # retrieve_futures: finished samples per session
@@ -69,6 +70,9 @@ class Service:
         Answered alike for an unknown session, another key's and one finished before (nothing to tell apart)."""
         if self.sessions.get(sid) == owner:
             del self.sessions[sid]
+            for sampler in [s for s, session in self.sampler_session.items() if session == sid]:
+                self.samplers.pop(sampler, None)  # its sampling sessions end with it (a key's cap counts live ones)
+                del self.sampler_session[sampler]
 
     def _session(self, owner: str, sid: str) -> None:
         if self.sessions.get(sid) != owner:
@@ -203,7 +207,7 @@ class Service:
                     raise
             if kind == "training":
                 return self._ok(types.SaveWeightsResponse(path=path))
-            sid = self.create_sampling_session(owner, path, None) if anonymous else None
+            sid = self.create_sampling_session(owner, path, None, req.model_id.split(":", 1)[0]) if anonymous else None
             return self._ok(types.SaveWeightsForSamplerResponseInternal(path=None if anonymous else path,
                                                                        sampling_session_id=sid))
 
@@ -256,13 +260,17 @@ class Service:
 
     # --- sampling ----------------------------------------------------------------------------------
 
-    def create_sampling_session(self, owner: str, model_path: str | None, base_model: str | None) -> str:
+    def create_sampling_session(self, owner: str, model_path: str | None, base_model: str | None,
+                                session: str | None = None) -> str:
+        """A sampling session of ``owner`` (ended with ``session``, when it names one of the owner's)."""
         if model_path is not None:
             self._checkpoint(owner, model_path)
         elif base_model != self.base_name:
             raise BadRequest(f"base model {base_model!r} is not served (this server samples {self.base_name!r})")
         sid = uuid.uuid4().hex
         self.samplers[sid] = (owner, model_path)
+        if session is not None and self.sessions.get(session) == owner:
+            self.sampler_session[sid] = session
         return sid
 
     def sampler(self, owner: str, sid: str) -> types.GetSamplerResponse:
