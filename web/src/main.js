@@ -55,7 +55,10 @@ async function run() {
   const params = new URLSearchParams(location.search);
   const now = params.has("now") ? Number(params.get("now")) : Math.floor(Date.now() / 1000);
   if (!state.bundle.files.has("manifest.json") && !state.bundle.files.has("round-manifest.json")) return fail(`${state.bundleName} has no manifest.json: not a cvm-tune export bundle`);
-  const f = await verifyBundle(state.bundle, { policy, now, ops: state.ops });
+  let f;
+  try { f = await verifyBundle(state.bundle, { policy, now, ops: state.ops }); } catch (e) {
+    return fail(`the page could not finish verifying (no verdict): ${e && e.message}`);
+  }
   const verdict = verdictJson(f, policy, now);
   const ms = performance.now() - t0;
   render(verdict, { bundle: state.bundle, bundleName: state.bundleName, policyName: state.policyName, opsName: state.opsName, ms });
