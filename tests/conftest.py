@@ -26,6 +26,15 @@ def pytest_configure(config: pytest.Config) -> None:
     home = tempfile.mkdtemp(prefix="cvm-tune-hypothesis-")
     config.add_cleanup(lambda: shutil.rmtree(home, ignore_errors=True))
     set_hypothesis_home_dir(home)
+    # The suite leaves nothing in $HOME or $TMPDIR either: the caches cvm-tune's commands keep in a private directory
+    # (matplotlib, Hugging Face, torch's compilers, Flower, ray) go to one of the session's, removed at its end.
+    from app.cli.quiet import cache_env
+
+    caches = Path(tempfile.mkdtemp(prefix="cvm-tune-test-caches-"))
+    env, ray = cache_env(caches)
+    config.add_cleanup(lambda: [shutil.rmtree(d, ignore_errors=True) for d in (caches, ray)])
+    for name, value in env.items():
+        os.environ.setdefault(name, value)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -264,7 +264,7 @@ def test_show_an_api_checkpoint_with_a_parent(demo_bundle: tuple[Path, Path], tm
     assert verify == (f"cvm-tune verify {bundle} --policy simulator-test-policy.yaml --parent {tmp_path}/exports/run-0"
                       " --ops OPS.jsonl")
     assert (doc["kind"], doc["op_chain_ops"], doc["epsilon"], doc["parent_run_id"]) == ("api", 12, 1.5, "run-0")
-    assert any("--write-policy" in n for n in doc["notes"])
+    assert any("cvm-tune simulator -o" in n for n in doc["notes"])
 
 
 def test_show_a_federated_round(demo_bundle: tuple[Path, Path], tmp_path: Path,

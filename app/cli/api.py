@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from app.cli.args import out_option
+
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add ``api`` (with its action ``serve``) to the top-level subparsers."""
@@ -34,7 +36,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "error.")
     t.add_argument("url", metavar="URL", help="the API's base URL, e.g. https://127.0.0.1:8443")
     t.add_argument("--policy", type=Path, metavar="FILE", help="YAML policy (default: built-in, Intel root)")
-    t.add_argument("--out", type=Path, required=True, metavar="PEM", help="where to write the trusted certificate")
+    out_option(t, required=True, metavar="PEM", help="where to write the trusted certificate")
 
 
 def _api(args: argparse.Namespace) -> int:

@@ -72,3 +72,9 @@ def did_you_mean(message: str) -> str:
         return message
     close = difflib.get_close_matches(m.group(2), re.findall(r"'([^']*)'", m.group(3)), n=1)
     return f"{m.group(1)}: did you mean {close[0]}? (choose from {m.group(3)})" if close else message
+
+
+def printable(line: str) -> str:
+    """A line whose text comes from an unverified manifest, with control characters (terminal escapes, newlines)
+    shown escaped instead of acted on."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in line)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from app.cli.args import bounded_int, out_option
+from app.cli.args import bounded_int, out_option, printable
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -78,7 +78,6 @@ def round_summary(bundle: Path) -> list[str]:
     nothing when the manifest cannot be read (the verdict says why)."""
     from attestation.rounds import manifest as R
 
-    from app.cli.show import _printable
     from app.federated.quiet import round_manifest
 
     try:
@@ -95,7 +94,7 @@ def round_summary(bundle: Path) -> list[str]:
     lines = [f"admitted: {len(m.admitted)}: {admitted}",
              f"rejected: {len(m.rejected)}" + (f": {rejected}" if rejected else ""),
              f"aggregate: {m.strategy.name} of {len(m.admitted)} update(s) weighted by trainable tokens; {adapter}"]
-    return [_printable(line) for line in lines]  # a rejected client's name and reason are whatever it sent
+    return [printable(line) for line in lines]  # a rejected client's name and reason are whatever it sent
 
 
 COMMANDS = {"federated": _federated}

@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from app.cli.args import printable
 from app.cli.verify import SIMULATOR_POLICY_FILE
 from attestation.bundle import manifest as B
 from attestation.errors import BundleError
@@ -38,19 +39,13 @@ def _show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "lines"}, indent=2))
         return 0
-    print(_printable(f"{args.bundle}  ({NOT_VERIFIED})"))
+    print(printable(f"{args.bundle}  ({NOT_VERIFIED})"))
     for label, value in summary["lines"]:
-        print(_printable(f"  {label + ':':13} {value}"))
-    print(_printable(f"verify it: {summary['verify']}"))
+        print(printable(f"  {label + ':':13} {value}"))
+    print(printable(f"verify it: {summary['verify']}"))
     for note in summary["notes"]:
         print(f"  ({note})")
     return 0
-
-
-def _printable(line: str) -> str:
-    """A line whose text comes from an unverified manifest, with control characters (terminal escapes, newlines)
-    shown escaped instead of acted on."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in line)
 
 
 def summarize(bundle: Path) -> dict[str, Any]:
@@ -105,7 +100,7 @@ def _verify_command(bundle: Path, simulated: bool, extra: list[str], notes: list
         near = [p / SIMULATOR_POLICY_FILE for p in bundle.resolve().parents[:POLICY_SEARCH_LEVELS]]
         policy = next((p for p in near if p.is_file()), None)
         if policy is None:  # none nearby: any copy of the simulator's test policy will do
-            notes.append(f"write the simulator's test policy first: cvm-tune simulator --write-policy {SIMULATOR_POLICY_FILE}")
+            notes.append(f"write the simulator's test policy first: cvm-tune simulator -o {SIMULATOR_POLICY_FILE}")
         shown = SIMULATOR_POLICY_FILE if policy is None else policy if bundle.is_absolute() else os.path.relpath(policy)
         words += ["--policy", str(shown)]
         notes.append("made by the simulator: the default policy (Intel's root) rejects it by design")

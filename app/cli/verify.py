@@ -147,7 +147,7 @@ def _simulator_hint(verdicts: list[tuple[Path, Verdict]]) -> None:
             continue
         policy = bundle.resolve().parent.parent / SIMULATOR_POLICY_FILE
         where = (f"--policy {policy}" if policy.is_file() else f"--policy OUTPUT_DIR/{SIMULATOR_POLICY_FILE} (the run "
-                 "that made it wrote it into its output directory; `cvm-tune simulator --write-policy FILE` writes one)")
+                 "that made it wrote it into its output directory; `cvm-tune simulator -o FILE` writes one)")
         print(f"hint: {bundle} was made by the cvm-tune simulator: its quote chains to the simulator's TEST CA, which "
               f"the default policy never trusts (expected). To check everything else, verify with {where}", file=sys.stderr)
         return
@@ -302,7 +302,13 @@ def _verify_round(args: argparse.Namespace, policy: Any, now: int, collateral: A
     verdict = verify_round(args.bundle, policy=policy, now=now, collateral=collateral,
                            identities=identities(args.identity))  # secure aggregation: recompute if they decrypt
     if args.parent is None:
-        return _print_verdict(verdict, as_json=args.json)
+        code = _print_verdict(verdict, as_json=args.json)
+        if not args.json:  # who was admitted or rejected, and the aggregate (what the checks were about)
+            from app.cli.federated import round_summary
+
+            for line in round_summary(args.bundle):
+                print(line)
+        return code
     parent = verify_round(args.parent, policy=policy, now=now)
     return _print_with_parent(verdict, parent, check_round_link(args.bundle, args.parent), as_json=args.json,
                               names=("round", "previous", f"previous round {args.parent}", "link"),
