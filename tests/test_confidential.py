@@ -517,3 +517,15 @@ def test_each_confidential_failure_names_its_reason(night: dict[str, Any], tmp_p
     code, checks = _verify(night, *extra, bundle=bundle)
     assert code == 1 and checks[check]["status"] == "fail", checks.get(check)
     assert reason in checks[check]["reason"], checks[check]
+
+
+def test_the_run_says_who_can_read_its_weights(tmp_path: Path) -> None:
+    from app.export.confidential import Plan
+    from app.run.confidential import describe
+
+    owner, operator, cvm = C.recipient_of(OWNER_ID), C.recipient_of(OPERATOR_ID), C.recipient_of(STRANGER_ID)
+    line = describe(Plan(tuple(sorted((owner, operator, cvm))), (owner,), cvm, tmp_path, STRANGER_ID))
+    assert line.startswith("weights: exported only as age ciphertext to 3 recipient(s): 1 named by the dataset's "
+                           "owner, 1 by the operator") and all(r in line for r in (owner, operator, cvm))
+    assert STRANGER_ID not in line  # the CVM's identity never
+    assert describe(None).startswith("weights: exported in the clear")

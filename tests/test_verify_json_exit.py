@@ -86,3 +86,12 @@ def test_json_and_exit_code_agree(tmp_path: Path, path: str) -> None:
     assert (code == 0) == _says_accepted(doc), (path, code, doc)
     expect_ok = path in ("bundle", "ops", "quote", "chain")
     assert code == (0 if expect_ok else 1), (path, code, doc)
+
+
+def test_an_exports_directory_given_as_bundle_suggests_chain(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli import main
+
+    shutil.copytree(DATA / "bundle", tmp_path / "exports" / "run-1")
+    assert main(["verify", str(tmp_path / "exports"), "--policy", str(POLICY), "--now", NOW]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory of 1 export bundle(s)" in err and f"cvm-tune verify --chain {tmp_path / 'exports'}" in err

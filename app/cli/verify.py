@@ -35,6 +35,7 @@ def _verify(args: argparse.Namespace) -> int:
     now = args.now if args.now is not None else int(time.time())
     if args.chain is not None:
         return _verify_chain(args.chain, policy, now, as_json=args.json, hint=args.policy is None)
+    _exports_dir_hint(args.bundle)
     coll = read_collateral_file(args.collateral) if args.collateral is not None else None
     from attestation.rounds.verify import is_round_bundle
 
@@ -88,6 +89,26 @@ def _print_ops(verdict: Verdict) -> None:
         if c.name in ("op_chain.ops", "op_chain.replay", "training.replay"):
             label = "op chain" if c.name == "op_chain.ops" else "replay"
             print(f"{label}: {'pass' if c.status == 'pass' else 'FAIL'}: {c.detail}")
+
+
+def _exports_dir_hint(path: Path) -> None:
+    """BUNDLE names a directory of bundles (an output volume's exports/): say how to verify it, instead of "not a
+    bundle".
+
+    Raises:
+        ConfigError: ``path`` holds no manifest.json but bundles that do (exit 2).
+    """
+    p = Path(path)
+    if not p.is_dir() or (p / "manifest.json").exists() or (p / "round-manifest.json").exists():
+        return
+    try:
+        runs = sorted(d.name for d in p.iterdir() if not d.name.startswith(".") and (d / "manifest.json").is_file())
+    except OSError:
+        return
+    if runs:
+        raise ConfigError(f"{p} is a directory of {len(runs)} export bundle(s), not one bundle",
+                          fix=f"verify them all and their lineage: cvm-tune verify --chain {p} (or one: cvm-tune "
+                          f"verify {p / runs[-1]})")
 
 
 def _stderr(line: str) -> None:

@@ -22,6 +22,17 @@ from app.fsutil import atomic_write_bytes
 from app.training.checkpoints import ADAPTER_IN_RAM
 
 
+def describe(plan: Plan | None) -> str:
+    """The run's line on who can read its weights (the recipients are public keys: safe to print)."""
+    if plan is None:
+        return "weights: exported in the clear (no recipients: the dataset names none and export.recipients is empty)"
+    others = [r for r in plan.recipients if r != plan.cvm_recipient and r not in plan.dataset_recipients]
+    return (f"weights: exported only as age ciphertext to {len(plan.recipients)} recipient(s): "
+            f"{len(plan.dataset_recipients)} named by the dataset's owner, {len(others)} by the operator (export.recipients, "
+            f"or a secure round's aggregator) and "
+            f"the CVM's own key ({plan.cvm_recipient[:16]}…); the recipients: {', '.join(plan.recipients)}")
+
+
 def prepare(cfg: Config, agent: Any, ds: Any, run_dir: Path, scratch: Path, stack: ExitStack,
             parent: Any, federation: Any = None) -> tuple[Plan | None, Any]:
     """The run's plan (None: plaintext weights, as before) and the parent to warm-start from (decrypted in RAM

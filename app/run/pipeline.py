@@ -162,6 +162,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
             run = identity_stage(cfg, out, ds, base, parent, run_id, hooks.federation)  # 8. resume the newest, or start
             conf, parent = confidential.prepare(cfg, ag.agent, ds, run.run_dir, scratch, stack, parent,  # recipients
                                                 hooks.federation)
+            progress(confidential.describe(conf))  # who will be able to read tonight's weights
             privacy.reserve_stage(cfg, out, ds.info, run.run_id, dp)  # DP-SGD: the dataset version's lifetime cap
         with timer.phase("audit"):
             audit = audit_stage(cfg, out, ag, ds, base, parent, run, progress, dp)  # 9. run.start commits to the inputs
