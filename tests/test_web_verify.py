@@ -323,9 +323,9 @@ def test_the_demo_bundle_is_accepted_with_the_simulator_warning(shown: dict[str,
     page = shown["demo"]
     same_checks(page, page["python"], "demo")
     assert page["verdict"]["verdict"] == "accepted" and page["verdict"]["test_root"] is True
-    print(f"\ndemo bundle: page {page['ms']:.0f} ms in headless Chromium, "
-          f"cvm-tune verify {page['python_s'] * 1000:.0f} ms in-process")
-    assert page["ms"] <= PAGE_BUDGET_MS
+    print(f"\ndemo bundle: verified in {page['ms']:.0f} ms in the page in headless Chromium ({page['loaded_ms']:.0f} ms "
+          f"from opening the page), cvm-tune verify {page['python_s'] * 1000:.0f} ms in-process")
+    assert page["loaded_ms"] <= PAGE_BUDGET_MS
 
 
 @pytest.mark.parametrize("case", ["demo, default policy", "sample bundle", "api checkpoint, no ops",

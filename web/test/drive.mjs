@@ -2,8 +2,8 @@
 // stdin: {"pages": [{"url": URL, "pick": [[SELECTOR, [PATH, ...]], ...], "drop": [PATH, ...], "screenshot": PATH}],
 // "timeout_ms": N}: each page is opened (with "pick": files or a folder chosen in its file inputs, in order; with
 // "drop": the files dropped onto it, as a user drags them from a file manager); stdout: one JSON list, per
-// page {url, verdict (the parsed <pre id="verdict-json">), body_verdict, ms (the page's own timing), requests: every
-// URL the page asked for, errors}.
+// page {url, verdict (the parsed <pre id="verdict-json">), body_verdict, ms (the page's own timing of the verification),
+// loaded_ms (from opening the page to its verdict), requests: every URL the page asked for, errors}.
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { basename, join } from "node:path";
@@ -36,7 +36,7 @@ try {
     page.on("request", (r) => requests.push(r.url()));
     page.on("pageerror", (e) => errors.push(String(e)));
     page.on("console", (m) => { if (m.type() === "error") errors.push(m.text()); });
-    let verdict = null, bodyVerdict = null, ms = null;
+    let verdict = null, bodyVerdict = null, ms = null, loadedMs = null;
     try {
       await page.goto(url);
       for (const [selector, paths] of pick || []) await page.setInputFiles(selector, paths);
@@ -45,6 +45,7 @@ try {
         null, { timeout: input.timeout_ms || 30000 });
       bodyVerdict = await page.evaluate(() => document.body.dataset.verdict);
       ms = await page.evaluate(() => Number(document.body.dataset.verifyMs || "NaN"));
+      loadedMs = await page.evaluate(() => Number(document.body.dataset.loadedMs || "NaN"));
       verdict = JSON.parse(await page.textContent("#verdict-json"));
     } catch (e) {
       errors.push(String(e));
@@ -53,7 +54,7 @@ try {
       await page.setViewportSize({ width: 1000, height: 760 });
       await page.screenshot({ path: screenshot });
     }
-    results.push({ url, verdict, body_verdict: bodyVerdict, ms, requests, errors });
+    results.push({ url, verdict, body_verdict: bodyVerdict, ms, loaded_ms: loadedMs, requests, errors });
     await page.close();
   }
 } finally {
