@@ -196,3 +196,21 @@ def test_attest_rejects_a_config_id_that_binds_another_compose(serve: Any, tmp_p
     code, out = _attest(server.url, policy, trust)
     assert code == 1 and "MRCONFIGID v1 does not carry the compose-hash" in out and not trust.exists(), out
     assert "ACCEPTED" in out  # the quote itself verifies: only the compose binding fails
+
+
+def test_the_server_says_when_a_client_refuses_its_certificate(tls_server: Server) -> None:
+    """An SDK without SSL_CERT_FILE retries for minutes without a word; the server names the refusal and the fix."""
+    import socket
+    import ssl
+    import time
+
+    host, port = tls_server.url.removeprefix("https://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        with pytest.raises(ssl.SSLCertVerificationError):
+            ssl.create_default_context().wrap_socket(raw, server_hostname=host)  # the system's roots: not trusted
+    deadline = time.monotonic() + 20
+    while "refused this server's certificate" not in tls_server.log.read_text():
+        assert time.monotonic() < deadline, tls_server.log.read_text()[-2000:]
+        time.sleep(0.1)
+    line = next(x for x in tls_server.log.read_text().splitlines() if "refused this server's certificate" in x)
+    assert "cvm-tune api attest https://127.0.0.1:" in line and "SSL_CERT_FILE" in line

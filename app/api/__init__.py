@@ -133,6 +133,10 @@ def serve(cfg: Config, listen: str, progress: Progress = print, *, plain_http: b
                                 **ssl)
         config.load()  # reads the key and certificate now
         files.close()  # ... which then leave the disk
+        if config.ssl is not None:  # a client that does not trust the certificate is named, with the fix
+            from app.api.tls import log_refused_handshakes
+
+            log_refused_handshakes(config.ssl, progress, f"https://{host}:{port}")
         server = uvicorn.Server(config)
         original = server.startup
         scheme = "http" if plain_http else "https"

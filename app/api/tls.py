@@ -112,3 +112,34 @@ def attestation(ag: Any, tls: TlsIdentity | None, nonce_hex: str, collateral: An
     return {"schema": SCHEMA, "nonce": nonce.hex(), "tls_spki_sha256": spki.hex() or None,
             "certificate_pem": tls.cert_pem.decode() if tls else None, "quote": quote.hex(), "event_log": event_log,
             "app_compose": ag.ident.app_compose, "collateral": collateral(quote)}
+
+
+# What OpenSSL reports on the server when the client ends the handshake because it does not trust the certificate.
+REFUSED = frozenset({"TLSV1_ALERT_UNKNOWN_CA", "SSLV3_ALERT_BAD_CERTIFICATE", "SSLV3_ALERT_CERTIFICATE_UNKNOWN",
+                     "TLSV1_ALERT_ACCESS_DENIED", "SSLV3_ALERT_UNSUPPORTED_CERTIFICATE"})
+
+
+def log_refused_handshakes(context: Any, log: Any, url: str, *, every_s: float = 10.0) -> None:
+    """Say so when a client refuses this server's certificate: an SDK that does not trust it retries for minutes
+    without a word, and the event loop keeps failed handshakes to its debug log. ``context`` is the server's
+    ``ssl.SSLContext``: its TLS objects (asyncio's and uvloop's alike wrap every connection with
+    ``context.wrap_bio``) report such a handshake once per ``every_s`` seconds at most, naming the fix."""
+    import ssl
+    import time
+
+    last = [-every_s]
+
+    class Watched(ssl.SSLObject):
+        def do_handshake(self) -> None:
+            try:
+                super().do_handshake()
+            except ssl.SSLError as exc:
+                now = time.monotonic()
+                if getattr(exc, "reason", None) in REFUSED and now - last[0] >= every_s:
+                    last[0] = now
+                    log(f"TLS: a client refused this server's certificate ({exc.reason}): it does not trust it — "
+                        f"run `cvm-tune api attest {url} --policy POLICY.yaml -o trust.pem` and point SSL_CERT_FILE "
+                        "at that file")
+                raise
+
+    context.sslobject_class = Watched
