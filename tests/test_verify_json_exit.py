@@ -95,3 +95,13 @@ def test_an_exports_directory_given_as_bundle_suggests_chain(tmp_path: Path, cap
     assert main(["verify", str(tmp_path / "exports"), "--policy", str(POLICY), "--now", NOW]) == 2
     err = capsys.readouterr().err
     assert "is a directory of 1 export bundle(s)" in err and f"cvm-tune verify --chain {tmp_path / 'exports'}" in err
+
+
+def test_ops_on_a_round_bundle_is_an_input_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli import main
+
+    round_dir = tmp_path / "round-1"
+    round_dir.mkdir()
+    (round_dir / "round-manifest.json").write_text("{}")
+    assert main(["verify", str(round_dir), "--policy", str(POLICY), "--ops", str(DATA / "api-bundle-ops.jsonl")]) == 2
+    assert "--ops checks a training-API checkpoint, not a federated round bundle" in capsys.readouterr().err
