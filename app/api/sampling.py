@@ -1,13 +1,24 @@
-"""Token sampling for the API's ``asample``: temperature, top-k, top-p, stop tokens, per-token log-probabilities
-(of the distribution sampled from), and prompt log-probabilities on request."""
+"""Token sampling for the API's ``asample``: temperature, top-k, top-p, stop token ids and stop strings, per-token
+log-probabilities (of the distribution sampled from), and prompt log-probabilities (and their top k) on request.
+
+Stops follow Tinker's ``SamplingParams.stop``: ``None`` stops at the tokenizer's end-of-sequence token, ``[]`` never
+stops early, token ids stop once one of them is sampled, strings once the decoded text of the sampled tokens holds
+one of them (the EOS token stops too in both cases). The token that stopped generation stays in the result, as do the
+tokens that spell a stop string (stop reason ``stop``), as Tinker returns them: a renderer's ``parse_response``
+finds the stop sequence in what it decodes. Reaching ``max_tokens`` first gives stop reason ``length``.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+MAX_TOPK = 20  # topk_prompt_logprobs served (each prompt position carries k ids and logprobs)
+MASK_LOGPROB = -99999.0  # tinker.types.topk_logprobs.MASK_LOGPROB: a top-k row with nothing in it
 
 
 def check_params(p: Any) -> None:
@@ -29,9 +40,41 @@ def check_params(p: Any) -> None:
         raise BadRequest(f"sampling_params.seed must be between 0 and {MAX_SEED}")
 
 
+@dataclass(frozen=True)
+class Stop:
+    """When a sequence ends before ``max_tokens``: a token in ``tokens``, or a string of ``strings`` in its text."""
+
+    tokens: frozenset[int] = frozenset()
+    strings: tuple[str, ...] = ()
+
+
+def stop_of(stop: Any, eos: frozenset[int]) -> Stop:
+    """The :class:`Stop` of a request's ``SamplingParams.stop`` (``eos``: the base model's end-of-sequence ids).
+
+    Raises:
+        BadRequest: an empty stop string, or a list mixing strings and token ids.
+    """
+    from app.api.errors import BadRequest
+
+    if stop is None:
+        return Stop(tokens=eos)
+    items = [stop] if isinstance(stop, str) else list(stop)
+    if not items:
+        return Stop()  # Tinker: [] disables every stop token, EOS included
+    if all(isinstance(i, str) for i in items):
+        if any(not i for i in items):
+            raise BadRequest("sampling_params.stop holds an empty string")
+        return Stop(tokens=eos, strings=tuple(dict.fromkeys(items)))
+    if all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+        return Stop(tokens=eos | frozenset(items))
+    raise BadRequest("sampling_params.stop: strings or token ids, not both")
+
+
 def generate(model: Any, prompt: list[int], *, max_tokens: int, temperature: float, top_k: int, top_p: float,
-             stop: list[int], generator: Any, device: str) -> tuple[list[int], list[float], bool]:
-    """(tokens, logprobs, stopped): up to ``max_tokens`` tokens after ``prompt`` (KV cache)."""
+             stop: Stop, decode: Callable[[list[int]], str], generator: Any,
+             device: str) -> tuple[list[int], list[float], bool]:
+    """(tokens, logprobs, stopped): up to ``max_tokens`` tokens after ``prompt`` (KV cache); ``decode`` turns the
+    sampled tokens into the text stop strings are looked for in."""
     import torch
 
     out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
@@ -48,8 +91,8 @@ def generate(model: Any, prompt: list[int], *, max_tokens: int, temperature: flo
             tok = int(torch.multinomial(probs.cpu(), 1, generator=generator))
         tokens.append(tok)
         logprobs.append(float(lp[tok]))
-        if tok in stop:
-            return tokens, logprobs, True
+        if tok in stop.tokens or (stop.strings and any(x in decode(tokens) for x in stop.strings)):
+            return tokens, logprobs, True  # the first occurrence: the text before this token held none
         out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=out.past_key_values,
                     use_cache=True)
     return tokens, logprobs, False
@@ -71,10 +114,20 @@ def _filtered(probs: Any, top_k: int, top_p: float) -> Any:
     return probs / probs.sum()
 
 
-def prompt_logprobs(model: Any, prompt: list[int], device: str) -> list[float]:
-    """log p(prompt[i] | prompt[:i]) for every position; NaN at position 0 (no context)."""
+def prompt_logprobs(model: Any, prompt: list[int], device: str, topk: int = 0) -> tuple[list[float], Any]:
+    """log p(prompt[i] | prompt[:i]) for every position, NaN at position 0 (no context); and with ``topk`` > 0 the
+    ``topk`` most probable (token ids, logprobs) per position, most probable first, as two ``(len(prompt), k)``
+    arrays (position 0: token 0 and ``MASK_LOGPROB``, the SDK's mark of a position without them), else None."""
+    import numpy as np
     import torch
 
     logits = model(input_ids=torch.tensor([prompt], device=device)).logits[0].float()
-    lp = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(prompt[1:], device=device)[:, None])[:, 0]
-    return [math.nan, *lp.cpu().tolist()]
+    all_lp = torch.log_softmax(logits[:-1], dim=-1)
+    lp = all_lp.gather(1, torch.tensor(prompt[1:], device=device)[:, None])[:, 0]
+    top = None
+    if topk > 0:
+        k = min(topk, all_lp.shape[-1])
+        values, ids = torch.topk(all_lp, k, dim=-1)
+        top = (np.concatenate([np.zeros((1, k), np.int32), ids.cpu().numpy().astype(np.int32)]),
+               np.concatenate([np.full((1, k), MASK_LOGPROB, np.float32), values.cpu().numpy().astype(np.float32)]))
+    return [math.nan, *lp.cpu().tolist()], top

@@ -25,7 +25,7 @@ from attestation.io.hashing import sha256_file
 from attestation.outputs import op_chain
 
 from app.api import dp as dpsgd
-from app.api import wire
+from app.api import sampling, wire
 from app.api.bundle import Exporter
 from app.api.completions import Completions
 from app.api.engine import Engine, Model, run_job, saved_dp
@@ -301,15 +301,22 @@ class Service:
             raise BadRequest(f"a prompt token id is outside the vocabulary (0..{self.engine.vocab - 1})")
         if not 1 <= req.num_samples <= 16:
             raise BadRequest("num_samples must be 1..16")
-        stop = [s for s in (p.stop or []) if isinstance(s, int)] if not isinstance(p.stop, str) else []
-        if p.stop and (isinstance(p.stop, str) or len(stop) != len(p.stop)):
-            raise BadRequest("stop strings are not served; send stop token ids")
+        stop = sampling.stop_of(p.stop, self.engine.eos_ids())
+        if stop.strings:
+            self.engine.tokenizer()  # refused now when the base model has none to decode with
+        if not 0 <= req.topk_prompt_logprobs <= sampling.MAX_TOPK:
+            raise BadRequest(f"topk_prompt_logprobs must be 0..{sampling.MAX_TOPK}")
+        unserved = [f for f in ("topk_sample_logprobs", "target_prompt_logprobs", "prompt_alt_tokens_k",
+                                "prompt_logprobs_last_n") if getattr(req, f)]
+        if unserved:
+            raise BadRequest(f"{', '.join(unserved)}: not served")
 
         def run() -> tuple[bool, str, bytes]:
             with self._sampler(c) as src:
                 return True, PROTO, self.engine.sample(
                     src, prompt, num_samples=req.num_samples, max_tokens=max_tokens, temperature=p.temperature,
-                    top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop=stop, prompt_logprobs=bool(req.prompt_logprobs))
+                    top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop=stop, prompt_logprobs=bool(req.prompt_logprobs),
+                    topk_prompt_logprobs=req.topk_prompt_logprobs)
 
         return self._enqueue(owner, session, None, "sample", run, samples=req.num_samples,
                              sampler=(session, req.seq_id) if req.sampling_session_id is not None else None)

@@ -145,8 +145,10 @@ def forward_backward_output(per_datum: list[dict[str, np.ndarray]], metrics: dic
     return msg.SerializeToString()
 
 
-def sample_response(sequences: list[tuple[list[int], list[float], bool]], prompt_logprobs: list[float] | None) -> bytes:
-    """A ``SampleResponse`` protobuf: (tokens, logprobs, stopped) per sequence; prompt logprobs with NaN first."""
+def sample_response(sequences: list[tuple[list[int], list[float], bool]], prompt_logprobs: list[float] | None,
+                    topk: tuple[np.ndarray, np.ndarray] | None = None) -> bytes:
+    """A ``SampleResponse`` protobuf: (tokens, logprobs, stopped) per sequence; prompt logprobs with NaN first; the
+    top-k prompt logprobs as ``(token ids, logprobs)``, two ``(len(prompt), k)`` arrays (``TopkLogprobs``)."""
     msg = pb.SampleResponse()
     for tokens, logprobs, stopped in sequences:
         s = msg.sequences.add(stop_reason=pb.STOP_REASON_STOP if stopped else pb.STOP_REASON_LENGTH)
@@ -154,4 +156,9 @@ def sample_response(sequences: list[tuple[list[int], list[float], bool]], prompt
         s.logprobs = np.asarray(logprobs, dtype=np.float32).tobytes()
     if prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    if topk is not None:
+        ids, lps = topk
+        msg.topk_prompt_logprobs.length, msg.topk_prompt_logprobs.k = ids.shape
+        msg.topk_prompt_logprobs.token_ids = np.ascontiguousarray(ids, dtype=np.int32).tobytes()
+        msg.topk_prompt_logprobs.logprobs = np.ascontiguousarray(lps, dtype=np.float32).tobytes()
     return msg.SerializeToString()
