@@ -179,11 +179,25 @@ def test_round_bundles_hold_no_plaintext_update_and_verify(secure_fed: dict[str,
         verdict = verify_round(rd, policy=_policy(), now=int(time.time()), identities=ids)
         assert verdict.accepted and {c.name: c for c in verdict.checks}["round.aggregate"].status == "pass"
     assert len(needles) > 10
-    for where in (secure_fed["root"] / "aggregator", *(p.parent / "out" for p in secure_fed["clients"])):
+    ray = [Path(os.environ["RAY_TMPDIR"])] if os.environ.get("RAY_TMPDIR") else []  # ray's session folders
+    ram = [d for p in secure_fed["clients"] for d in _ram_dirs(p.parent / "out")]
+    for where in (secure_fed["root"] / "aggregator", *(p.parent / "out" for p in secure_fed["clients"]), *ray, *ram):
         for path in where.rglob("*"):
             if path.is_file() and not path.is_symlink() and "models" not in path.parts:
-                data = path.read_bytes()
+                try:
+                    data = path.read_bytes()
+                except OSError:  # a file of ray's that went away while it was read
+                    continue
                 assert not any(n in data for n in needles), f"plaintext adapter bytes in {path}"
+
+
+def _ram_dirs(out: Path) -> list[Path]:
+    """The RAM directories of an output volume (its scratch and what sits beside it)."""
+    from app.config import Config
+    from app.run.inputs import scratch_dir
+
+    ram = scratch_dir(Config(), out.resolve())
+    return [d for d in ram.parent.iterdir() if d.name.startswith(ram.name)]
 
 
 def _key(root: Path) -> Path:
