@@ -23,22 +23,14 @@ OWNER = owner_key()
 def _run(root: Path, rows: list[dict[str, Any]], version: int = 1) -> tuple[Path, Path, Path]:
     """A run on an owner-signed dataset with a key file: (bundle, dataset file, key file)."""
     from app.cli import main
+    from tests.test_tabular import OWNER as TABULAR_OWNER
+    from tests.test_tabular import _cfg
 
     root.mkdir(parents=True, exist_ok=True)
     data = root / f"tickets-v{version}.cvmds"
-    encrypt_to(data, jsonl(rows), signer=OWNER, dataset_id="tickets", dataset_version=version)
-    key = root / "dataset.key"
-    key.write_bytes(KEY)
-    key.chmod(0o600)
-    cfg = root / "cfg.json"
-    cfg.write_text(json.dumps({
-        "output": {"dir": str(root / "out")},
-        "dataset": {"source": "encrypted-file", "path": str(data), "owner_public_key":
-                    OWNER.public_key().public_bytes_raw().hex(), "key": {"source": "file", "file": str(key)}},
-        "training": {"max_steps": 3, "save_steps": 3, "per_device_batch_size": 2, "gradient_accumulation_steps": 1,
-                     "max_length": 64}}))
-    assert main(["run", "--config", str(cfg)]) == 0
-    return next(p for p in (root / "out" / "exports").iterdir() if p.is_dir()), data, key
+    encrypt_to(data, jsonl(rows), signer=TABULAR_OWNER, dataset_id="tickets", dataset_version=version)
+    assert main(["run", "--config", str(_cfg(root, data))]) == 0  # the tabular tests' run: 3 steps, key file
+    return next(p for p in (root / "out" / "exports").iterdir() if p.is_dir()), data, root / "dataset.key"
 
 
 def _verify(bundle: Path, *extra: str) -> tuple[int, dict[str, Any]]:

@@ -224,7 +224,7 @@ def check(f: QuoteFindings, m: Manifest, policy: Policy, config_bytes: bytes | N
     bounded = policy.max_epsilon is not None or policy.max_delta is not None
     chain = getattr(m, "op_chain", None)
     if dp is None and chain is not None and chain.dp is not None:
-        _check_api(f, m, policy, bounded)
+        _check_api(f, m, policy)
         return
     if dp is None:
         f.add(CHECK, "skip", "trained without differential privacy (training.privacy off)")
@@ -233,20 +233,28 @@ def check(f: QuoteFindings, m: Manifest, policy: Policy, config_bytes: bytes | N
                   f"{policy.max_epsilon}, max_delta {policy.max_delta}); this run trained without DP-SGD")
         return
     problems, eps = _problems(dp, m, config_bytes)
+    _conclude(f, policy, problems, eps, dp.delta, "privacy block", lambda: (
+        f"(ε, δ) = ({eps:.4g}, {dp.delta:.3g}) as run: DP-SGD, Poisson sampling q={dp.sample_rate:.4g} "
+        f"of N={dp.rows} rows, clipping C={dp.max_grad_norm:g}, noise σ={dp.noise_multiplier:.4g}, {dp.steps} "
+        f"steps, {dp.accountant} accountant, opacus {dp.library.opacus} recorded ε {dp.epsilon:.4g}"))
+
+
+def _conclude(f: QuoteFindings, policy: Policy, problems: list[str], eps: float, delta: float, block: str,
+              shown: Any) -> None:
+    """Add ``privacy.dp`` (and, when the policy bounds (ε, δ), ``privacy.policy``) from what was found: an ε that
+    could not be recomputed (out of range, malformed) fails both; ``shown()`` describes the guarantee otherwise."""
+    bounded = policy.max_epsilon is not None or policy.max_delta is not None
     if not math.isfinite(eps):  # out of range or not recomputable: nothing else is worth showing
         f.add(CHECK, "fail", "; ".join(problems))
         if bounded:
-            f.add(POLICY_CHECK, "fail", "epsilon cannot be recomputed from the bundle's privacy block")
+            f.add(POLICY_CHECK, "fail", f"epsilon cannot be recomputed from the bundle's {block}")
         return
-    shown = (f"(ε, δ) = ({eps:.4g}, {dp.delta:.3g}) as run: DP-SGD, Poisson sampling q={dp.sample_rate:.4g} "
-             f"of N={dp.rows} rows, clipping C={dp.max_grad_norm:g}, noise σ={dp.noise_multiplier:.4g}, {dp.steps} "
-             f"steps, {dp.accountant} accountant, opacus {dp.library.opacus} recorded ε {dp.epsilon:.4g}")
-    f.add(CHECK, "fail" if problems else "pass", "; ".join([*problems, shown]))
+    f.add(CHECK, "fail" if problems else "pass", "; ".join([*problems, shown()]))
     if bounded:
-        _policy(f, policy, eps, dp.delta)
+        _policy(f, policy, eps, delta)
 
 
-def _check_api(f: QuoteFindings, m: Manifest, policy: Policy, bounded: bool) -> None:
+def _check_api(f: QuoteFindings, m: Manifest, policy: Policy) -> None:
     """``privacy.dp`` for a training-API checkpoint trained with DP-SGD (``op_chain.dp``): the ε its accountant
     recorded is recomputed from σ, q = batch / dataset size, the optimizer steps and δ, as for a nightly run; the
     policy's bounds apply alike."""
@@ -259,10 +267,8 @@ def _check_api(f: QuoteFindings, m: Manifest, policy: Policy, bounded: bool) -> 
         if any(isinstance(v, bool) or not isinstance(v, int) for v in (n, b, steps)):
             raise TypeError("dataset_size, batch_size and steps must be integers")
     except (KeyError, TypeError, ValueError) as exc:
-        f.add(CHECK, "fail", f"op_chain.dp is incomplete or malformed: {exc}")
-        if bounded:
-            f.add(POLICY_CHECK, "fail", "epsilon cannot be recomputed from the bundle's op_chain.dp")
-        return
+        return _conclude(f, policy, [f"op_chain.dp is incomplete or malformed: {exc}"], math.inf, 0.0, "op_chain.dp",
+                         None)
     if not (_number(n, 2, MAX_ROWS) and _number(b, 1, min(n, MAX_BATCH))):
         problems.append(f"dataset_size {str(n)[:20]} / batch_size {str(b)[:20]} out of range")
     elif not math.isclose(q, b / n, rel_tol=1e-9):
@@ -284,17 +290,10 @@ def _check_api(f: QuoteFindings, m: Manifest, policy: Policy, bounded: bool) -> 
             if not epsilon_agrees(accountant, eps, eps_rec):
                 problems.append(f"recorded epsilon {eps_rec:.6g} is not what the {accountant} accountant gives for "
                                 f"these parameters ({eps:.6g})")
-    if not math.isfinite(eps):
-        f.add(CHECK, "fail", "; ".join(problems))
-        if bounded:
-            f.add(POLICY_CHECK, "fail", "epsilon cannot be recomputed from the bundle's op_chain.dp")
-        return
-    shown = (f"(ε, δ) = ({eps:.4g}, {delta:.3g}) as served: DP-SGD per datum, sample rate q={q:.4g} (batch {b} of "
-             f"{n}, the client's Poisson sampling), clipping C={clip:g}, noise σ={sigma:.4g}, {steps} steps, "
-             f"{accountant} accountant, recorded ε {eps_rec:.4g}")
-    f.add(CHECK, "fail" if problems else "pass", "; ".join([*problems, shown]))
-    if bounded:
-        _policy(f, policy, eps, delta)
+    _conclude(f, policy, problems, eps, delta, "op_chain.dp", lambda: (
+        f"(ε, δ) = ({eps:.4g}, {delta:.3g}) as served: DP-SGD per datum, sample rate q={q:.4g} (batch {b} of "
+        f"{n}, the client's Poisson sampling), clipping C={clip:g}, noise σ={sigma:.4g}, {steps} steps, "
+        f"{accountant} accountant, recorded ε {eps_rec:.4g}"))
 
 
 def _policy(f: QuoteFindings, policy: Policy, eps: float, delta: float) -> None:
