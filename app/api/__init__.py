@@ -70,6 +70,7 @@ def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: b
         store = Store(out)
         stack.callback(store.close)
         exporter = Exporter(cfg, out, ag, base, backend=backend) if export else None
+        progress(saves_line(tuple(cfg.export.recipients), ag.agent.get_key))
 
         def collateral(quote: bytes) -> str | None:
             return ag.agent.bundle_collateral(quote, mode=cfg.tee.collateral, pccs_url=cfg.tee.pccs_url,
@@ -77,6 +78,21 @@ def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: b
 
         yield Service(out=out, engine=engine, store=store, exporter=exporter, base_name=name, limits=cfg.api,
                       agent=ag, collateral=collateral, vault=vault)
+
+
+def saves_line(recipients: tuple[str, ...], get_key: Callable[[str, str], bytes]) -> str:
+    """The start line that says how saves are kept: states sealed to the app; export bundles' weights in the clear,
+    or age ciphertext to ``export.recipients`` and the CVM's own key (its age recipient, derived from ``get_key``)."""
+    sealed = "saves: training states sealed to this app (api/checkpoints/); export bundles' weights "
+    if not recipients:
+        return sealed + "in the clear (no export.recipients)"
+    from attestation.outputs import confidential
+
+    from app.export.confidential import cvm_identity
+
+    cvm = confidential.recipient_of(cvm_identity(get_key))
+    return sealed + (f"age-encrypted to {len(recipients)} export.recipients ({', '.join(sorted(recipients))}) "
+                     f"and the CVM's key {cvm}")
 
 
 def check_listen(listen: str) -> tuple[str, int, bool]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from tinker import types
 
 from attestation.io.safe_yaml import parse_json
@@ -26,6 +26,13 @@ from app.api.service import Service
 
 logger = logging.getLogger(__name__)
 MAX_BODY = 64 << 20
+
+
+class WeightsInfoRequest(BaseModel):
+    """What ``RestClient.get_weights_info_by_tinker_path`` posts (SDK 0.38 has no type of its own for it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    tinker_path: str
 
 
 def accepted_keys(key_sha256: tuple[str, ...]) -> frozenset[str]:
@@ -153,6 +160,14 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> Any:
         return _json(svc.load(request.state.owner, await body(request, types.LoadWeightsRequest)))
+
+    @app.post("/api/v1/weights_info")
+    async def weights_info(request: Request) -> Any:
+        return _json(svc.weights_info(request.state.owner, (await body(request, WeightsInfoRequest)).tinker_path))
+
+    @app.post("/api/v1/unload_model")
+    async def unload_model(request: Request) -> Any:
+        return _json(svc.unload_model(request.state.owner, (await body(request, types.UnloadModelRequest)).model_id))
 
     @app.get("/api/v1/training_runs/{model_id}/checkpoints")
     async def checkpoints(model_id: str, request: Request) -> Any:

@@ -258,6 +258,25 @@ class Service:
             user_metadata={"bundle": c.bundle or "", "op_chain_head": c.op_head, "op_chain_ops": str(c.ops)})
             for c in self.store.checkpoints(model_id)])
 
+    def weights_info(self, owner: str, path: str) -> types.WeightsInfoResponse:
+        """``RestClient.get_weights_info_by_tinker_path``: the base model and LoRA configuration of a checkpoint."""
+        c = self._checkpoint(owner, path)
+        return types.WeightsInfoResponse(base_model=self.base_name, is_lora=True, lora_rank=c.lora["rank"],
+                                         train_unembed=c.lora.get("train_unembed"), train_mlp=c.lora.get("train_mlp"),
+                                         train_attn=c.lora.get("train_attn"))
+
+    def unload_model(self, owner: str, model_id: str) -> dict[str, Any]:
+        """``UnloadModelRequest``: the model's adapter and optimizer leave memory after the operations queued before
+        it; its checkpoints stay (a training client from one of its saved states continues it). Later operations on
+        it get 404."""
+        self._model(owner, model_id)
+
+        def run() -> tuple[bool, str, bytes]:
+            self.engine.discard(model_id)
+            return self._ok(types.UnloadModelResponse(model_id=model_id, type="unload_model"))
+
+        return self._enqueue(owner, model_id.split(":", 1)[0], model_id, "unload_model", run)
+
     # --- sampling ----------------------------------------------------------------------------------
 
     def create_sampling_session(self, owner: str, model_path: str | None, base_model: str | None,
