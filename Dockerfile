@@ -25,6 +25,8 @@ COPY requirements/ requirements/
 COPY pyproject.toml README.md ./
 COPY app/ app/
 COPY attestation/ attestation/
+# The browser verifier (bundles serve's /verify): app/service/verify.html links to it; the wheel carries the file.
+COPY web/dist/verify.html web/dist/verify.html
 # --system-site-packages: the venv sees the base's torch stack; everything else comes from the lock, hash-checked.
 RUN python3 -m venv --system-site-packages /opt/venv \
  && sh requirements/install.sh /opt/venv requirements/${FLAVOR}.lock \

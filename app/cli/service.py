@@ -92,7 +92,8 @@ def _bundles(args: argparse.Namespace) -> int:
     if args.bundles_command == "serve":
         digest = bundles.serve_token_sha256(args.token_file, os.environ.get(bundles.TOKEN_ENV))
         server = bundles.BundleServer(args.output, digest, host=args.host, port=args.port)
-        print(f"cvm-tune bundle server (read-only) on {server.url} for {args.output}", flush=True)
+        print(f"cvm-tune bundle server (read-only) on {server.url} for {args.output}; verify its bundles in a browser "
+              f"at {server.url}/verify/runs (the token as the password)", flush=True)
         try:
             server.serve_forever()
         finally:

@@ -9,12 +9,14 @@ docker-compose.yaml: output volume mounted read-only, no guest-agent socket) ans
     GET /v1/promoted                  {"run_id", "files"} of the bundle exports/PROMOTED names (continual retraining)
     GET /v1/bundles/<run_id>          {"files": {path: size}} of exports/<run_id>/
     GET /v1/bundles/<run_id>/<path>   one file of that bundle
+    GET /verify, /verify/runs, …      the browser verifier on these bundles (:mod:`app.service.verify_page`)
 
-Every request carries ``Authorization: Bearer <token>``. The server holds no secret: it compares SHA-256(token)
-with ``CVM_TUNE_BUNDLES_TOKEN_SHA256``, a value in the measured compose file. Unlike an encrypted env var, the
-host cannot swap it without changing the compose-hash (dstack.md §5.4). Outside a CVM, ``bundles serve
---token-file FILE`` takes the hash of the token in FILE instead. A bundle needs no secrecy to be
-*checked* (``cvm-tune verify`` trusts nothing the transport says); the token keeps the adapter to its operator.
+Every request carries ``Authorization: Bearer <token>`` (a browser: HTTP Basic, the token as the password). The
+server holds no secret: it compares SHA-256(token) with ``CVM_TUNE_BUNDLES_TOKEN_SHA256``, a value in the measured
+compose file. Unlike an encrypted env var, the host cannot swap it without changing the compose-hash (dstack.md
+§5.4). Outside a CVM, ``bundles serve --token-file FILE`` takes the hash of the token in FILE instead. A bundle
+needs no secrecy to be *checked* (``cvm-tune verify`` trusts nothing the transport says); the token keeps the adapter
+to its operator.
 
 The client (``cvm-tune bundles list``/``fetch``) goes through the HTTP edge (:mod:`attestation.io.http_edge`): it sends
 the token only to the host its URL names (https, or http on loopback; no user name in the URL, no redirect followed,
@@ -25,6 +27,7 @@ answer is a ``StateError``.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -46,6 +49,7 @@ from attestation.io.safe_yaml import parse_json
 from app.config import check_url
 from app.errors import ConfigError, StateError
 from app.fsutil import open_regular, staged_dir
+from app.service import verify_page as P
 from app.service.api_saves import api_saves
 from app.state import run_list
 
@@ -148,6 +152,17 @@ def runs(output: Path) -> list[dict[str, Any]]:
     return sorted(found, key=lambda r: r["run_id"])
 
 
+def _authorized(auth: str, pinned: str) -> bool:
+    """``Bearer TOKEN``, or (from a browser) ``Basic`` with the token as the password and any user name."""
+    scheme, _, value = auth.partition(" ")
+    if scheme == "Basic":
+        try:
+            value = base64.b64decode(value, validate=True).decode().partition(":")[2]
+        except ValueError:  # binascii.Error and UnicodeDecodeError are ValueErrors
+            return False
+    return scheme in ("Bearer", "Basic") and hmac.compare_digest(token_sha256(value), pinned)
+
+
 def _promoted(output: Path) -> str | None:
     """The run id ``exports/PROMOTED`` names, when it is a well-formed one."""
     try:
@@ -160,13 +175,18 @@ def _promoted(output: Path) -> str | None:
 class _Handler(BaseHTTPRequestHandler):
     server: BundleServer
     protocol_version = "HTTP/1.1"
+    _page = False  # answering /verify…: the page's security headers go on every answer
 
     def do_GET(self) -> None:  # noqa: N802 (http.server naming)
-        auth = self.headers.get("Authorization", "")
-        given = token_sha256(auth.removeprefix("Bearer "))
-        if not auth.startswith("Bearer ") or not hmac.compare_digest(given, self.server.token_sha256):
+        path = urllib.parse.urlsplit(self.path).path
+        self._page = path == P.PREFIX or path.startswith(P.PREFIX + "/")
+        if not _authorized(self.headers.get("Authorization", ""), self.server.token_sha256):
+            if self._page:  # a browser asks for the token (the password; any user name), then sends it on each fetch
+                return self._send(401, b"the bundle token, please (any user name)\n", WWW_Authenticate=P.REALM)
             return self._json(401, {"error": "missing or wrong bearer token"})
-        parts = [urllib.parse.unquote(p) for p in urllib.parse.urlsplit(self.path).path.strip("/").split("/")]
+        parts = [urllib.parse.unquote(p) for p in path.strip("/").split("/")]
+        if self._page:
+            return P.answer(self, parts[1:], runs, bundle_files)
         if parts == ["v1", "runs"]:
             try:
                 return self._json(200, runs(self.server.output))
@@ -184,13 +204,23 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._file(bundle / rel, files[rel])
         return self._json(404, {"error": "not found"})
 
-    def _json(self, code: int, body: Any) -> None:
-        data = json.dumps(body, indent=1).encode()
+    def _send(self, code: int, data: bytes, kind: str = "text/plain; charset=utf-8", **headers: str) -> None:
         self.send_response(code)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(data)))
+        for name, value in headers.items():
+            self.send_header(name.replace("_", "-"), value)
         self.end_headers()
         self.wfile.write(data)
+
+    def _json(self, code: int, body: Any) -> None:
+        self._send(code, json.dumps(body, indent=1).encode(), "application/json")
+
+    def end_headers(self) -> None:
+        if self._page:
+            for name, value in P.COMMON_HEADERS.items():
+                self.send_header(name, value)
+        super().end_headers()
 
     def _file(self, path: Path, size: int) -> None:
         self.send_response(200)
