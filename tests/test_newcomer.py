@@ -244,6 +244,25 @@ def test_show_summarizes_a_run_and_its_verify_command_verifies_it(demo_bundle: t
     capsys.readouterr()
 
 
+
+def test_show_and_verify_say_how_to_open_the_browser_verifier(demo_bundle: tuple[Path, Path],
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from app.service.verify_page import PAGE
+
+    bundle, policy = demo_bundle
+    line = (f"in a browser: open {PAGE.resolve().as_uri()} and drop the bundle on it, or SERVER/verify?bundle="
+            f"/verify/bundles/{bundle.name}.tar.gz&policy=/verify/simulator-test-policy.yaml where `cvm-tune bundles "
+            "serve` serves it")
+    assert PAGE.resolve().as_uri().endswith("/web/dist/verify.html")  # in a checkout, the built page itself
+    assert main(["show", str(bundle)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == line
+    assert main(["verify", str(bundle), "--policy", str(policy)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == line
+    assert main(["verify", str(bundle), "--policy", str(policy), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "accepted"  # --json prints the verdict alone
+
 def test_show_an_api_checkpoint_with_a_parent(demo_bundle: tuple[Path, Path], tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     import json

@@ -3,7 +3,8 @@ training-API checkpoint) or a federated round bundle.
 
 Read from the manifest alone, through the bounded JSON parser and the manifest model; nothing is verified, so every
 line is the bundle's claim until ``cvm-tune verify`` accepts it. It ends with the exact verify command (with the
-simulator's test policy when the manifest says the simulator made it). Runs without the training stack.
+simulator's test policy when the manifest says the simulator made it) and how to open the browser verifier on it.
+Runs without the training stack.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pydantic import ValidationError
 
 from app.cli.args import printable
 from app.cli.verify import SIMULATOR_POLICY_FILE
+from app.service.verify_page import browser_line
 from attestation.bundle import manifest as B
 from attestation.errors import BundleError
 from attestation.io.safe_yaml import parse_json
@@ -45,6 +47,8 @@ def _show(args: argparse.Namespace) -> int:
     print(printable(f"verify it: {summary['verify']}"))
     for note in summary["notes"]:
         print(f"  ({note})")
+    if summary["kind"] != "round" and (line := browser_line(args.bundle, policy=summary["simulator"])):
+        print(printable(line))  # the page does not verify federated rounds
     return 0
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.cli import EXIT_REJECTED, _silence_stdout
 from app.errors import ConfigError
+from app.service.verify_page import browser_line
 from attestation.io.safe_yaml import parse_json
 
 if TYPE_CHECKING:
@@ -69,6 +70,8 @@ def _verify(args: argparse.Namespace) -> int:
             _print_ops(verdict)
         if not args.json and verdict.accepted:
             _print_objective(args.bundle)
+        if not args.json and (line := browser_line(args.bundle, policy=verdict.test_root)):
+            print(line)
         if args.policy is None:
             _simulator_hint([(args.bundle, verdict)])
         return code
