@@ -19,7 +19,7 @@ import tarfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, urlparse
 
 import pytest
 
@@ -154,8 +154,8 @@ def test_the_served_page_accepts_the_served_bundle(server: BundleServer, demo_bu
     assert page["body_verdict"] == "accepted", page["errors"]
     py, _ = python_verdict(demo_bundle[0], demo_bundle[1])
     same_checks(page, py, "served by cvm-tune bundles serve")
-    assert {r.split("?", 1)[0].rsplit(":", 1)[1].split("/", 1)[1] for r in page["requests"]} == {
-        "verify", f"verify/bundles/{demo_bundle[0].name}.tar.gz", POLICY.lstrip("/")}
+    assert {urlparse(r).path for r in page["requests"]} == {"/verify", f"/verify/bundles/{demo_bundle[0].name}.tar.gz",
+                                                          POLICY}, "the page, the bundle and the policy, nothing else"
 
 
 # --- shipped with the package -----------------------------------------------------------------------------------------
