@@ -28,7 +28,6 @@ from app.cli import adapter as cli_adapter
 from app.cli import api as cli_api
 from app.cli import federated as cli_federated
 from app.cli import owner as cli_owner
-from app.cli import quiet
 from app.cli.args import Parser, bounded_int, out_option
 from app.errors import CvmTuneError
 
@@ -260,6 +259,8 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import logging  # after parsing: ``--help`` and usage errors exit before any of this is loaded
+
+    from app.cli import quiet
 
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -16,7 +16,7 @@ from app.state_migrations import _read_only, version
 API_SCHEMA_VERSION = 3  # the migration that added the api_* tables
 
 
-def api_saves(out: Path, limit: int | None = None) -> list[dict[str, Any]]:
+def api_saves(out: Path, limit: int | None = None, conn: sqlite3.Connection | None = None) -> list[dict[str, Any]]:
     """The saves whose export bundle was written, newest first: ``run_id`` (the bundle's directory under
     ``exports/``), ``checkpoint`` (its ``tinker://`` path), ``kind`` (``training`` or ``sampler``), ``model_id``,
     ``ops`` (op-chain length), ``saved_at`` and ``exported`` (its manifest is on the volume).
@@ -25,18 +25,19 @@ def api_saves(out: Path, limit: int | None = None) -> list[dict[str, Any]]:
         StateError: the database is damaged or newer than this code.
     """
     path = Path(out) / "state" / "runs.sqlite"
-    if not path.is_file():
+    if conn is None and not path.is_file():
         return []
     try:
-        conn = _read_only(path)
+        db = conn if conn is not None else _read_only(path)  # ``conn``: the caller's open connection (status)
         try:
-            if version(conn, path) < API_SCHEMA_VERSION:
+            if version(db, path) < API_SCHEMA_VERSION:
                 return []
-            rows = conn.execute("SELECT bundle, path, kind, model_id, ops, created_at FROM api_checkpoints"
-                                " WHERE bundle IS NOT NULL ORDER BY created_at DESC, path DESC LIMIT ?",
-                                (-1 if limit is None else limit,)).fetchall()
+            rows = db.execute("SELECT bundle, path, kind, model_id, ops, created_at FROM api_checkpoints"
+                              " WHERE bundle IS NOT NULL ORDER BY created_at DESC, path DESC LIMIT ?",
+                              (-1 if limit is None else limit,)).fetchall()
         finally:
-            conn.close()
+            if conn is None:
+                db.close()
     except sqlite3.Error as exc:
         raise StateError(f"run database {path} is damaged: {type(exc).__name__}: {exc}",
                          fix="restore state/runs.sqlite from a backup") from exc

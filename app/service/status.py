@@ -28,10 +28,10 @@ def render_status(cfg: Config, *, limit: int = 10, as_json: bool = False, now: d
     try:  # closed before anything else is read: a status leaves no database side files behind
         rows = db.recent(limit) if db is not None else []
         adhoc = adhoc_runs(db, {r.id for r in rows}, limit)
+        saves = api_saves(out, limit, db.conn) if db is not None else []  # on this connection: no side file is left
     finally:
         if db is not None:
             db.close()
-    saves = api_saves(out, limit)
     beat = read_heartbeat(out)
     budget = privacy_summary(out / "state", trusted_spend(chain_entries(out / "state" / "audit.jsonl"),
                                                         out / "exports"))
