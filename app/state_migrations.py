@@ -21,6 +21,9 @@ it once. A database newer than :data:`SCHEMA_VERSION` is refused before anything
   owner's key hash, LoRA configuration, op-chain head and op count), ``api_futures`` (every accepted operation: its
   owner, session, model, kind, status and, once done, the result bytes and their content type) and
   ``api_checkpoints`` (every saved state: its ``tinker://`` path, files and export bundle).
+* **3 → 4** ``m004_api_storage``: what bounds the API's storage: per saved state its expiry (``expires_at``, UTC,
+  NULL: none), when its sealed files were removed (``removed_at``, NULL: still there) and the bytes its sealed state
+  and its export bundle hold (``state_bytes``, ``bundle_bytes``; 0 for states saved before). New columns only.
 """
 
 from __future__ import annotations
@@ -86,6 +89,14 @@ def m003_api(conn: sqlite3.Connection, out: Path) -> None:
                  " kind TEXT NOT NULL CHECK (kind IN ('training','sampler')), name TEXT NOT NULL, dir TEXT NOT NULL,"
                  " bundle TEXT, op_head TEXT NOT NULL, ops INTEGER NOT NULL, lora TEXT NOT NULL,"
                  " created_at TEXT NOT NULL)")
+
+
+@migration
+def m004_api_storage(conn: sqlite3.Connection, out: Path) -> None:
+    """Expiry and size of each saved state of the training API (new columns; existing rows: no expiry, size 0)."""
+    for column in ("expires_at TEXT", "removed_at TEXT", "state_bytes INTEGER NOT NULL DEFAULT 0",
+                   "bundle_bytes INTEGER NOT NULL DEFAULT 0"):
+        conn.execute(f"ALTER TABLE api_checkpoints ADD COLUMN {column}")
 
 
 SCHEMA_VERSION = len(MIGRATIONS)

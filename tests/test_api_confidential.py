@@ -38,7 +38,7 @@ def test_an_api_bundle_holds_its_weights_only_as_ciphertext_to_the_recipients(se
     tc = _client(server).create_lora_training_client(base_model=BASE, rank=8, seed=0).result()
     ops: list[dict[str, Any]] = []
     _steps(tc, _datums(server), 3, ops)
-    path = tc.save_weights_for_sampler("w3").result().path
+    path = tc.save_weights_for_sampler("w3", user_metadata={"export": "true"}).result().path  # exported when asked
     bundle = _bundle(server, tc.model_id, path)
 
     cipher = (bundle / "adapter" / "adapter_model.safetensors").read_bytes()

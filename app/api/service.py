@@ -4,7 +4,8 @@ key (its SHA-256) that created it; another key gets 404, as if it did not exist.
 Every operation becomes a row in the state database (:mod:`app.api.store`) and a job on the engine's one worker
 (:mod:`app.api.engine`); its future resolves to the job's result. Saves seal the adapter (and optimizer) under
 ``api/checkpoints/`` (:mod:`app.api.vault`: built in RAM, never plaintext on the volume) and write an attested export
-bundle under ``exports/`` (:mod:`app.api.bundle`); loads and samples decrypt a saved state into RAM for the engine.
+bundle under ``exports/`` (:mod:`app.api.bundle`; sampler saves when asked, expiry, quota: ``vault.Storage``); loads
+and samples decrypt a saved state into RAM for the engine.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from app.api.engine import Engine, Model, run_job, saved_dp
 from app.api.errors import BadRequest, NotFound, NotServed, TooMany
 from app.api.history import check_adam, load_record
 from app.api.store import Checkpoint, Store
-from app.api.vault import Vault
+from app.api.vault import Storage, Vault, size_of
 from app.audit import utc_now
 from app.config.api import ApiSettings
 from app.fsutil import withdraw_dir
@@ -56,7 +57,9 @@ class Service:
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}  # long polls
         self._waiters_lock = threading.Lock()
         self.completions = Completions(limits.long_poll_s)  # retrieve_futures: finished samples per session
+        self.storage = Storage(store, vault, exporter, limits)  # what saved states take: exports, expiry, quota
         self.store.fail_interrupted()
+        self.storage.sweep()
 
     # --- sessions and ownership --------------------------------------------------------------------
 
@@ -87,7 +90,7 @@ class Service:
         c = self.store.checkpoint(path)
         if c is None or c.owner != owner:
             raise NotFound(f"checkpoint {path} not found")
-        return c
+        return self.storage.live(c)
 
     def _enqueue(self, owner: str, session: str, model_id: str | None, kind: str, fn: Any,
                  samples: int = 0, sampler: tuple[str, int | None] | None = None) -> dict[str, Any]:
@@ -188,18 +191,23 @@ class Service:
         if self.store.checkpoint(path) is not None:
             raise BadRequest(f"checkpoint {path} exists already; save under another name")
         anonymous = kind == "sampler" and req.path is None
+        export, ttl = self.storage.options(req, kind)
 
         def run() -> tuple[bool, str, bytes]:
+            self.storage.sweep()  # expired states go before this one is counted
             m = self.engine.models[req.model_id]
             c = Checkpoint(path, owner, req.model_id, kind, name, str(self.vault.root / uuid.uuid4().hex), None,
-                           m.op_head, m.ops, m.lora, utc_now())
+                           m.op_head, m.ops, m.lora, utc_now(), None if ttl is None else self.storage.now(ttl))
             with self.vault.plain() as ram:  # plaintext in RAM only; sealed onto the volume, then removed
                 self.engine.save(m, ram, optimizer=kind == "training")
+                self.storage.prepare(m, ram, export, path)  # refused past the quota: nothing written
                 self.vault.seal(ram, c)
+                c = dataclasses.replace(c, state_bytes=size_of(Path(c.dir)))
                 bundle = None
                 try:
-                    bundle = self.exporter.export(m, ram, path) if self.exporter else None
-                    self.store.add_checkpoint(dataclasses.replace(c, bundle=str(bundle) if bundle else None))
+                    bundle = self.storage.export(c, ram) if export else None
+                    self.store.add_checkpoint(dataclasses.replace(c, bundle=str(bundle) if bundle else None,
+                                                                  bundle_bytes=size_of(bundle) if bundle else 0))
                 except BaseException:
                     self.vault.remove(c)  # not recorded: neither kept nor published
                     if bundle is not None:
@@ -212,6 +220,18 @@ class Service:
                                                                        sampling_session_id=sid))
 
         return self._enqueue(owner, req.model_id.split(":", 1)[0], req.model_id, f"save_{kind}", run)
+
+    def export(self, owner: str, path: str) -> dict[str, Any]:
+        """The export bundle of a saved state, made now if its save made none, as its save would have made it (its
+        head, op count and progress at the save); the future's result: ``{"path", "bundle"}``."""
+        session = self._checkpoint(owner, path).model_id.split(":", 1)[0]
+        if self.exporter is None:
+            raise NotServed("this server makes no export bundles")
+
+        def run() -> tuple[bool, str, bytes]:  # checked again when it runs: it may have expired since
+            return True, JSON, json.dumps(self.storage.export_saved(self._checkpoint(owner, path))).encode()
+
+        return self._enqueue(owner, session, None, "export", run)
 
     def load(self, owner: str, req: types.LoadWeightsRequest) -> dict[str, Any]:
         c = self._checkpoint(owner, req.path)
@@ -255,8 +275,9 @@ class Service:
             raise NotFound(f"model {model_id} not found")
         return types.CheckpointsListResponse(checkpoints=[types.Checkpoint(
             checkpoint_id=c.path.split("/", 3)[-1], checkpoint_type=c.kind, time=c.created_at, tinker_path=c.path,
+            size_bytes=c.state_bytes + c.bundle_bytes, expires_at=c.expires_at,
             user_metadata={"bundle": c.bundle or "", "op_chain_head": c.op_head, "op_chain_ops": str(c.ops)})
-            for c in self.store.checkpoints(model_id)])
+            for c in self.store.checkpoints(model_id) if c.removed_at is None])
 
     def weights_info(self, owner: str, path: str) -> types.WeightsInfoResponse:
         """``RestClient.get_weights_info_by_tinker_path``: the base model and LoRA configuration of a checkpoint."""

@@ -1,4 +1,5 @@
-"""The training API's records in the run database (``state/runs.sqlite``, tables of migration ``m003_api``).
+"""The training API's records in the run database (``state/runs.sqlite``, tables of migration ``m003_api``, columns
+of ``m004_api_storage``).
 
 Every accepted operation is a row before its future is returned; its result bytes are committed before the engine
 takes the next operation, so a kill -9 loses no completed result. Operations still pending when the server died are
@@ -12,8 +13,10 @@ sends them again. Checkpoint records are committed with ``synchronous=FULL``, as
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +52,10 @@ class Checkpoint:
     ops: int
     lora: dict[str, Any]
     created_at: str
+    expires_at: str | None = None  # UTC (utc_now's form); None: kept until deleted
+    removed_at: str | None = None  # when its sealed files were removed (expired); None: still there
+    state_bytes: int = 0  # the sealed state's bytes on the volume
+    bundle_bytes: int = 0  # its export bundle's bytes (0: none)
 
 
 class Store:
@@ -123,20 +130,45 @@ class Store:
 
     # --- checkpoints -------------------------------------------------------------------------------
 
-    def add_checkpoint(self, c: Checkpoint) -> None:
+    @contextlib.contextmanager
+    def _durable(self) -> Iterator[None]:
+        """Checkpoint records commit with ``synchronous=FULL`` (see the module docstring)."""
         with self.lock:
             self.conn.execute("PRAGMA synchronous=FULL")
         try:
-            self._add_checkpoint(c)
+            yield
         finally:
             with self.lock:
                 self.conn.execute("PRAGMA synchronous=NORMAL")
 
+    def add_checkpoint(self, c: Checkpoint) -> None:
+        with self._durable():
+            self._add_checkpoint(c)
+
     def _add_checkpoint(self, c: Checkpoint) -> None:
-        self._tx("INSERT OR REPLACE INTO api_checkpoints (path, owner, model_id, kind, name, dir, bundle, op_head, ops,"
-                 " lora, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        self._tx(f"INSERT OR REPLACE INTO api_checkpoints ({_CKPT}) VALUES ({', '.join('?' * _CKPT.count(','))}, ?)",
                  (c.path, c.owner, c.model_id, c.kind, c.name, c.dir, c.bundle, c.op_head, c.ops, json.dumps(c.lora),
-                  c.created_at))
+                  c.created_at, c.expires_at, c.removed_at, c.state_bytes, c.bundle_bytes))
+
+    def set_bundle(self, path: str, bundle: str, size: int) -> None:
+        """Record the export bundle made for a saved state after its save."""
+        with self._durable():
+            self._tx("UPDATE api_checkpoints SET bundle = ?, bundle_bytes = ? WHERE path = ?", (bundle, size, path))
+
+    def expired(self, now: str) -> list[Checkpoint]:
+        """Saved states past their expiry (``now``: utc_now's form) whose sealed files are still there."""
+        return [_ckpt(r) for r in self._all(f"SELECT {_CKPT} FROM api_checkpoints WHERE removed_at IS NULL"
+                                            " AND expires_at IS NOT NULL AND expires_at <= ? ORDER BY expires_at",
+                                            (now,))]
+
+    def mark_removed(self, path: str, when: str) -> None:
+        with self._durable():
+            self._tx("UPDATE api_checkpoints SET removed_at = ? WHERE path = ?", (when, path))
+
+    def saved_bytes(self) -> int:
+        """Bytes the API's saved states still there and every export bundle hold on the volume."""
+        return int(self._all("SELECT COALESCE(SUM(CASE WHEN removed_at IS NULL THEN state_bytes ELSE 0 END)"
+                             " + SUM(bundle_bytes), 0) FROM api_checkpoints")[0][0])
 
     def checkpoint(self, path: str) -> Checkpoint | None:
         rows = self._all(f"SELECT {_CKPT} FROM api_checkpoints WHERE path = ?", (path,))
@@ -150,8 +182,9 @@ class Store:
         self.db.close()
 
 
-_CKPT = "path, owner, model_id, kind, name, dir, bundle, op_head, ops, lora, created_at"
+_CKPT = ("path, owner, model_id, kind, name, dir, bundle, op_head, ops, lora, created_at, expires_at, removed_at,"
+         " state_bytes, bundle_bytes")
 
 
 def _ckpt(r: tuple[Any, ...]) -> Checkpoint:
-    return Checkpoint(*r[:9], json.loads(r[9]), r[10])
+    return Checkpoint(*r[:9], json.loads(r[9]), *r[10:])

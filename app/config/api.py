@@ -27,6 +27,14 @@ class ApiSettings(_Closed):
     max_sampling_sessions_per_key: int = Field(1024, ge=1, description="Most sampling sessions "
                                                "(create_sampling_session) one API key may create while the server "
                                                "runs; one more is refused with 429.")
+    sampler_ttl_s: int | None = Field(None, ge=3600, le=315_360_000, description="Lifetime (seconds) of a "
+                                      "save_weights_for_sampler state saved without ttl_seconds: its sealed state is "
+                                      "removed once expired (its export bundle, if one was asked for, stays). None: "
+                                      "kept until deleted.")
+    max_saved_bytes: int | None = Field(None, ge=1, description="Most bytes the API's saved states and their export "
+                                        "bundles may hold on the output volume; a save that would pass it is refused "
+                                        "(the save's future fails, category user) and nothing is written. None: no "
+                                        "limit.")
     tls_names: tuple[str, ...] = Field((), description="Host names (or IP addresses) the server's TLS certificate "
                                        "names besides 127.0.0.1 and localhost: the names clients connect to.")
     long_poll_s: float = Field(5.0, ge=0, le=30, description="How long retrieve_future waits for a result before "
