@@ -294,7 +294,7 @@ def test_bad_input_is_a_4xx_with_its_reason_and_the_server_keeps_serving(server:
         "max_tokens 999": httpx.post(f"{server.url}/api/v1/asample", headers=h, json={
             "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5]}]}, "base_model": BASE,
             "sampling_params": {"max_tokens": 999}}),
-        "is not served": httpx.post(f"{server.url}/api/v1/create_custom_loss", headers=h, json={}),
+        "is not served": httpx.post(f"{server.url}/api/v1/no_such_route", headers=h, json={}),
     }
     for reason, r in cases.items():
         assert 400 <= r.status_code < 500 or r.status_code == 501, (reason, r.status_code, r.text)

@@ -155,3 +155,16 @@ def test_a_float32_field_beyond_its_range_has_no_canonical_form(value: float) ->
     op["data"][0]["loss_fn_inputs"]["weights"][0] = value
     with pytest.raises(op_chain.OpChainError, match="op 1: data\\[0\\].loss_fn_inputs.weights"):
         op_chain.head([op])
+
+
+def test_the_custom_loss_vector_recomputed_from_the_spec_alone() -> None:
+    """Section 15's custom-loss id: SHA-256 of the document's JSON, sorted keys, no spaces."""
+    import hashlib
+    import re
+
+    text = (ROOT / "docs" / "verifier-spec.md").read_text(encoding="utf-8")
+    v = dict(line.split(" = ", 1) for line in re.search(
+        r"^```custom-loss-vector\n(.*?)^```", text, flags=re.S | re.M).group(1).splitlines())
+    doc = json.loads(v["document"])
+    assert json.dumps(doc, sort_keys=True, separators=(",", ":")) == v["document"]
+    assert hashlib.sha256(v["document"].encode()).hexdigest() == v["loss_id"] == op_chain.custom_loss_id(doc)

@@ -43,6 +43,8 @@ NOW = 1795853312  # inside the simulator collateral's window (2020..2099); both 
 PAGE_BUDGET_MS = 2000  # the demo bundle, verified in the page
 API = REPO / "tests" / "data" / "api-bundle"  # a training-API checkpoint (same simulator root as the sample bundle)
 API_OPS = REPO / "tests" / "data" / "api-bundle-ops.jsonl"  # the client's record of its four ops
+CUSTOM = REPO / "tests" / "data" / "api-custom-bundle"  # a checkpoint trained with a server-side custom loss
+CUSTOM_OPS = REPO / "tests" / "data" / "api-custom-bundle-ops.jsonl"
 API_OPS_CASES: dict[str, Callable[[list[str]], list[str]]] = {
     "its ops": lambda ops: ops,
     "an op dropped": lambda ops: ops[:-1],
@@ -304,6 +306,12 @@ def corpus(demo_bundle: tuple[Path, Path], site: Site, tmp_path_factory: pytest.
     shutil.copytree(API, changed)
     _json_edit("manifest.json", lambda m: m["op_chain"].update(head="0" * 64))(changed)
     add("api checkpoint, op chain head in the manifest", changed, "sample-policy.yaml")
+    shutil.copyfile(CUSTOM_OPS, site.root / "custom-ops.jsonl")
+    add("custom loss, its ops", CUSTOM, "sample-policy.yaml", "custom-ops.jsonl")
+    other = work / "custom-doc" / CUSTOM.name
+    shutil.copytree(CUSTOM, other)
+    _json_edit("manifest.json", lambda m: next(iter(m["op_chain"]["custom_losses"].values())).update(name="x"))(other)
+    add("custom loss, its document changed in the manifest", other, "sample-policy.yaml", "custom-ops.jsonl")
     for name, edit in TAMPERS.items():
         copy = work / name.replace(" ", "-") / bundle.name
         shutil.copytree(bundle, copy, symlinks=True)
@@ -330,10 +338,11 @@ def test_the_demo_bundle_is_accepted_with_the_simulator_warning(shown: dict[str,
 
 @pytest.mark.parametrize("case", ["demo, default policy", "sample bundle", "api checkpoint, no ops",
                                   *(f"api checkpoint, {name}" for name in API_OPS_CASES),
-                                  "api checkpoint, op chain head in the manifest"])
+                                  "api checkpoint, op chain head in the manifest", "custom loss, its ops",
+                                  "custom loss, its document changed in the manifest"])
 def test_untampered_bundles_and_ops_files_agree(shown: dict[str, dict[str, Any]], case: str) -> None:
     same_checks(shown[case], shown[case]["python"], case)
-    accepted = case in ("sample bundle", "api checkpoint, no ops", "api checkpoint, its ops")
+    accepted = case in ("sample bundle", "api checkpoint, no ops", "api checkpoint, its ops", "custom loss, its ops")
     assert shown[case]["verdict"]["verdict"] == ("accepted" if accepted else "rejected")
 
 

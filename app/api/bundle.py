@@ -53,7 +53,8 @@ class Exporter:
         config_bytes = cfg.canonical_json()
         op_chain = {"schema": OP_CHAIN_SCHEMA, "head": m.op_head, "ops": m.ops, "optimizer_steps": m.steps,
                     "checkpoint": path, "lora": lora, "adam_params": m.last_adam,
-                    **({"dp": dict(m.dp)} if m.dp is not None else {}), "determinism": _determinism()}
+                    **({"dp": dict(m.dp)} if m.dp is not None else {}), "determinism": _determinism(),
+                    **({"custom_losses": dict(m.custom_losses)} if getattr(m, "custom_losses", None) else {})}
         dataset = {"dataset_id": "tinker-api", "dataset_version": m.ops, "format": "tinker-ops/v1",
                    "encrypted_sha256": m.op_head, "encrypted_size": 0, "plaintext_sha256": m.op_head,
                    "plaintext_size": 0, "rows": m.ops, "key_source": "none", "validation": None}

@@ -54,6 +54,7 @@ class Model:
     dp: dict[str, Any] | None = None  # app.api.dp settings and spend; None: no DP
     dp_sums: list[Any] | None = None  # the clipped per-datum gradients summed since the last optim_step
     pending: int = 0  # forward_backward ops whose gradient the next optim_step applies
+    custom_losses: dict[str, Any] = field(default_factory=dict)  # id -> document of each custom loss its ops used
 
 
 class Engine:
@@ -184,6 +185,8 @@ class Engine:
             self._grad_restore(m, snapshot)
             raise
         m.op_head, m.ops, m.pending = new_head, m.ops + 1, m.pending + 1
+        if "custom" in op.extra:  # the loss's document goes with the model's history (manifest op_chain)
+            m.custom_losses[op.extra["custom"].id] = op.extra["custom"].doc
         m.pending_loss += metrics["loss:sum"]
         m.tokens_seen += op.n_tokens
         return outputs, metrics
@@ -205,14 +208,14 @@ class Engine:
 
         private = m.dp is not None and not op.forward_only
         params = self._params(m.adapter) if private else []
-        outputs, total, weight = [], 0.0, 0.0
+        outputs, total, weight, extra = [], 0.0, 0.0, {}
         for d in op.data:
             ids = torch.tensor([d.tokens], device=self.device)
             with torch.set_grad_enabled(not op.forward_only):
                 logits = self.net(input_ids=ids).logits[0].float()
                 target = torch.as_tensor(d.inputs["target_tokens"], device=self.device)
                 logp = torch.log_softmax(logits, dim=-1).gather(1, target[:, None])[:, 0]
-                loss = losses.loss(op.loss_fn, logp, d.inputs, op.loss_fn_config)
+                loss = losses.loss(op.loss_fn, logp, d.inputs, op.loss_fn_config, op.extra.get("custom"), extra)
                 if not op.forward_only:
                     loss.backward()
                     if private:
@@ -222,7 +225,8 @@ class Engine:
             outputs.append({"logprobs": logp.detach().cpu().numpy(),
                             "elementwise_loss": (-logp.detach().cpu().numpy()
                                                  * d.inputs.get("weights", np.ones(len(d.tokens), np.float32)))})
-        return outputs, {"loss:sum": total, "loss:mean": total / max(weight, 1e-9)}
+        return outputs, {"loss:sum": total, "loss:mean": total / max(weight, 1e-9),
+                         **losses.reduce_metrics(extra, len(op.data))}
 
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
         """Apply the pending gradient (DP: noised) with ``adam``, atomically: every parameter is checked and the op
@@ -298,7 +302,7 @@ class Engine:
         import json
 
         (dest / "progress.json").write_text(json.dumps({"steps": m.steps, "tokens_seen": m.tokens_seen,
-                                                        "losses": m.losses}))
+                                                        "losses": m.losses, "custom_losses": m.custom_losses}))
         if m.dp is not None:  # the DP settings and spend: a model loaded from this state continues the accounting
             (dest / "dp.json").write_text(json.dumps(m.dp, sort_keys=True))
 
@@ -349,6 +353,7 @@ class Engine:
             p.grad = None
         m.optimizer = fresh
         m.steps, m.tokens_seen, m.losses, m.pending_loss = steps, tokens, curve, 0.0
+        m.custom_losses = dict((progress or {}).get("custom_losses") or {})  # the loaded history's custom losses
         if saved is not None:
             m.dp = saved  # the accounting continues from the saved state's steps
             m.dp_sums = [torch.zeros_like(p) for p in params]

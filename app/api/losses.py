@@ -21,7 +21,7 @@ import numpy as np
 
 
 CONFIG_KEYS = {"cross_entropy": (), "importance_sampling": (), "ppo": ("clip_low_threshold", "clip_high_threshold"),
-               "cispo": ("clip_low_threshold", "clip_high_threshold"), "dro": ("beta",)}
+               "cispo": ("clip_low_threshold", "clip_high_threshold"), "dro": ("beta",), "custom": ("loss_id",)}
 CLIP_DEFAULTS = (0.8, 1.2)  # ppo and cispo: the importance ratio's bounds (Tinker's ε = 0.2)
 DRO_BETA = 0.05
 
@@ -34,9 +34,15 @@ def check_config(name: str, config: dict[str, Any] | None) -> None:
         BadRequest: an unknown key, a value that is not a finite number, or a threshold out of range.
     """
     import math
+    import re
 
     from app.api.errors import BadRequest
 
+    if name == "custom":  # a server-side custom loss (app.api.custom_loss), named by its canonical hash
+        lid = (config or {}).get("loss_id")
+        if set(config or {}) != {"loss_id"} or not isinstance(lid, str) or not re.fullmatch(r"[0-9a-f]{64}", lid):
+            raise BadRequest("loss custom needs loss_fn_config {\"loss_id\": <the id create_custom_loss answered>}")
+        return
     for key, value in (config or {}).items():
         if key not in CONFIG_KEYS.get(name, ()):
             known = ", ".join(CONFIG_KEYS.get(name, ())) or "none"
@@ -55,7 +61,10 @@ def _clip(config: dict[str, Any] | None) -> tuple[float, float]:
     return float(cfg.get("clip_low_threshold", CLIP_DEFAULTS[0])), float(cfg.get("clip_high_threshold", CLIP_DEFAULTS[1]))
 
 
-def loss(name: str, logp: Any, inputs: dict[str, np.ndarray], config: dict[str, Any] | None) -> Any:
+def loss(name: str, logp: Any, inputs: dict[str, np.ndarray], config: dict[str, Any] | None, custom: Any = None,
+         metrics: dict[str, float] | None = None) -> Any:
+    """One datum's loss; ``custom`` (an :class:`app.api.custom_loss.Loss`) for ``custom``, whose metrics are summed
+    into ``metrics``."""
     import torch
 
     def field(key: str, default: float | None = None) -> Any:
@@ -65,6 +74,12 @@ def loss(name: str, logp: Any, inputs: dict[str, np.ndarray], config: dict[str, 
 
     if name == "cross_entropy":
         return -(field("weights", 1.0) * logp).sum()
+    if name == "custom":
+        value, extra = custom(logp, *(field(n) for n, _rank in custom.inputs[1:]))
+        for k, v in extra.items():
+            if metrics is not None:
+                metrics[k] = metrics.get(k, 0.0) + float(v.detach() if isinstance(v, torch.Tensor) else v)
+        return value
     adv = field("advantages")
     if name == "dro":
         beta = float((config or {}).get("beta", DRO_BETA))
@@ -77,3 +92,8 @@ def loss(name: str, logp: Any, inputs: dict[str, np.ndarray], config: dict[str, 
     if name == "cispo":
         return -(clipped.detach() * logp * adv).sum()
     return -torch.minimum(ratio * adv, clipped * adv).sum()
+
+
+def reduce_metrics(sums: dict[str, float], datums: int) -> dict[str, float]:
+    """A custom loss's metrics over a request: ``…:sum`` summed, ``…:mean`` averaged over its datums."""
+    return {k: v / max(datums, 1) if k.endswith(":mean") else v for k, v in sums.items()}

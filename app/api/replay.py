@@ -155,11 +155,12 @@ def _run(base: Path, oc: B.OpChainInfo, ops: list[dict[str, Any]], base_name: st
     engine.base_name = base_name
     try:
         model = engine.create(MODEL, dict(oc.lora))
+        custom = _custom_losses(oc.custom_losses)
         progress(f"replay: {len(ops)} ops")
         for i, op in enumerate(ops, start=1):
             try:
                 if op["op"] == "forward_backward":
-                    engine.forward_backward(_fb(op))
+                    engine.forward_backward(_fb(op, custom))
                 elif op["op"] == "optim_step":
                     engine.optim_step(MODEL, dict(op["adam_params"]))
                 else:
@@ -177,7 +178,19 @@ def _run(base: Path, oc: B.OpChainInfo, ops: list[dict[str, Any]], base_name: st
         engine.stop()
 
 
-def _fb(op: dict[str, Any]) -> Any:
+def _custom_losses(docs: dict[str, Any] | None) -> dict[str, Any]:
+    """The custom losses of the manifest, rebuilt as the server rebuilt them (their ids were checked by op_chain.ops)."""
+    from app.api.custom_loss import Loss
+
+    out = {}
+    for key, doc in (docs or {}).items():
+        loss = Loss(doc)
+        loss.id = key
+        out[key] = loss
+    return out
+
+
+def _fb(op: dict[str, Any], custom: dict[str, Any]) -> Any:
     import numpy as np
 
     from app.api import wire
@@ -186,7 +199,10 @@ def _fb(op: dict[str, Any]) -> Any:
                                                                 else np.float32)
                                                  for k, v in d.get("loss_fn_inputs", {}).items()})
             for d in op["data"]]
-    return wire.Op(MODEL, op["loss_fn"], False, data, op.get("loss_fn_config"))
+    out = wire.Op(MODEL, op["loss_fn"], False, data, op.get("loss_fn_config"))
+    if op["loss_fn"] == "custom":
+        out.extra["custom"] = custom[(op.get("loss_fn_config") or {})["loss_id"]]
+    return out
 
 
 def _load(engine: Any, model: Any, op: dict[str, Any], i: int) -> None:

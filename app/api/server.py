@@ -101,7 +101,7 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
         await body(request, types.ClientConfigRequest)
         return _json(types.ClientConfigResponse(use_pyqwest_transport=False, pjwt_auth_enabled=False,
                                                 proto_compress_fwdbwd=False, sample_use_retrieve_futures=True,
-                                                custom_loss_server_side=False, sample_join_sampling_session=False,
+                                                custom_loss_server_side=True, sample_join_sampling_session=False,
                                                 parallel_fwdbwd_chunks=False))
 
     @app.post("/api/v1/client/dynamic_config")
@@ -144,6 +144,10 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
         if "protobuf" not in request.headers.get("content-type", ""):
             raise BadRequest("forward_backward takes a protobuf body (Content-Type: application/x-protobuf)")
         return _json(svc.forward_backward(request.state.owner, await _read(request)))
+
+    @app.post("/api/v1/create_custom_loss")
+    async def create_custom_loss(request: Request) -> Any:
+        return _json(svc.create_custom_loss(request.state.owner, await body(request, types.CreateCustomLossRequest)))
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> Any:

@@ -54,6 +54,7 @@ class Service:
         self.sessions: dict[str, str] = {}  # session id -> owner
         self.samplers: dict[str, tuple[str, str | None]] = {}  # sampling session id -> (owner, checkpoint path)
         self.sampler_session: dict[str, str] = {}  # sampling session id -> the session it belongs to (ended with it)
+        self.custom_losses: dict[tuple[str, str], dict[str, Any]] = {}  # (owner, session) -> loss id -> custom_loss.Loss
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}  # long polls
         self._waiters_lock = threading.Lock()
         self.completions = Completions(limits.long_poll_s)  # retrieve_futures: finished samples per session
@@ -159,12 +160,42 @@ class Service:
                                           max_tokens=self.limits.max_tokens_per_request)
         self._model(owner, op.model_id)
         session = op.model_id.split(":", 1)[0]
+        if op.loss_fn == "custom":  # a loss this session created: rebuilt, checked, named by its hash
+            op.extra["custom"] = self._custom_loss(owner, session, op)
 
         def run() -> tuple[bool, str, bytes]:
             outputs, metrics = self.engine.forward_backward(op)
             return True, PROTO, wire.forward_backward_output(outputs, metrics)
 
         return self._enqueue(owner, session, op.model_id, "forward" if op.forward_only else "forward_backward", run)
+
+    def create_custom_loss(self, owner: str, req: types.CreateCustomLossRequest) -> dict[str, Any]:
+        """Rebuild the loss from its allow-listed operations (refused with the node named), keep it for the session
+        under its canonical hash, the ``loss_id`` answered (:mod:`app.api.custom_loss`)."""
+        from app.api.custom_loss import Loss, canonical
+
+        self._session(owner, req.session_id)
+        inputs, graph = [i.model_dump(mode="json") for i in req.inputs], req.graph.model_dump(mode="json")
+        try:
+            loss_id, doc = canonical(req.name, inputs, graph)
+        except ValueError as exc:  # NaN or infinity outside the SDK's {"float": …} encoding
+            raise BadRequest(f"custom loss: not encodable as JSON: {exc}") from None
+        loss = Loss(doc)
+        loss.id = loss_id
+        self.custom_losses.setdefault((owner, req.session_id), {})[loss_id] = loss
+        return self._enqueue(owner, req.session_id, None, "create_custom_loss",
+                             lambda: self._ok(types.CreateCustomLossResponse(loss_id=loss_id)))
+
+    def _custom_loss(self, owner: str, session: str, op: wire.Op) -> Any:
+        loss = self.custom_losses.get((owner, session), {}).get(str((op.loss_fn_config or {}).get("loss_id")))
+        if loss is None:
+            raise BadRequest(f"custom loss {(op.loss_fn_config or {}).get('loss_id')!r} was not created in session "
+                             f"{session}: create it with ServiceClient.create_custom_loss")
+        for i, d in enumerate(op.data):
+            missing = [n for n, _rank in loss.inputs[1:] if n not in d.inputs]
+            if missing:
+                raise BadRequest(f"data[{i}]: custom loss {loss.name} takes loss_fn_inputs.{missing[0]}")
+        return loss
 
     def optim_step(self, owner: str, req: types.OptimStepRequest) -> dict[str, Any]:
         self._model(owner, req.model_id)

@@ -19,7 +19,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from app.api.errors import BadRequest
 
 _DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64}
-_KNOWN_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+_KNOWN_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "custom")
 
 
 @dataclass
@@ -111,7 +111,7 @@ def _tensor(t: Any, what: str) -> np.ndarray:
 def _check_inputs(inputs: dict[str, np.ndarray], n: int, loss_fn: str, vocab: int, i: int) -> None:
     need = {"cross_entropy": ("target_tokens",), "importance_sampling": ("target_tokens", "logprobs", "advantages"),
             "ppo": ("target_tokens", "logprobs", "advantages"), "cispo": ("target_tokens", "logprobs", "advantages"),
-            "dro": ("target_tokens", "logprobs", "advantages")}[loss_fn]
+            "dro": ("target_tokens", "logprobs", "advantages"), "custom": ("target_tokens",)}[loss_fn]
     for name in need:
         if name not in inputs:
             raise BadRequest(f"data[{i}]: loss {loss_fn} needs loss_fn_inputs.{name}")

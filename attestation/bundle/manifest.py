@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -340,6 +340,8 @@ class OpChainInfo(_Closed):
     # and the CPU kernels torch chose (``cpu_capability``: DEFAULT, AVX2, AVX512, …).
     # None: a bundle made before replay existed.
     determinism: dict[str, int | str] | None = None
+    # Server-side custom losses the ops used: loss id (the hash of the document) -> {name, inputs, graph} as sent.
+    custom_losses: dict[str, dict[str, Any]] | None = None
 
 
 class Manifest(_Closed):

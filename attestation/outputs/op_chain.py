@@ -164,6 +164,30 @@ def head(ops: list[dict[str, Any]]) -> str:
     return h
 
 
+def custom_loss_id(doc: Any) -> str:
+    """A server-side custom loss's id: hex SHA-256 of its document ``{name, inputs, graph}`` as the SDK sent it, as
+    JSON with sorted keys and no spaces (no NaN or infinity: the SDK encodes those as ``{"float": "inf"}``)."""
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()).hexdigest()
+
+
+def custom_loss_problems(ops: list[dict[str, Any]], losses: Any) -> list[str]:
+    """Each op that used a custom loss names one the manifest holds, and each document there hashes to its id."""
+    losses = losses or {}
+    problems = []
+    for key, doc in losses.items():
+        try:
+            if custom_loss_id(doc) != key:
+                problems.append(f"custom loss {key[:16]}…: its document hashes to {custom_loss_id(doc)[:16]}…")
+        except (TypeError, ValueError):
+            problems.append(f"custom loss {key[:16]}…: its document is not canonical JSON")
+    for i, op in enumerate(ops, start=1):
+        if isinstance(op, dict) and op.get("loss_fn") == "custom":
+            lid = (op.get("loss_fn_config") or {}).get("loss_id") if isinstance(op.get("loss_fn_config"), dict) else None
+            if lid not in losses:
+                problems.append(f"op {i} uses custom loss {str(lid)[:16]}…, which the manifest does not hold")
+    return problems
+
+
 def check(f: QuoteFindings, recorded: Any, ops: list[dict[str, Any]] | None, source: str) -> None:
     """Add ``op_chain.ops``: do the client's ``ops`` (read from ``source``) hash to the bundle's recorded head and
     count? ``recorded``: the manifest's ``op_chain`` block (None: the bundle is not a training-API checkpoint);
@@ -183,7 +207,12 @@ def check(f: QuoteFindings, recorded: Any, ops: list[dict[str, Any]] | None, sou
         f.add(CHECK, "fail", f"{len(ops)} ops in {source} hash to {got[:16]}…; the bundle records {recorded.ops} ops "
               f"with head {recorded.head[:16]}…")
         return
-    f.add(CHECK, "pass", f"{len(ops)} ops in {source} hash to the bundle's head {got[:16]}…")
+    if problems := custom_loss_problems(ops, getattr(recorded, "custom_losses", None)):
+        f.add(CHECK, "fail", "; ".join(problems[:3]))
+        return
+    n = len(getattr(recorded, "custom_losses", None) or {})
+    f.add(CHECK, "pass", f"{len(ops)} ops in {source} hash to the bundle's head {got[:16]}…"
+          + (f"; {n} custom loss(es), each hashing to its id" if n else ""))
 
 
 def read_ops(path: Path) -> list[dict[str, Any]]:

@@ -104,6 +104,29 @@ function readOps(bytes, source) {
   return ops;
 }
 
+/** Each op that used a server-side custom loss names one the manifest holds, and each document there hashes to its
+ * id: SHA-256 of its JSON with sorted keys, no spaces, non-ASCII escaped (verifier-spec §15). */
+function customLossProblems(ops, losses) {
+  const held = isObj(losses) ? losses : {};
+  const problems = [];
+  for (const [key, doc] of Object.entries(held)) {
+    let id;
+    try { id = hex(sha256(enc.encode(canonical(doc, true)))); } catch {
+      problems.push(`custom loss ${key.slice(0, 16)}…: its document is not canonical JSON`);
+      continue;
+    }
+    if (id !== key) problems.push(`custom loss ${key.slice(0, 16)}…: its document hashes to ${id.slice(0, 16)}…`);
+  }
+  ops.forEach((op, i) => {
+    if (!isObj(op) || op.loss_fn !== "custom") return;
+    const lid = isObj(op.loss_fn_config) ? op.loss_fn_config.loss_id : undefined;
+    if (typeof lid !== "string" || !Object.prototype.hasOwnProperty.call(held, lid)) {
+      problems.push(`op ${i + 1} uses custom loss ${(typeof lid === "string" ? lid : "None").slice(0, 16)}…, which the manifest does not hold`);
+    }
+  });
+  return problems;
+}
+
 /** op_chain.ops for the ops file `bytes` (named `source` in reasons). */
 export function opChainCheck(f, m, bytes, source = "the ops file") {
   const recorded = m ? m.op_chain : null;
@@ -115,5 +138,9 @@ export function opChainCheck(f, m, bytes, source = "the ops file") {
     f.add("op_chain.ops", "fail", `${ops.length} ops in ${source} hash to ${got.slice(0, 16)}…; the bundle records ${recorded.ops} ops with head ${recorded.head.slice(0, 16)}…`);
     return;
   }
-  f.add("op_chain.ops", "pass", `${ops.length} ops in ${source} hash to the bundle's head ${got.slice(0, 16)}…`);
+  const problems = customLossProblems(ops, recorded.custom_losses);
+  if (problems.length) { f.add("op_chain.ops", "fail", problems.slice(0, 3).join("; ")); return; }
+  const n = isObj(recorded.custom_losses) ? Object.keys(recorded.custom_losses).length : 0;
+  f.add("op_chain.ops", "pass", `${ops.length} ops in ${source} hash to the bundle's head ${got.slice(0, 16)}…` +
+    (n ? `; ${n} custom loss(es), each hashing to its id` : ""));
 }

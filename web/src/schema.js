@@ -96,7 +96,8 @@ const MANIFEST = obj({
   })),
   federation: opt(obj({ round: int(1), nonce: str(H64) }, { global_adapter_sha256: opt(str(H64)), proximal_mu: num((x) => x >= 0) })),
   op_chain: opt(obj({ head: str(H64), ops: int(0), optimizer_steps: int(0), checkpoint: str(), lora: dict(any) },
-    { schema: lit("cvm-tune/op-chain/v1"), adam_params: opt(dict(num())), dp: opt(dict(any)), determinism: opt(dict(any)) })),
+    { schema: lit("cvm-tune/op-chain/v1"), adam_params: opt(dict(num())), dp: opt(dict(any)), determinism: opt(dict(any)),
+      custom_losses: opt(dict(dict(any))) })),
   confidentiality: opt(obj({
     recipients: (v, p) => list(str(RECIPIENT), 1)(v, p) || sortedUnique(v, p), cvm_recipient: str(RECIPIENT),
     plaintext_sha256: dict(str(H64), 1),
