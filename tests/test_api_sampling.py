@@ -62,9 +62,16 @@ def greedy(svc: Any) -> list[int]:
     return tokens
 
 
+def _tok(svc: Any) -> Any:
+    """The served base model's tokenizer (what the sampler matches stop strings on)."""
+    from app.api.sampling import tokenizer_of
+
+    return tokenizer_of(str(svc.engine.base_dir))
+
+
 def _texts(svc: Any, tokens: list[int]) -> list[str]:
     """The decoded text after each token: texts[i] is the text of tokens[:i + 1]."""
-    tok = svc.engine.tokenizer()
+    tok = _tok(svc)
     return [tok.decode(tokens[:i + 1]) for i in range(len(tokens))]
 
 
@@ -75,7 +82,7 @@ def _first_end(texts: list[str], stop: str) -> int:
 
 def test_a_stop_string_spanning_two_tokens_ends_after_the_second(svc: Any, greedy: list[int]) -> None:
     texts = _texts(svc, greedy)
-    pieces = [svc.engine.tokenizer().decode([t]) for t in greedy]
+    pieces = [_tok(svc).decode([t]) for t in greedy]
     # the last character of token i and the first of token i+1, not found earlier in the text
     i = next(i for i in range(1, N - 2) if pieces[i] and pieces[i + 1]
              and (pieces[i][-1] + pieces[i + 1][0]) not in texts[i])
@@ -88,18 +95,18 @@ def test_a_stop_string_spanning_two_tokens_ends_after_the_second(svc: Any, greed
 
 def test_a_stop_string_that_is_a_prefix_of_a_tokens_text_ends_with_that_token(svc: Any, greedy: list[int]) -> None:
     texts = _texts(svc, greedy)
-    pieces = [svc.engine.tokenizer().decode([t]) for t in greedy]
+    pieces = [_tok(svc).decode([t]) for t in greedy]
     j = next(j for j in range(1, N - 1) if len(pieces[j]) >= 2 and pieces[j][:-1] not in texts[j - 1]
              and pieces[j][:-1] not in texts[j - 1] + pieces[j][:-2])
     stop = pieces[j][:-1]
     tokens, reason = _greedy(svc, stop=stop)  # a single string, as SamplingParams allows
     assert (tokens, reason) == (greedy[:j + 1], "stop")
-    assert not svc.engine.tokenizer().decode(tokens).endswith(stop)  # the whole token stays, past the stop string
+    assert not _tok(svc).decode(tokens).endswith(stop)  # the whole token stays, past the stop string
 
 
 def test_several_stop_strings_stop_at_the_first_occurrence(svc: Any, greedy: list[int]) -> None:
     texts = _texts(svc, greedy)
-    pieces = [svc.engine.tokenizer().decode([t]) for t in greedy]
+    pieces = [_tok(svc).decode([t]) for t in greedy]
     late, early = pieces[N - 2] + pieces[N - 1], pieces[3]
     end = min(_first_end(texts, late), _first_end(texts, early))
     assert end < N - 1
@@ -119,10 +126,10 @@ def test_stop_token_ids_end_with_the_token(svc: Any, greedy: list[int]) -> None:
 
 
 def test_none_stops_at_eos_and_the_empty_list_never_stops(svc: Any) -> None:
-    from app.api.sampling import Stop, stop_of
+    from app.api.sampling import Stop, eos_ids, stop_of
 
-    eos = svc.engine.eos_ids()
-    assert eos == {svc.engine.tokenizer().eos_token_id}
+    eos = eos_ids(svc.engine.model.config, _tok(svc), svc.engine.vocab)
+    assert eos == {_tok(svc).eos_token_id}
     assert stop_of(None, eos) == Stop(tokens=eos)
     assert stop_of([], eos) == Stop()
     assert stop_of(["\n\nUser:"], eos) == Stop(tokens=eos, strings=("\n\nUser:",))

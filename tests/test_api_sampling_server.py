@@ -29,10 +29,8 @@ def server(tmp_path_factory: pytest.TempPathFactory, recipient: str) -> Iterator
     srv = Server(tmp_path_factory.mktemp("sampling-server"),
                  f"export:\n  recipients: [{recipient}]\napi:\n  max_sample_tokens: 16\n  long_poll_s: 1\n")
     srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    yield srv  # pytest runs what follows at teardown, whatever the tests did
+    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -39,10 +39,8 @@ def venv_python() -> Path:
 def server(tmp_path_factory: pytest.TempPathFactory, venv_python: Path) -> Iterator[Server]:
     srv = Server(tmp_path_factory.mktemp("cookbook"), f"base_model:\n  hub_id: {SERVED}\n{LIMITS}")
     srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    yield srv  # pytest runs what follows at teardown, whatever the tests did
+    srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -367,16 +367,8 @@ class Engine:
 
     base_name = "base"
 
-    def sample(self, src: Path | None, prompt: list[int], *, num_samples: int, max_tokens: int,
-               temperature: float, top_k: int, top_p: float, seed: int | None, stop: sampling.Stop,
-               prompt_logprobs: bool, topk_prompt_logprobs: int = 0) -> bytes:
-        """The ``SampleResponse`` protobuf of ``num_samples`` sequences drawn one after another from one generator
-        seeded with ``seed`` (None: a random seed), so the same request with the same seed on the same server gets
-        the same tokens."""
-        import secrets
-
-        import torch
-
+    def sample(self, src: Path | None, prompt: list[int], **params: Any) -> bytes:
+        """:func:`app.api.sampling.run` on the base, or on the sampler checkpoint at ``src`` (loaded once)."""
         adapter = None
         if src is not None:
             adapter = self.samplers.get(str(src))
@@ -393,44 +385,8 @@ class Engine:
                                           adapter_name=adapter)
                 self.samplers[str(src)] = adapter
         self._activate(adapter or self.placeholder, False)
-        gen = torch.Generator(device="cpu").manual_seed(seed if seed is not None else secrets.randbelow(2**63))
-        decode = self.tokenizer().decode if stop.strings else str
-        with torch.no_grad():
-            seqs = [sampling.generate(self.net, prompt, max_tokens=max_tokens, temperature=temperature,
-                                      top_k=top_k, top_p=top_p, stop=stop, decode=decode, generator=gen,
-                                      device=self.device)
-                    for _ in range(num_samples)]
-            plp, top = sampling.prompt_logprobs(self.net, prompt, self.device, topk_prompt_logprobs) \
-                if prompt_logprobs or topk_prompt_logprobs else (None, None)
-        return wire.sample_response(seqs, plp if prompt_logprobs else None, top)
-
-    def eos_ids(self) -> frozenset[int]:
-        """The base model's end-of-sequence token ids (its configuration's, and its tokenizer's when it has one)."""
-        ids = getattr(self.model.config, "eos_token_id", None)
-        out = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-        tok = self.tokenizer(required=False)
-        if tok is not None and tok.eos_token_id is not None:
-            out.add(int(tok.eos_token_id))
-        return frozenset(int(i) for i in out if 0 <= int(i) < self.vocab)
-
-    def tokenizer(self, required: bool = True) -> Any:
-        """The base model directory's tokenizer (loaded once; what stop strings are matched on), or None when the
-        directory has none and ``required`` is False.
-
-        Raises:
-            BadRequest: ``required`` and the base model directory has no tokenizer.
-        """
-        if not hasattr(self, "_tokenizer"):
-            from transformers import AutoTokenizer
-
-            try:
-                self._tokenizer = AutoTokenizer.from_pretrained(str(self.base_dir))
-            except (OSError, ValueError):  # no tokenizer files in the directory
-                self._tokenizer = None
-        if self._tokenizer is None and required:
-            raise BadRequest("the served base model has no tokenizer: stop strings cannot be matched; "
-                             "send stop token ids")
-        return self._tokenizer
+        decode = sampling.tokenizer_of(str(self.base_dir)).decode if params["stop"].strings else str  # checked
+        return sampling.run(self.net, prompt, decode=decode, device=self.device, **params)
 
 
 def saved_dp(src: Path) -> dict[str, Any] | None:

@@ -10,7 +10,9 @@ finds the stop sequence in what it decodes. Reaching ``max_tokens`` first gives 
 
 from __future__ import annotations
 
+import functools
 import math
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +72,28 @@ def stop_of(stop: Any, eos: frozenset[int]) -> Stop:
     raise BadRequest("sampling_params.stop: strings or token ids, not both")
 
 
+def check_request(req: Any, base_dir: str, config: Any, vocab: int) -> Stop:
+    """The :class:`Stop` of a ``SampleRequest`` to the base model in ``base_dir`` (``config``: its configuration).
+
+    Raises:
+        BadRequest: a bad stop (:func:`stop_of`), stop strings and no tokenizer in ``base_dir`` to match them with,
+            ``topk_prompt_logprobs`` over :data:`MAX_TOPK`, or a field this sampler does not serve.
+    """
+    from app.api.errors import BadRequest
+
+    tok = tokenizer_of(base_dir)
+    stop = stop_of(req.sampling_params.stop, eos_ids(config, tok, vocab))
+    if stop.strings and tok is None:
+        raise BadRequest("the served base model has no tokenizer to match stop strings with: send token ids")
+    if not 0 <= req.topk_prompt_logprobs <= MAX_TOPK:
+        raise BadRequest(f"topk_prompt_logprobs must be 0..{MAX_TOPK}")
+    unserved = [f for f in ("topk_sample_logprobs", "target_prompt_logprobs", "prompt_alt_tokens_k",
+                            "prompt_logprobs_last_n") if getattr(req, f)]
+    if unserved:
+        raise BadRequest(f"{', '.join(unserved)}: not served")
+    return stop
+
+
 def generate(model: Any, prompt: list[int], *, max_tokens: int, temperature: float, top_k: int, top_p: float,
              stop: Stop, decode: Callable[[list[int]], str], generator: Any,
              device: str) -> tuple[list[int], list[float], bool]:
@@ -114,7 +138,7 @@ def _filtered(probs: Any, top_k: int, top_p: float) -> Any:
     return probs / probs.sum()
 
 
-def prompt_logprobs(model: Any, prompt: list[int], device: str, topk: int = 0) -> tuple[list[float], Any]:
+def score_prompt(model: Any, prompt: list[int], device: str, topk: int = 0) -> tuple[list[float], Any]:
     """log p(prompt[i] | prompt[:i]) for every position, NaN at position 0 (no context); and with ``topk`` > 0 the
     ``topk`` most probable (token ids, logprobs) per position, most probable first, as two ``(len(prompt), k)``
     arrays (position 0: token 0 and ``MASK_LOGPROB``, the SDK's mark of a position without them), else None."""
@@ -131,3 +155,42 @@ def prompt_logprobs(model: Any, prompt: list[int], device: str, topk: int = 0) -
         top = (np.concatenate([np.zeros((1, k), np.int32), ids.cpu().numpy().astype(np.int32)]),
                np.concatenate([np.full((1, k), MASK_LOGPROB, np.float32), values.cpu().numpy().astype(np.float32)]))
     return [math.nan, *lp.cpu().tolist()], top
+
+
+def run(model: Any, prompt: list[int], *, num_samples: int, max_tokens: int, temperature: float, top_k: int,
+        top_p: float, seed: int | None, stop: Stop, prompt_logprobs: bool, topk_prompt_logprobs: int = 0,
+        decode: Callable[[list[int]], str], device: str) -> bytes:
+    """The ``SampleResponse`` protobuf of ``num_samples`` sequences drawn one after another from one generator
+    seeded with ``seed`` (None: a random seed), so the same request with the same seed to the same server gets the
+    same tokens; with the prompt's logprobs and their top ``topk_prompt_logprobs`` when asked."""
+    import torch
+
+    from app.api import wire
+
+    gen = torch.Generator(device="cpu").manual_seed(seed if seed is not None else secrets.randbelow(MAX_SEED))
+    with torch.no_grad():
+        seqs = [generate(model, prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         stop=stop, decode=decode, generator=gen, device=device) for _ in range(num_samples)]
+        plp, top = score_prompt(model, prompt, device, topk_prompt_logprobs) \
+            if prompt_logprobs or topk_prompt_logprobs else (None, None)
+    return wire.sample_response(seqs, plp if prompt_logprobs else None, top)
+
+
+@functools.lru_cache(maxsize=4)
+def tokenizer_of(base_dir: str) -> Any:
+    """The tokenizer in a base model directory (loaded once), or None when the directory has none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(base_dir)
+    except (OSError, ValueError):  # no tokenizer files there
+        return None
+
+
+def eos_ids(config: Any, tokenizer: Any, vocab: int) -> frozenset[int]:
+    """The end-of-sequence token ids of a model: its configuration's, and its tokenizer's when it has one."""
+    ids = getattr(config, "eos_token_id", None)
+    out = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        out.add(tokenizer.eos_token_id)
+    return frozenset(int(i) for i in out if 0 <= int(i) < vocab)

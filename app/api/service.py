@@ -318,9 +318,8 @@ class Service:
                                          train_attn=c.lora.get("train_attn"))
 
     def unload_model(self, owner: str, model_id: str) -> dict[str, Any]:
-        """``UnloadModelRequest``: the model's adapter and optimizer leave memory after the operations queued before
-        it; its checkpoints stay (a training client from one of its saved states continues it). Later operations on
-        it get 404."""
+        """``UnloadModelRequest``: the model leaves memory after the operations queued before it; its checkpoints
+        stay. Later operations on it get 404."""
         self._model(owner, model_id)
 
         def run() -> tuple[bool, str, bytes]:
@@ -372,15 +371,7 @@ class Service:
             raise BadRequest(f"a prompt token id is outside the vocabulary (0..{self.engine.vocab - 1})")
         if not 1 <= req.num_samples <= 16:
             raise BadRequest("num_samples must be 1..16")
-        stop = sampling.stop_of(p.stop, self.engine.eos_ids())
-        if stop.strings:
-            self.engine.tokenizer()  # refused now when the base model has none to decode with
-        if not 0 <= req.topk_prompt_logprobs <= sampling.MAX_TOPK:
-            raise BadRequest(f"topk_prompt_logprobs must be 0..{sampling.MAX_TOPK}")
-        unserved = [f for f in ("topk_sample_logprobs", "target_prompt_logprobs", "prompt_alt_tokens_k",
-                                "prompt_logprobs_last_n") if getattr(req, f)]
-        if unserved:
-            raise BadRequest(f"{', '.join(unserved)}: not served")
+        stop = sampling.check_request(req, str(self.engine.base_dir), self.engine.model.config, self.engine.vocab)
 
         def run() -> tuple[bool, str, bytes]:
             with self._sampler(c) as src:
