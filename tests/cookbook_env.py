@@ -38,6 +38,14 @@ def venv_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"cvm-tune-cookbook-{h.hexdigest()[:16]}"
 
 
+def _run(*cmd: str) -> None:
+    """Run ``cmd`` quietly (pip without its cache, which lives in $HOME); its output is the error when it fails."""
+    env = {**os.environ, "PIP_NO_CACHE_DIR": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"cookbook venv: {' '.join(cmd)} failed (exit {done.returncode}):\n{done.stdout[-6000:]}")
+
+
 def ensure() -> Path:
     """The venv's python, made first when missing (under a file lock: one maker at a time)."""
     venv = venv_dir()
@@ -52,12 +60,10 @@ def ensure() -> Path:
         shutil.rmtree(venv, ignore_errors=True)
         started = time.monotonic()
         print(f"cookbook venv: creating {venv} (minutes; kept for later runs)", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        env = {**os.environ, "PIP_NO_CACHE_DIR": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+        _run(sys.executable, "-m", "venv", str(venv))
         for lock in LOCKS:  # pip.lock first: a pip that handles the locks as install.sh does
-            subprocess.run([str(python), "-m", "pip", "install", "-qq", "--require-hashes", "-r", str(lock)],
-                           check=True, env=env)
-        subprocess.run([str(python), "-m", "pip", "check"], check=True, env=env)
+            _run(str(python), "-m", "pip", "install", "--quiet", "--require-hashes", "-r", str(lock))
+        _run(str(python), "-m", "pip", "check")
         (venv / MARK).write_text(f"{time.monotonic() - started:.0f} s\n")
         print(f"cookbook venv: created in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
     return python

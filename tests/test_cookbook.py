@@ -29,10 +29,13 @@ LIMITS = "api:\n  max_seq_len: 512\n  max_sample_tokens: 32\n  long_poll_s: 1\n"
 
 
 @pytest.fixture(scope="module")
-def venv_python() -> Path:
+def venv_python(request: pytest.FixtureRequest) -> Path:
+    """The cookbook venv's python: the first run makes the venv (minutes; it says so on the terminal), a failure to
+    make it fails the tests."""
     from tests.cookbook_env import ensure
 
-    return ensure()  # the first run makes the venv (minutes); a failure fails the tests
+    with request.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+        return ensure()
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +58,9 @@ def recipe(server: Server, python: Path, data: Path, module: str, *args: str, ti
     env = {**os.environ, "TINKER_API_KEY": KEY, "PYTHONPATH": str(ROOT), "HF_HOME": str(data / ".hf"),
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
     env.pop("TINKER_BASE_URL", None)
-    run = subprocess.run([str(python), str(ROOT / "tests" / "cookbook_run.py"), str(server.out / "models" / "tiny-llama"),
-                          SERVED, module, f"base_url={server.url}", f"model_name={SERVED}", *args],
+    tokenizer = server.out / "models" / "tiny-llama"  # the served base model's directory
+    run = subprocess.run([str(python), str(ROOT / "tests" / "cookbook_run.py"), str(tokenizer), SERVED, module,
+                          f"base_url={server.url}", f"model_name={SERVED}", *args],
                          cwd=data, env=env, capture_output=True, text=True, timeout=timeout)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-8000:]
