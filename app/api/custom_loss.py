@@ -238,3 +238,37 @@ def _check_output(args: Any) -> tuple[str, ...]:
     if bad:
         raise BadRequest(f"custom loss: metric {bad[0]!r} must be named custom/<name>:sum or custom/<name>:mean")
     return names
+
+
+def create(req: Any, held: dict[str, Loss]) -> Loss:
+    """The loss of a ``CreateCustomLossRequest``, rebuilt and kept in ``held`` (the session's) under its id.
+
+    Raises:
+        BadRequest: not rebuildable (see :class:`Loss`), or not encodable as JSON.
+    """
+    inputs, graph = [i.model_dump(mode="json") for i in req.inputs], req.graph.model_dump(mode="json")
+    try:
+        loss_id, doc = canonical(req.name, inputs, graph)
+    except ValueError as exc:  # NaN or infinity outside the SDK's {"float": …} encoding
+        raise BadRequest(f"custom loss: not encodable as JSON: {exc}") from None
+    loss = Loss(doc)
+    loss.id = loss_id
+    held[loss_id] = loss
+    return loss
+
+
+def lookup(held: dict[str, Loss], session: str, op: Any) -> Loss:
+    """The session's loss a ``custom`` forward_backward names, its inputs present in every datum.
+
+    Raises:
+        BadRequest: no such loss in the session, or a datum without an input the loss takes.
+    """
+    loss = held.get(str((op.loss_fn_config or {}).get("loss_id")))
+    if loss is None:
+        raise BadRequest(f"custom loss {(op.loss_fn_config or {}).get('loss_id')!r} was not created in session "
+                         f"{session}: create it with ServiceClient.create_custom_loss")
+    for i, d in enumerate(op.data):
+        missing = [n for n, _rank in loss.inputs[1:] if n not in d.inputs]
+        if missing:
+            raise BadRequest(f"data[{i}]: custom loss {loss.name} takes loss_fn_inputs.{missing[0]}")
+    return loss

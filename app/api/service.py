@@ -161,7 +161,9 @@ class Service:
         self._model(owner, op.model_id)
         session = op.model_id.split(":", 1)[0]
         if op.loss_fn == "custom":  # a loss this session created: rebuilt, checked, named by its hash
-            op.extra["custom"] = self._custom_loss(owner, session, op)
+            from app.api.custom_loss import lookup
+
+            op.extra["custom"] = lookup(self.custom_losses.get((owner, session), {}), session, op)
 
         def run() -> tuple[bool, str, bytes]:
             outputs, metrics = self.engine.forward_backward(op)
@@ -170,32 +172,14 @@ class Service:
         return self._enqueue(owner, session, op.model_id, "forward" if op.forward_only else "forward_backward", run)
 
     def create_custom_loss(self, owner: str, req: types.CreateCustomLossRequest) -> dict[str, Any]:
-        """Rebuild the loss from its allow-listed operations (refused with the node named), keep it for the session
-        under its canonical hash, the ``loss_id`` answered (:mod:`app.api.custom_loss`)."""
-        from app.api.custom_loss import Loss, canonical
+        """Rebuild the loss from its allow-listed operations and keep it for the session under its id
+        (:mod:`app.api.custom_loss`); the future answers the id."""
+        from app.api.custom_loss import create
 
         self._session(owner, req.session_id)
-        inputs, graph = [i.model_dump(mode="json") for i in req.inputs], req.graph.model_dump(mode="json")
-        try:
-            loss_id, doc = canonical(req.name, inputs, graph)
-        except ValueError as exc:  # NaN or infinity outside the SDK's {"float": …} encoding
-            raise BadRequest(f"custom loss: not encodable as JSON: {exc}") from None
-        loss = Loss(doc)
-        loss.id = loss_id
-        self.custom_losses.setdefault((owner, req.session_id), {})[loss_id] = loss
+        loss = create(req, self.custom_losses.setdefault((owner, req.session_id), {}))
         return self._enqueue(owner, req.session_id, None, "create_custom_loss",
-                             lambda: self._ok(types.CreateCustomLossResponse(loss_id=loss_id)))
-
-    def _custom_loss(self, owner: str, session: str, op: wire.Op) -> Any:
-        loss = self.custom_losses.get((owner, session), {}).get(str((op.loss_fn_config or {}).get("loss_id")))
-        if loss is None:
-            raise BadRequest(f"custom loss {(op.loss_fn_config or {}).get('loss_id')!r} was not created in session "
-                             f"{session}: create it with ServiceClient.create_custom_loss")
-        for i, d in enumerate(op.data):
-            missing = [n for n, _rank in loss.inputs[1:] if n not in d.inputs]
-            if missing:
-                raise BadRequest(f"data[{i}]: custom loss {loss.name} takes loss_fn_inputs.{missing[0]}")
-        return loss
+                             lambda: self._ok(types.CreateCustomLossResponse(loss_id=loss.id)))
 
     def optim_step(self, owner: str, req: types.OptimStepRequest) -> dict[str, Any]:
         self._model(owner, req.model_id)
