@@ -131,3 +131,16 @@ def test_finishing_another_keys_session_changes_nothing(server: Server, alice: d
                                                   "lora_config": {"rank": 2}})
     assert created.status_code == 200, created.text  # Alice's session still takes models
     assert json.loads(json.dumps(_result(server, created.json()["request_id"])))["model_id"].startswith(alice["session"])
+
+
+def test_a_sampler_save_is_exported_when_asked_and_only_by_its_key(server: Server, alice: dict[str, Any]) -> None:
+    r = _post(server, "cvm_tune/export", BOB, {"tinker_path": alice["sampler"]})
+    assert r.status_code == 404 and "not found" in r.text
+    r = _post(server, "cvm_tune/export", KEY, {"tinker_path": alice["sampler"]})
+    assert r.status_code == 200, r.text
+    done = _result(server, r.json()["request_id"])
+    from pathlib import Path
+
+    assert done["path"] == alice["sampler"] and (Path(done["bundle"]) / "manifest.json").is_file()
+    again = _result(server, _post(server, "cvm_tune/export", KEY, {"tinker_path": alice["sampler"]}).json()["request_id"])
+    assert again["bundle"] == done["bundle"]  # made once

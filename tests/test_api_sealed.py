@@ -296,7 +296,7 @@ def _flip(d: Path, _ctx: dict[str, Any]) -> None:
 
 
 def _cut(d: Path, _ctx: dict[str, Any]) -> None:
-    blob = d / "0002.enc"
+    blob = max(d.glob("*.enc"), key=lambda p: p.stat().st_size)  # the largest sealed file: a tensor file
     blob.write_bytes(blob.read_bytes()[: blob.stat().st_size // 2])
 
 

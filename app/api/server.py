@@ -145,6 +145,10 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
             raise BadRequest("forward_backward takes a protobuf body (Content-Type: application/x-protobuf)")
         return _json(svc.forward_backward(request.state.owner, await _read(request)))
 
+    @app.post("/api/v1/cvm_tune/export")
+    async def export_checkpoint(request: Request) -> Any:  # a saved state's export bundle, made when asked
+        return _json(svc.export(request.state.owner, (await body(request, _ExportRequest)).tinker_path))
+
     @app.post("/api/v1/create_custom_loss")
     async def create_custom_loss(request: Request) -> Any:
         return _json(svc.create_custom_loss(request.state.owner, await body(request, types.CreateCustomLossRequest)))
@@ -267,3 +271,11 @@ async def _read(request: Request) -> bytes:
 def _first(exc: ValidationError) -> str:
     e = exc.errors()[0]
     return f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+
+
+class _ExportRequest(BaseModel):
+    """``POST /api/v1/cvm_tune/export``: the saved state whose export bundle to make (once; asking again answers the
+    same bundle)."""
+
+    model_config = ConfigDict(extra="forbid")
+    tinker_path: str
