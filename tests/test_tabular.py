@@ -171,8 +171,8 @@ def _cfg(root: Path, data: Path) -> Path:
     return cfg
 
 
-def test_parquet_and_jsonl_of_the_same_rows_train_the_same_adapter(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_parquet_and_jsonl_of_the_same_rows_train_the_same_adapter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   request: pytest.FixtureRequest) -> None:
     """Same rows hash, same adapter bytes; and no plaintext reaches the disk (the canary row is nowhere in clear:
     not on the volume, not in the system temporary directory the runs were given, not in their RAM directories)."""
     import tempfile
@@ -180,8 +180,10 @@ def test_parquet_and_jsonl_of_the_same_rows_train_the_same_adapter(tmp_path: Pat
     from app.config import Config
     from app.run.inputs import scratch_dir
 
-    private_tmp = tmp_path / "tmpdir"
-    private_tmp.mkdir()
+    import shutil
+
+    private_tmp = Path(tempfile.mkdtemp(prefix="tab-"))  # short: the simulator's socket goes under it
+    request.addfinalizer(lambda: shutil.rmtree(private_tmp, ignore_errors=True))
     monkeypatch.setenv("TMPDIR", str(private_tmp))
     monkeypatch.setattr(tempfile, "tempdir", str(private_tmp))
     rows = [*ROWS, {"text": f"{CANARY} kept in memory only"}]
@@ -199,7 +201,8 @@ def test_parquet_and_jsonl_of_the_same_rows_train_the_same_adapter(tmp_path: Pat
     assert (j["plaintext_format"], p["plaintext_format"]) == ("jsonl", "parquet")
     assert j["plaintext_sha256"] != p["plaintext_sha256"] and j["rows_sha256"] == p["rows_sha256"]
     assert j["rows"] == p["rows"] == 21 and weights[0] == weights[1]
-    assert files_containing(tmp_path, CANARY.encode()) == []  # the volumes and the private temporary directory
+    assert files_containing(tmp_path, CANARY.encode()) == []  # the volumes
+    assert files_containing(private_tmp, CANARY.encode()) == []  # the temporary directory the runs were given
     for name in ("jsonl", "parquet"):
         ram = scratch_dir(Config(), (tmp_path / name / "out").resolve())
         for d in (x for x in ram.parent.iterdir() if x.name.startswith(ram.name)):
