@@ -27,7 +27,7 @@ from attestation.outputs.op_chain import GENESIS
 from app.api import dp as dpsgd
 from app.api import losses, sampling, wire
 from app.api.errors import ApiError, BadRequest, NotFound
-from app.api.history import check_adam, link
+from app.api.history import check_adam, fresh_optimizer, link
 
 logger = logging.getLogger(__name__)
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -137,8 +137,7 @@ class Engine:
             torch.manual_seed(lora.get("seed") or 0)
             self.model.add_adapter(name, self.lora_config(lora))
         params = self._params(name)
-        m = Model(model_id, name, lora, torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12,
-                                                           weight_decay=0.0), dp=dict(dp) if dp else None)
+        m = Model(model_id, name, lora, fresh_optimizer(params), dp=dict(dp) if dp else None)
         if m.dp:
             m.dp_sums = [torch.zeros_like(p) for p in params]
         self.models[model_id] = m
@@ -340,7 +339,7 @@ class Engine:
         if {k: tuple(v.shape) for k, v in weights.items()} != shapes:
             raise BadRequest("the saved state's LoRA tensors do not fit this model (another rank or target layers)")
         params = self._params(m.adapter)
-        fresh = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        fresh = fresh_optimizer(params)
         if state is not None:
             try:
                 fresh.load_state_dict(state)

@@ -28,6 +28,13 @@ def check_adam(adam: dict[str, Any]) -> None:
             raise BadRequest(f"adam_params.{name} must be a finite number {what} (got {v!r})")
 
 
+def fresh_optimizer(params: list[Any]) -> Any:
+    """The optimizer every adapter starts with (create, a load without its state, and replay alike)."""
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+
+
 def link(prev: str, record: dict[str, Any]) -> str:
     """The chain head after ``record``; a record with no canonical form is refused before anything changes."""
     try:

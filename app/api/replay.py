@@ -208,7 +208,7 @@ def _fb(op: dict[str, Any], custom: dict[str, Any]) -> Any:
 def _load(engine: Any, model: Any, op: dict[str, Any], i: int) -> None:
     """A ``load`` in the record: the state it loads is the replay's own state at that point (the chain says so);
     its weights must be the ones the load names. The optimizer starts afresh unless the load kept it."""
-    import torch
+    from app.api.history import fresh_optimizer
 
     if hashlib.sha256(engine.adapter_bytes(model)).hexdigest() != op["weights_sha256"]:
         raise ReplayFailed(f"op {i} (load) names weights {op['weights_sha256'][:16]}…, but the ops before it give "
@@ -219,7 +219,7 @@ def _load(engine: Any, model: Any, op: dict[str, Any], i: int) -> None:
     for p in params:
         p.grad = None
     if not op["optimizer"]:
-        model.optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        model.optimizer = fresh_optimizer(params)
     model.op_head, model.ops = op_chain.link(op["checkpoint_head"], op), int(op["checkpoint_ops"]) + 1
 
 
