@@ -24,6 +24,9 @@ it once. A database newer than :data:`SCHEMA_VERSION` is refused before anything
 * **3 → 4** ``m004_api_storage``: what bounds the API's storage: per saved state its expiry (``expires_at``, UTC,
   NULL: none), when its sealed files were removed (``removed_at``, NULL: still there) and the bytes its sealed state
   and its export bundle hold (``state_bytes``, ``bundle_bytes``; 0 for states saved before). New columns only.
+* **4 → 5** ``m005_api_external``: ``api_checkpoints`` also holds checkpoints of kind ``external`` (an export bundle
+  to download, ``save_weights_external``). SQLite cannot widen a CHECK constraint, so the table is built again with
+  the same columns and every row copied as it was.
 """
 
 from __future__ import annotations
@@ -97,6 +100,21 @@ def m004_api_storage(conn: sqlite3.Connection, out: Path) -> None:
     for column in ("expires_at TEXT", "removed_at TEXT", "state_bytes INTEGER NOT NULL DEFAULT 0",
                    "bundle_bytes INTEGER NOT NULL DEFAULT 0"):
         conn.execute(f"ALTER TABLE api_checkpoints ADD COLUMN {column}")
+
+
+@migration
+def m005_api_external(conn: sqlite3.Connection, out: Path) -> None:
+    """Checkpoints of kind ``external`` (the table again, with the wider CHECK; every row kept as it was)."""
+    columns = ("path, owner, model_id, kind, name, dir, bundle, op_head, ops, lora, created_at, expires_at, removed_at,"
+               " state_bytes, bundle_bytes")
+    conn.execute("ALTER TABLE api_checkpoints RENAME TO api_checkpoints_m004")
+    conn.execute("CREATE TABLE api_checkpoints (path TEXT PRIMARY KEY, owner TEXT NOT NULL, model_id TEXT NOT NULL,"
+                 " kind TEXT NOT NULL CHECK (kind IN ('training','sampler','external')), name TEXT NOT NULL,"
+                 " dir TEXT NOT NULL, bundle TEXT, op_head TEXT NOT NULL, ops INTEGER NOT NULL, lora TEXT NOT NULL,"
+                 " created_at TEXT NOT NULL, expires_at TEXT, removed_at TEXT, state_bytes INTEGER NOT NULL DEFAULT 0,"
+                 " bundle_bytes INTEGER NOT NULL DEFAULT 0)")
+    conn.execute(f"INSERT INTO api_checkpoints ({columns}) SELECT {columns} FROM api_checkpoints_m004")
+    conn.execute("DROP TABLE api_checkpoints_m004")
 
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -88,7 +88,7 @@ def _error(body: bytes) -> str:
 
 
 def _listed(svc: Any, model_id: str) -> dict[str, Any]:
-    return {c.tinker_path: c for c in svc.list_checkpoints(OWNER, model_id).checkpoints}
+    return {c.tinker_path: c for c in svc.checkpoints.list_run(OWNER, model_id).checkpoints}
 
 
 def test_a_sampler_save_is_a_sealed_state_only_and_samples(svc: Any) -> None:

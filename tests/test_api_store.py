@@ -45,7 +45,7 @@ def test_a_version_2_database_gains_the_api_tables_and_keeps_its_runs(tmp_path: 
     db.conn.execute("PRAGMA user_version = 2")  # as the release before wrote it
     db.close()
     store = Store(tmp_path)
-    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+    assert store.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
     assert store.db.run("r1") is not None and store.future("nope") is None
     store.close()
     raw = sqlite3.connect(tmp_path / "state" / "runs.sqlite")

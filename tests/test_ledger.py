@@ -69,7 +69,7 @@ def test_volume_v1_opens_with_its_history(tmp_path: Path) -> None:
     legacy = {p.parent.name: p.read_bytes() for p in (out / "runs").glob("*/state.json")}
     assert _raw(db_path, "PRAGMA user_version") == [(0,)] and len(slots_before) == 3
     db = RunDB(out)
-    assert db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+    assert db.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
     assert db.conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
     assert db.conn.execute(f"SELECT {SLOTS_V1} FROM slots ORDER BY id").fetchall() == slots_before
     assert db.counter() == 3

@@ -2,7 +2,8 @@
 
 Bodies are parsed with the SDK's own pydantic types (``tinker.types``) and protobuf module; a malformed body, an
 unknown model or a request over the limits is a 4xx whose body says why (the SDK surfaces it). Routes not served
-answer 501 (``NotServed``).
+answer 501 (``NotServed``). Every route needs an API key but health, attestation and the signed download URLs of
+external weights (:mod:`app.api.external`: the URL is the capability).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 from tinker import types
 
 from attestation.io.safe_yaml import parse_json
 
 from app.api.errors import ApiError, BadRequest, NotServed, TooLarge, TooMany, Unauthorized
+from app.api.external import ROUTE as DOWNLOAD
 from app.api.sampling import check_params
 from app.api.service import Service
 
@@ -61,7 +63,7 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
             if request.headers.get("content-encoding") not in (None, "identity"):
                 raise BadRequest("compressed request bodies are not served (client config proto_compress_fwdbwd is off)")
             path = request.url.path
-            if path not in ("/api/v1/healthz", "/api/v1/cvm_tune/attestation"):
+            if path not in ("/api/v1/healthz", "/api/v1/cvm_tune/attestation", DOWNLOAD):
                 key = request.headers.get("x-api-key") or ""
                 owner = hashlib.sha256(key.encode()).hexdigest()
                 if owner not in keys:
@@ -171,15 +173,54 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
 
     @app.post("/api/v1/weights_info")
     async def weights_info(request: Request) -> Any:
-        return _json(svc.weights_info(request.state.owner, (await body(request, WeightsInfoRequest)).tinker_path))
+        req = await body(request, WeightsInfoRequest)
+        return _json(svc.checkpoints.weights_info(request.state.owner, req.tinker_path))
 
     @app.post("/api/v1/unload_model")
     async def unload_model(request: Request) -> Any:
         return _json(svc.unload_model(request.state.owner, (await body(request, types.UnloadModelRequest)).model_id))
 
+    ckpts, one = svc.checkpoints, "/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}"
+
     @app.get("/api/v1/training_runs/{model_id}/checkpoints")
     async def checkpoints(model_id: str, request: Request) -> Any:
-        return _json(svc.list_checkpoints(request.state.owner, model_id))
+        return _json(ckpts.list_run(request.state.owner, model_id))
+
+    @app.get("/api/v1/training_runs/{model_id}")
+    async def training_run(model_id: str, request: Request) -> Any:  # access_scope: a key sees only its own
+        return _json(ckpts.training_run(request.state.owner, model_id))
+
+    @app.get("/api/v1/checkpoints")
+    async def user_checkpoints(request: Request) -> Any:
+        return _json(ckpts.list_key(request.state.owner, dict(request.query_params)))
+
+    @app.post("/api/v1/save_weights_external")
+    async def save_external(request: Request) -> Any:
+        req = await body(request, types.SaveWeightsExternalRequest)
+        return _json(ckpts.external.save(request.state.owner, req))
+
+    @app.get(one + "/external_weights_urls")
+    async def external_urls(model_id: str, checkpoint_id: str, request: Request) -> Any:
+        return _json(ckpts.urls(request.state.owner, model_id, checkpoint_id, str(request.base_url)))
+
+    @app.put(one + "/ttl")
+    async def checkpoint_ttl(model_id: str, checkpoint_id: str, request: Request) -> Any:
+        ttl = (await body(request, _TtlRequest)).ttl_seconds
+        ckpts.set_ttl(request.state.owner, model_id, checkpoint_id, ttl)
+        return _json({})
+
+    @app.api_route(one + "/publish", methods=["POST", "DELETE"])
+    async def publish(model_id: str, checkpoint_id: str, request: Request) -> Any:
+        ckpts.refuse_publish(request.state.owner, model_id, checkpoint_id)
+
+    @app.delete(one)
+    async def delete_checkpoint(model_id: str, checkpoint_id: str, request: Request) -> Any:
+        return _json(await ckpts.delete(request.state.owner, model_id, checkpoint_id))
+
+    @app.get(DOWNLOAD)
+    def download(request: Request) -> Any:  # a thread of its own; the file is streamed from the bundle
+        return FileResponse(ckpts.external.file(request.query_params.multi_items()),
+                            media_type="application/octet-stream", headers={"Cache-Control": "no-store"})
 
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request) -> Any:
@@ -271,6 +312,14 @@ async def _read(request: Request) -> bytes:
 def _first(exc: ValidationError) -> str:
     e = exc.errors()[0]
     return f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+
+
+class _TtlRequest(BaseModel):
+    """``PUT …/checkpoints/<id>/ttl`` (``RestClient.set_checkpoint_ttl_from_tinker_path``): seconds from now, or
+    null for none."""
+
+    model_config = ConfigDict(extra="forbid")
+    ttl_seconds: StrictInt | None
 
 
 class _ExportRequest(BaseModel):

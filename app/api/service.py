@@ -5,7 +5,8 @@ Every operation becomes a row in the state database (:mod:`app.api.store`) and a
 (:mod:`app.api.engine`); its future resolves to the job's result. Saves seal the adapter (and optimizer) under
 ``api/checkpoints/`` (:mod:`app.api.vault`: built in RAM, never plaintext on the volume) and write an attested export
 bundle under ``exports/`` (:mod:`app.api.bundle`; sampler saves when asked, expiry, quota: ``vault.Storage``); loads
-and samples decrypt a saved state into RAM for the engine.
+and samples decrypt a saved state into RAM for the engine. Listing, TTL, deletion and external weights (the stock
+``tinker checkpoint`` commands) are :mod:`app.api.checkpoints`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import re
 import threading
 import uuid
 from pathlib import Path
@@ -28,9 +28,11 @@ from attestation.outputs import op_chain
 from app.api import dp as dpsgd
 from app.api import sampling, wire
 from app.api.bundle import Exporter
+from app.api.checkpoints import Checkpoints, live
 from app.api.completions import Completions
 from app.api.engine import Engine, Model, run_job, saved_dp
 from app.api.errors import BadRequest, NotFound, NotServed, TooMany
+from app.api.external import check_name
 from app.api.history import check_adam, load_record
 from app.api.store import Checkpoint, Store
 from app.api.vault import Storage, Vault, size_of
@@ -38,7 +40,6 @@ from app.audit import utc_now
 from app.config.api import ApiSettings
 from app.fsutil import withdraw_dir
 
-NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")
 JSON = "application/json"
 PROTO = "application/x-protobuf"
 
@@ -61,6 +62,7 @@ class Service:
         self.storage = Storage(store, vault, exporter, limits)  # what saved states take: exports, expiry, quota
         self.store.fail_interrupted()
         self.storage.sweep()
+        self.checkpoints = Checkpoints(self)  # list, info, TTL, delete, external weights (app.api.checkpoints)
 
     # --- sessions and ownership --------------------------------------------------------------------
 
@@ -91,7 +93,7 @@ class Service:
         c = self.store.checkpoint(path)
         if c is None or c.owner != owner:
             raise NotFound(f"checkpoint {path} not found")
-        return self.storage.live(c)
+        return live(self.storage, c)  # an external export, or deleted or expired: refused
 
     def _enqueue(self, owner: str, session: str, model_id: str | None, kind: str, fn: Any,
                  samples: int = 0, sampler: tuple[str, int | None] | None = None) -> dict[str, Any]:
@@ -199,8 +201,7 @@ class Service:
     def save(self, owner: str, req: Any, kind: str) -> dict[str, Any]:
         self._model(owner, req.model_id)
         name = req.path or f"sampler-{req.sampling_session_seq_id}-{uuid.uuid4().hex[:8]}"
-        if not NAME.fullmatch(name):
-            raise BadRequest(f"checkpoint name {name!r}: 1-64 letters, digits, '.', '_' or '-'")
+        check_name(name)
         segment = "weights" if kind == "training" else "sampler_weights"
         path = f"tinker://{req.model_id}/{segment}/{name}"
         if self.store.checkpoint(path) is not None:
@@ -284,22 +285,6 @@ class Service:
             return self._ok(types.LoadWeightsResponse(path=req.path, model_id=model_id))
 
         return self._enqueue(owner, session, model_id, "load_weights", run)
-
-    def list_checkpoints(self, owner: str, model_id: str) -> types.CheckpointsListResponse:
-        if self.store.model_owner(model_id) != owner:
-            raise NotFound(f"model {model_id} not found")
-        return types.CheckpointsListResponse(checkpoints=[types.Checkpoint(
-            checkpoint_id=c.path.split("/", 3)[-1], checkpoint_type=c.kind, time=c.created_at, tinker_path=c.path,
-            size_bytes=c.state_bytes + c.bundle_bytes, expires_at=c.expires_at,
-            user_metadata={"bundle": c.bundle or "", "op_chain_head": c.op_head, "op_chain_ops": str(c.ops)})
-            for c in self.store.checkpoints(model_id) if c.removed_at is None])
-
-    def weights_info(self, owner: str, path: str) -> types.WeightsInfoResponse:
-        """``RestClient.get_weights_info_by_tinker_path``: the base model and LoRA configuration of a checkpoint."""
-        c = self._checkpoint(owner, path)
-        return types.WeightsInfoResponse(base_model=self.base_name, is_lora=True, lora_rank=c.lora["rank"],
-                                         train_unembed=c.lora.get("train_unembed"), train_mlp=c.lora.get("train_mlp"),
-                                         train_attn=c.lora.get("train_attn"))
 
     def unload_model(self, owner: str, model_id: str) -> dict[str, Any]:
         """``UnloadModelRequest``: the model leaves memory after the operations queued before it; its checkpoints

@@ -1,5 +1,5 @@
 """The training API's records in the run database (``state/runs.sqlite``, tables of migration ``m003_api``, columns
-of ``m004_api_storage``).
+of ``m004_api_storage``; kind ``external`` since ``m005_api_external``).
 
 Every accepted operation is a row before its future is returned; its result bytes are committed before the engine
 takes the next operation, so a kill -9 loses no completed result. Operations still pending when the server died are
@@ -120,6 +120,16 @@ class Store:
                  (model_id, owner, session_id, base_model, json.dumps(lora), json.dumps(dp) if dp else None, op_head,
                   ops, utc_now()))
 
+    def model(self, model_id: str) -> dict[str, Any] | None:
+        """A model's record (owner, base model, LoRA, created_at) and ``last_request``: when its last operation came."""
+        rows = self._all("SELECT owner, base_model, lora, created_at, (SELECT MAX(created_at) FROM api_futures"
+                         " WHERE model_id = api_models.id) FROM api_models WHERE id = ?", (model_id,))
+        if not rows:
+            return None
+        owner, base, lora, created, last = rows[0]
+        return {"owner": owner, "base_model": base, "lora": json.loads(lora), "created_at": created,
+                "last_request": last or created}
+
     def drop_model(self, model_id: str) -> None:
         """Forget a model that never came to exist (its load was refused); its futures stay."""
         self._tx("DELETE FROM api_models WHERE id = ?", (model_id,))
@@ -165,6 +175,16 @@ class Store:
         with self._durable():
             self._tx("UPDATE api_checkpoints SET removed_at = ? WHERE path = ?", (when, path))
 
+    def set_expiry(self, path: str, expires_at: str | None) -> None:
+        """A saved state's new expiry (``set_checkpoint_ttl``; None: kept until deleted)."""
+        with self._durable():
+            self._tx("UPDATE api_checkpoints SET expires_at = ? WHERE path = ?", (expires_at, path))
+
+    def forget(self, path: str) -> None:
+        """Remove a checkpoint's record (deleted, and nothing of it left on the volume)."""
+        with self._durable():
+            self._tx("DELETE FROM api_checkpoints WHERE path = ?", (path,))
+
     def saved_bytes(self) -> int:
         """Bytes the API's saved states still there and every export bundle hold on the volume."""
         return int(self._all("SELECT COALESCE(SUM(CASE WHEN removed_at IS NULL THEN state_bytes ELSE 0 END)"
@@ -177,6 +197,13 @@ class Store:
     def checkpoints(self, model_id: str) -> list[Checkpoint]:
         return [_ckpt(r) for r in self._all(f"SELECT {_CKPT} FROM api_checkpoints WHERE model_id = ?"
                                             " ORDER BY created_at, path", (model_id,))]
+
+    def owned_checkpoints(self, owner: str, limit: int, offset: int) -> tuple[list[Checkpoint], int]:
+        """One page of a key's checkpoints still there, newest first, and how many there are."""
+        where = "WHERE owner = ? AND removed_at IS NULL"
+        rows = self._all(f"SELECT {_CKPT} FROM api_checkpoints {where} ORDER BY created_at DESC, path DESC"
+                         " LIMIT ? OFFSET ?", (owner, limit, offset))
+        return [_ckpt(r) for r in rows], self._all(f"SELECT COUNT(*) FROM api_checkpoints {where}", (owner,))[0][0]
 
     def close(self) -> None:
         self.db.close()

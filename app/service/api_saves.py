@@ -19,7 +19,8 @@ API_SCHEMA_VERSION = 3  # the migration that added the api_* tables
 def api_saves(out: Path, limit: int | None = None, conn: sqlite3.Connection | None = None) -> list[dict[str, Any]]:
     """The saves whose export bundle was written, newest first: ``run_id`` (the bundle's directory under
     ``exports/``), ``checkpoint`` (its ``tinker://`` path), ``kind`` (``training`` or ``sampler``), ``model_id``,
-    ``ops`` (op-chain length), ``saved_at`` and ``exported`` (its manifest is on the volume).
+    ``ops`` (op-chain length), ``saved_at`` and ``exported`` (its manifest is on the volume). External-weights
+    exports (kind ``external``: temporary bundles made to be downloaded, removed when they expire) are not saves.
 
     Raises:
         StateError: the database is damaged or newer than this code.
@@ -33,7 +34,8 @@ def api_saves(out: Path, limit: int | None = None, conn: sqlite3.Connection | No
             if version(db, path) < API_SCHEMA_VERSION:
                 return []
             rows = db.execute("SELECT bundle, path, kind, model_id, ops, created_at FROM api_checkpoints"
-                              " WHERE bundle IS NOT NULL ORDER BY created_at DESC, path DESC LIMIT ?",
+                              " WHERE bundle IS NOT NULL AND kind != 'external'"
+                              " ORDER BY created_at DESC, path DESC LIMIT ?",
                               (-1 if limit is None else limit,)).fetchall()
         finally:
             if conn is None:
