@@ -1,5 +1,6 @@
 """The training engine behind the API: the base model loaded once, one LoRA adapter per model, every operation run
-in arrival order on one worker thread (so a model's operations apply in the order they were accepted).
+on one worker thread, each model's in the order they were accepted (:mod:`app.api.worker`); forward_backward ops of
+different models waiting together share one base-model pass (:mod:`app.api.packed`).
 
 Each model keeps its adapter (PEFT, named ``m<N>``), its Adam optimizer over that adapter's parameters and its op
 chain head (:mod:`attestation.outputs.op_chain`): ``forward_backward`` accumulates gradients, ``optim_step`` applies them with
@@ -13,8 +14,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +24,11 @@ import numpy as np
 from attestation.outputs.op_chain import GENESIS
 
 from app.api import dp as dpsgd
-from app.api import losses, sampling, wire
+from app.api import losses, packed, sampling, wire
 from app.api.errors import ApiError, BadRequest, NotFound
-from app.api.history import check_adam, fresh_optimizer, link
+from app.api.history import check_adam, fresh_optimizer, link, opt_restore, opt_snapshot
+from app.api.loading import saved_dp  # noqa: F401  (the service reads it from here)
+from app.api.worker import Job, Worker, run_job  # noqa: F401
 
 logger = logging.getLogger(__name__)
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -77,9 +78,11 @@ class Engine:
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, str] = {}  # checkpoint dir -> adapter name
         self._names = itertools.count(1)
-        self._jobs: queue.Queue[tuple[Callable[[], None]] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._work, name="api-engine", daemon=True)
-        self._thread.start()
+        self._cache: dict[str, list[Any]] = {}  # adapter -> its parameters (dropped when adapters change)
+        self._state: tuple[str | None, bool | None] = (None, None)  # active adapter, train mode
+        self.packed = backend == "hf" and packed.install(self.model)  # packed passes possible
+        self._ready: dict[int, Any] = {}  # id(op) -> its result (or refusal) from a packed pass
+        self._worker = Worker(self._batch, packed.PASS_BYTES)
 
     def _load_hf(self, base_dir: Path, cfg: Any) -> None:
         import torch
@@ -102,18 +105,40 @@ class Engine:
 
     # --- the worker --------------------------------------------------------------------------------
 
-    def submit(self, job: Callable[[], None]) -> None:
-        self._jobs.put((job,))
+    def submit(self, job: Callable[[], None], model: str | None = None, op: wire.Op | None = None) -> None:
+        """Queue ``job`` (acting on ``model``); ``op``: the forward_backward it runs, which may join a packed pass."""
+        packable = op is not None and self.packed
+        self._worker.submit(Job(job, model, op if packable else None,
+                                packed.pack_bytes(op.n_tokens, self.vocab) if packable else 0))
 
-    def _work(self) -> None:
-        while (item := self._jobs.get()) is not None:
+    def _batch(self, ops: list[wire.Op]) -> None:
+        """The worker's packed pass: each op's result kept for its job (the ops that cannot join, run alone)."""
+        items = []
+        for op in ops:
+            m = self.models.get(op.model_id)
+            if m is None or not self._packs(op, m):
+                continue
             try:
-                item[0]()
-            except Exception:  # a job reports its own failure; this only keeps the worker alive
-                logger.exception("engine job failed")
+                losses.check_config(op.loss_fn, op.loss_fn_config)
+            except ApiError as exc:
+                self._ready[id(op)] = exc
+                continue
+            items.append((op, m))
+        if len(items) > 1:
+            for (op, _m), result in zip(items, packed.forward_backward(self, items)):
+                self._ready[id(op)] = result
+
+    def _packs(self, op: wire.Op, m: Model) -> bool:
+        """Whether ``op`` runs as a packed pass: decided by the op and its model alone, so the op computes alike
+        whether other models' ops share its pass or not (and a replay of it alone reaches the same weights)."""
+        return self.packed and m.dp is None and packed.pack_bytes(op.n_tokens, self.vocab) <= packed.PASS_BYTES
+
+    @property
+    def batching(self) -> dict[str, int]:
+        return dict(self._worker.stats)
 
     def stop(self) -> None:
-        self._jobs.put(None)
+        self._worker.stop()
 
     # --- models ------------------------------------------------------------------------------------
 
@@ -136,6 +161,7 @@ class Engine:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(lora.get("seed") or 0)
             self.model.add_adapter(name, self.lora_config(lora))
+        self._changed()
         params = self._params(name)
         m = Model(model_id, name, lora, fresh_optimizer(params), dp=dict(dp) if dp else None)
         if m.dp:
@@ -144,7 +170,15 @@ class Engine:
         return m
 
     def _params(self, adapter: str) -> list[Any]:
-        return [p for n, p in self.model.named_parameters() if f".{adapter}." in n]
+        got = self._cache.get(adapter)
+        if got is None:
+            got = self._cache[adapter] = [p for n, p in self.model.named_parameters() if f".{adapter}." in n]
+        return got
+
+    def _changed(self) -> None:
+        """Adapters were added or removed: parameter lists and the active adapter are looked up afresh."""
+        self._cache.clear()
+        self._state = (None, None)
 
     def get(self, model_id: str) -> Model:
         m = self.models.get(model_id)
@@ -154,22 +188,39 @@ class Engine:
         return m
 
     def _activate(self, adapter: str, train: bool) -> None:
-        self.model.set_adapter(adapter)
-        if self.backend == "unsloth":
-            from app.api.backend import route
+        if self._state[0] != adapter:
+            self.model.set_adapter(adapter)
+            if self.backend == "unsloth":
+                from app.api.backend import route
 
-            route(self.model, adapter)
+                route(self.model, adapter)
+            self._state = (adapter, None)
         for p in self._params(adapter):
             p.requires_grad_(train)
-        self.model.train(train)
+        self._mode(train)
+
+    def _mode(self, train: bool) -> None:
+        if self._state[1] != train:
+            self.model.train(train)
+            self._state = (self._state[0], train)
 
     # --- operations --------------------------------------------------------------------------------
 
     def forward_backward(self, op: wire.Op) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         """One op, applied atomically: its gradient is added and the op linked into the chain, or (refused, or
         failed part-way) the model, its pending gradient and its DP sums are exactly as before."""
+        if id(op) in self._ready:  # computed by the packed pass it joined
+            done = self._ready.pop(id(op))
+            if isinstance(done, BaseException):
+                raise done
+            return done  # type: ignore[no-any-return]
         m = self.get(op.model_id)
         losses.check_config(op.loss_fn, op.loss_fn_config)  # every input checked before any state is touched
+        if self._packs(op, m):
+            (done,) = packed.forward_backward(self, [(op, m)])
+            if isinstance(done, BaseException):
+                raise done
+            return done  # type: ignore[no-any-return]
         if op.forward_only:
             self._activate(m.adapter, False)
             return self._forward_backward(m, op)
@@ -230,8 +281,6 @@ class Engine:
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
         """Apply the pending gradient (DP: noised) with ``adam``, atomically: every parameter is checked and the op
         linked before anything changes; a failure part-way restores the weights, the optimizer and the gradient."""
-        import copy
-
         import torch
 
         m = self.get(model_id)
@@ -243,7 +292,7 @@ class Engine:
         new_head = link(m.op_head, record)
         params = self._params(m.adapter)
         weights = [p.detach().clone() for p in params]
-        optimizer = copy.deepcopy(m.optimizer.state_dict())
+        optimizer = opt_snapshot(m.optimizer)
         snapshot = self._grad_snapshot(m)
         try:
             if dp is not None:
@@ -261,7 +310,7 @@ class Engine:
             with torch.no_grad():
                 for p, w in zip(params, weights):
                     p.copy_(w)
-            m.optimizer.load_state_dict(optimizer)
+            opt_restore(m.optimizer, optimizer)
             self._grad_restore(m, snapshot)
             raise
         m.dp = dp
@@ -306,63 +355,17 @@ class Engine:
             (dest / "dp.json").write_text(json.dumps(m.dp, sort_keys=True))
 
     def load(self, m: Model, src: Path, *, optimizer: bool, record: dict[str, Any]) -> None:
-        """Replace the model's state with the saved state in ``src``, as the ``load`` op ``record``: everything is
-        read and checked first (LoRA shapes, DP or not, optimizer state, progress), then applied; the model's chain
-        continues from the saved state's (``record``'s checkpoint head and op count). Without ``optimizer`` the
-        Adam state starts afresh. A pending gradient is refused: the load would drop it outside the chain.
+        """:func:`app.api.loading.load`: the saved state in ``src`` replaces the model's, as the ``load`` op ``record``."""
+        from app.api.loading import load
 
-        Raises:
-            BadRequest: a pending gradient, a state of another LoRA shape, a DP mismatch, or a damaged state.
-        """
-        import json
-
-        import torch
-        from peft import get_peft_model_state_dict, set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        if m.pending:
-            raise BadRequest(f"model {m.id} has the gradient of {m.pending} forward_backward op(s) not yet applied: "
-                             "run optim_step first (a load would discard it)")
-        saved = saved_dp(src)
-        if (saved is None) != (m.dp is None):
-            raise BadRequest("the saved state and the model differ in DP-SGD (one has it, the other not)")
-        try:
-            weights = load_file(str(src / "adapter_model.safetensors"), device=self.device)
-            state = torch.load(src / "optimizer.pt", weights_only=True) if optimizer else None
-            progress = json.loads((src / "progress.json").read_text()) if (src / "progress.json").is_file() else None
-            steps, tokens = (int(progress["steps"]), int(progress["tokens_seen"])) if progress else (m.steps, m.tokens_seen)
-            curve = [(int(a), float(b)) for a, b in progress["losses"]] if progress else list(m.losses)
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-            raise BadRequest(f"the saved state cannot be read: {type(exc).__name__}: {str(exc)[:200]}") from None
-        mine = get_peft_model_state_dict(self.model, adapter_name=m.adapter)
-        shapes = {k: tuple(v.shape) for k, v in mine.items()}
-        if {k: tuple(v.shape) for k, v in weights.items()} != shapes:
-            raise BadRequest("the saved state's LoRA tensors do not fit this model (another rank or target layers)")
-        params = self._params(m.adapter)
-        fresh = fresh_optimizer(params)
-        if state is not None:
-            try:
-                fresh.load_state_dict(state)
-            except (ValueError, KeyError, RuntimeError) as exc:
-                raise BadRequest(f"the saved optimizer state does not fit this model: {str(exc)[:200]}") from None
-        new_head = link(record["checkpoint_head"], record)
-        with torch.no_grad():
-            set_peft_model_state_dict(self.model, weights, adapter_name=m.adapter)
-        for p in params:
-            p.grad = None
-        m.optimizer = fresh
-        m.steps, m.tokens_seen, m.losses, m.pending_loss = steps, tokens, curve, 0.0
-        m.custom_losses = dict((progress or {}).get("custom_losses") or {})  # the loaded history's custom losses
-        if saved is not None:
-            m.dp = saved  # the accounting continues from the saved state's steps
-            m.dp_sums = [torch.zeros_like(p) for p in params]
-        m.op_head, m.ops = new_head, int(record["checkpoint_ops"]) + 1
+        load(self, m, src, optimizer=optimizer, record=record)
 
     def discard(self, model_id: str) -> None:
         """Forget a model and its adapter (a model created for a load that was refused)."""
         m = self.models.pop(model_id, None)
         if m is not None:
             self.model.delete_adapter(m.adapter)
+            self._changed()
 
     base_name = "base"
 
@@ -374,12 +377,14 @@ class Engine:
             if adapter is None:
                 if len(self.samplers) >= MAX_SAMPLERS:  # evict the oldest sampler adapter
                     self.model.delete_adapter(self.samplers.pop(next(iter(self.samplers))))
+                    self._changed()
                 adapter = f"s{next(self._names)}"
                 from peft import LoraConfig
                 from safetensors.torch import load_file
                 from peft import set_peft_model_state_dict
 
                 self.model.add_adapter(adapter, LoraConfig.from_pretrained(str(src)))
+                self._changed()
                 set_peft_model_state_dict(self.model, load_file(str(src / "adapter_model.safetensors")),
                                           adapter_name=adapter)
                 self.samplers[str(src)] = adapter
@@ -387,28 +392,3 @@ class Engine:
         decode = sampling.tokenizer_of(str(self.base_dir)).decode if params["stop"].strings else str  # checked
         return sampling.run(self.net, prompt, decode=decode, device=self.device, **params)
 
-
-def saved_dp(src: Path) -> dict[str, Any] | None:
-    """The DP settings and spend a saved state recorded (None: trained without DP)."""
-    import json
-
-    f = Path(src) / "dp.json"
-    return json.loads(f.read_text()) if f.is_file() else None
-
-
-def run_job(fn: Callable[[], tuple[bool, str, bytes]], finish: Callable[[bool, str, bytes], None]) -> Callable[[], None]:
-    """A worker job: ``fn``'s result, or its refusal (category user) or failure (category server), is recorded."""
-    import json
-
-    def job() -> None:
-        try:
-            ok, ctype, body = fn()
-        except ApiError as exc:
-            ok, ctype, body = False, "application/json", json.dumps({"error": str(exc), "category": "user"}).encode()
-        except Exception as exc:  # an engine failure fails this future only; the server keeps serving
-            logger.exception("operation failed")
-            ok, ctype, body = False, "application/json", json.dumps(
-                {"error": f"{type(exc).__name__}: {exc}", "category": "server"}).encode()
-        finish(ok, ctype, body)
-
-    return job

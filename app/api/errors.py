@@ -29,5 +29,9 @@ class TooMany(ApiError):
     status = 429  # the SDK backs off and retries
 
 
+class Unavailable(ApiError):
+    status = 503  # the server is at capacity for what was asked (a model more); it may be retried later
+
+
 class NotServed(ApiError):
     status = 501

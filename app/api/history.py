@@ -35,6 +35,23 @@ def fresh_optimizer(params: list[Any]) -> Any:
     return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
 
 
+def opt_snapshot(opt: Any) -> tuple[dict[Any, dict[str, Any]], list[dict[str, Any]]]:
+    """A copy of an optimizer's state and hyperparameters, for :func:`opt_restore` should its step fail part-way
+    (cheaper than a deep copy of its state_dict: only the state's tensors are cloned)."""
+    import torch
+
+    return ({p: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()} for p, s in opt.state.items()},
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+
+
+def opt_restore(opt: Any, snapshot: tuple[dict[Any, dict[str, Any]], list[dict[str, Any]]]) -> None:
+    state, groups = snapshot
+    opt.state.clear()
+    opt.state.update(state)
+    for group, saved in zip(opt.param_groups, groups):
+        group.update(saved)
+
+
 def link(prev: str, record: dict[str, Any]) -> str:
     """The chain head after ``record``; a record with no canonical form is refused before anything changes."""
     try:

@@ -27,6 +27,7 @@ from attestation.outputs import op_chain
 
 from app.api import dp as dpsgd
 from app.api import sampling, wire
+from app.api.admission import admit
 from app.api.bundle import Exporter
 from app.api.checkpoints import Checkpoints, live
 from app.api.completions import Completions
@@ -96,7 +97,7 @@ class Service:
         return live(self.storage, c)  # an external export, or deleted or expired: refused
 
     def _enqueue(self, owner: str, session: str, model_id: str | None, kind: str, fn: Any,
-                 samples: int = 0, sampler: tuple[str, int | None] | None = None) -> dict[str, Any]:
+                 samples: int = 0, sampler: tuple[str, int | None] | None = None, op: Any = None) -> dict[str, Any]:
         if self.store.pending(session) >= self.limits.max_queued_futures:
             raise TooMany(f"session has {self.limits.max_queued_futures} operations queued; wait for results")
         fid = uuid.uuid4().hex
@@ -112,7 +113,7 @@ class Service:
             if sampler is not None:  # (sampling session, seq id): its poller learns of it by retrieve_futures
                 self.completions.finished(sampler[0], sampler[1], fid, ok)
 
-        self.engine.submit(run_job(fn, finish))
+        self.engine.submit(run_job(fn, finish), model_id, op)  # op: a forward_backward that may share a pass
         ids = [f"{fid}:{i}" for i in range(samples)] if samples else None
         return types.UntypedAPIFuture(request_id=fid, model_id=model_id, sample_sequence_ids=ids).model_dump(
             mode="json", exclude_none=True)
@@ -137,10 +138,12 @@ class Service:
         if self.store.model_owner(model_id) is not None:
             raise BadRequest(f"model {model_id} exists already")
         self.engine.lora_config(lora)  # refuses a LoRA that targets nothing, before anything is recorded
+        admit(self.engine, lora, self.limits.max_models, dp is not None)  # 503 at capacity, nothing recorded
         self.store.add_model(model_id, owner=owner, session_id=req.session_id, base_model=self.base_name, lora=lora,
                              dp=dp, op_head="0" * 64, ops=0)
 
         def run() -> tuple[bool, str, bytes]:
+            admit(self.engine, lora, self.limits.max_models, dp is not None)  # again: others may have come first
             self.engine.create(model_id, lora, dp)
             return self._ok(types.CreateModelResponse(model_id=model_id))
 
@@ -171,7 +174,8 @@ class Service:
             outputs, metrics = self.engine.forward_backward(op)
             return True, PROTO, wire.forward_backward_output(outputs, metrics)
 
-        return self._enqueue(owner, session, op.model_id, "forward" if op.forward_only else "forward_backward", run)
+        return self._enqueue(owner, session, op.model_id, "forward" if op.forward_only else "forward_backward", run,
+                             op=op)
 
     def create_custom_loss(self, owner: str, req: types.CreateCustomLossRequest) -> dict[str, Any]:
         """Rebuild the loss from its allow-listed operations and keep it for the session under its id
@@ -258,6 +262,7 @@ class Service:
             model_id, session = f"{req.session_id}:train:{req.model_seq_id or 0}", req.session_id
             if self.store.model_owner(model_id) is not None:
                 raise BadRequest(f"model {model_id} exists already")
+            admit(self.engine, c.lora, self.limits.max_models)
             self.store.add_model(model_id, owner=owner, session_id=session, base_model=self.base_name, lora=c.lora,
                                  dp=None, op_head=c.op_head, ops=c.ops)
             new = True
@@ -273,6 +278,8 @@ class Service:
         def run() -> tuple[bool, str, bytes]:
             try:
                 with self.vault.opened(c) as src:  # decrypted and checked in RAM before the model is touched
+                    if new:
+                        admit(self.engine, c.lora, self.limits.max_models, saved_dp(src) is not None)
                     m = self.engine.create(model_id, c.lora, saved_dp(src)) if new else self.engine.models[model_id]
                     record = load_record(c, sha256_file(src / "adapter_model.safetensors"), req.optimizer,
                                          op_chain.GENESIS if new else m.op_head)

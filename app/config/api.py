@@ -22,6 +22,11 @@ class ApiSettings(_Closed):
     max_queued_futures: int = Field(64, ge=1, description="Most operations of one session waiting to run.")
     max_sample_tokens: int = Field(512, ge=1, description="Largest sampling max_tokens.")
     max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank create_model accepts.")
+    max_models: int = Field(64, ge=1, description="Most models (LoRA adapters with their optimizer state) loaded at "
+                            "once, all keys together; one more (create_model, or a load into a new model) is refused "
+                            "with 503 until unload_model frees a place. A model is never evicted to make room; one "
+                            "whose adapter and Adam state would not fit in the free (GPU or system) memory is refused "
+                            "alike.")
     max_sessions_per_key: int = Field(64, ge=1, description="Most open sessions (create_session, until the client "
                                       "closes it) one API key may hold; one more is refused with 429.")
     max_sampling_sessions_per_key: int = Field(1024, ge=1, description="Most sampling sessions "

@@ -1,0 +1,198 @@
+"""One base-model pass for many models' data: the datums of several forward_backward ops (each op one model's, each
+model its own LoRA adapter) packed into one row of tokens, every LoRA layer adding each segment's own adapter to
+its rows, attention computed per segment.
+
+Every row-wise part of the model (embeddings, norms, the base model's linear layers, the unembedding) runs once on
+all the rows; what is not row-wise stays per datum, exactly as for a datum alone: the LoRA product of a segment's
+rows (so an adapter's gradient sums the same products) and attention (a segment's tokens attend only to its own
+earlier tokens, with sdpa at the segment's own length). A datum's logits and an op's gradient are therefore the
+same whether its op ran alone or packed with other models' ops, which is what lets ``verify --replay`` re-run one
+client's ops alone and reach the server's weights bit for bit on a CPU (tests/test_api_batching.py checks it).
+
+Available with the transformers + PEFT backend when the base uses sdpa attention and every LoRA layer is a linear
+one (:func:`install`); elsewhere the engine runs one datum at a time, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+NAME = "cvm_packed"  # the attention implementation registered with transformers
+_pass = threading.local()  # the segment bounds of the packed pass in progress, on the engine's thread
+
+
+def install(model: Any) -> bool:
+    """Route the model's attention through :func:`_attention` (plain sdpa outside a packed pass); True when packed
+    passes are possible for it."""
+    from peft.tuners.lora.layer import Linear, LoraLayer
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != "sdpa" or "sdpa" not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return False
+    if any(isinstance(m, LoraLayer) and not isinstance(m, Linear) for m in model.modules()):
+        return False
+    AttentionInterface.register(NAME, _attention)
+    AttentionMaskInterface.register(NAME, _mask)
+    config._attn_implementation = NAME
+    return True
+
+
+def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any) -> Any:
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    bounds = getattr(_pass, "bounds", None)
+    if bounds is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    outs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **kwargs)[0]
+            for a, b in bounds]
+    return torch.cat(outs, dim=1), None
+
+
+def _mask(*args: Any, **kwargs: Any) -> Any:
+    from transformers.masking_utils import sdpa_mask
+
+    if getattr(_pass, "bounds", None) is not None:
+        return None  # each segment is causal on its own (_attention); no mask across the packed row
+    return sdpa_mask(*args, **kwargs)
+
+
+def _routed_forward(layer: Any, segments: list[tuple[str, int, int]], x: Any, *args: Any, **kwargs: Any) -> Any:
+    """A LoRA linear layer's forward in a packed pass: the base layer on every row, each segment's adapter on its
+    own rows (a segment whose adapter does not target this layer gets the base alone)."""
+    result = layer.base_layer(x, *args, **kwargs)
+    dtype = result.dtype
+    for adapter, a, b in segments:
+        if adapter not in layer.lora_A:
+            continue
+        lora_a = layer.lora_A[adapter]
+        rows = x[:, a:b].to(lora_a.weight.dtype)
+        delta = layer.lora_B[adapter](lora_a(layer.lora_dropout[adapter](rows))) * layer.scaling[adapter]
+        result[:, a:b] += delta.to(dtype)
+    return result
+
+
+@contextlib.contextmanager
+def routed(model: Any, segments: list[tuple[str, int, int]]) -> Iterator[None]:
+    """Within: the model's LoRA layers and attention follow ``segments`` ((adapter, first row, end row), covering
+    the packed row in order)."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    for layer in layers:
+        layer.forward = functools.partial(_routed_forward, layer, segments)
+    _pass.bounds = [(a, b) for _adapter, a, b in segments]
+    try:
+        yield
+    finally:
+        _pass.bounds = None
+        for layer in layers:
+            del layer.forward
+
+
+def pack_bytes(tokens: int, vocab: int) -> int:
+    """What a packed pass's logits take (float32): a pass stays under :data:`PASS_BYTES`."""
+    return 4 * tokens * vocab
+
+
+PASS_BYTES = 1 << 30  # an op whose own logits would pass this runs one datum at a time, alone (so always alike)
+
+
+def forward_backward(engine: Any, items: list[tuple[Any, Any]]) -> list[Any]:
+    """The ops ``items`` ((op, its model), at most one op a model, none with DP-SGD) in one packed pass: each op's
+    ``(outputs, metrics)``, or the exception that refused it (a loss that is not finite, a custom loss that fails);
+    a refused op changes nothing. The ops that train get their gradient from one backward pass over the sum of
+    their losses, and are linked into their models' op chains.
+
+    Raises:
+        Exception: the pass itself failed (every training op's gradient is as before).
+    """
+    import math
+
+    import numpy as np
+    import torch
+
+    from app.api import losses
+    from app.api.errors import ApiError, BadRequest
+    from app.api.history import link
+
+    refused: dict[int, Exception] = {}
+    heads = {}
+    for op, m in items:  # an op with no canonical record is refused alone, before the pass
+        if not op.forward_only:
+            try:
+                heads[id(op)] = link(m.op_head, op.record())
+            except ApiError as exc:
+                refused[id(op)] = exc
+    asked, items = items, [(op, m) for op, m in items if id(op) not in refused]
+    segments, tokens, positions, spans = [], [], [], []
+    for op, m in items:
+        first = len(segments)
+        for d in op.data:
+            segments.append((m.adapter, len(tokens), len(tokens) + len(d.tokens)))
+            tokens += d.tokens
+            positions += range(len(d.tokens))
+        spans.append((first, len(segments)))
+    training = [(op, m) for op, m in items if not op.forward_only]
+    snapshots = {id(op): engine._grad_snapshot(m) for op, m in training}
+    engine._mode(bool(training))
+    for op, m in items:
+        for p in engine._params(m.adapter):
+            p.requires_grad_(not op.forward_only)
+    results: list[Any] = []
+    kept = []
+    if not items:
+        return [refused[id(op)] for op, _m in asked]
+    try:
+        device = engine.device
+        with torch.set_grad_enabled(bool(training)), routed(engine.model, segments):
+            logits = engine.net(input_ids=torch.tensor([tokens], device=device),
+                                position_ids=torch.tensor([positions], device=device)).logits[0]
+        for (op, _m), (first, end) in zip(items, spans):
+            try:
+                extra: dict[str, float] = {}
+                outputs, parts, weight = [], [], 0.0
+                for d, (_a, a, b) in zip(op.data, segments[first:end]):
+                    target = torch.as_tensor(d.inputs["target_tokens"], device=device)
+                    logp = torch.log_softmax(logits[a:b].float(), dim=-1).gather(1, target[:, None])[:, 0]
+                    parts.append(losses.loss(op.loss_fn, logp, d.inputs, op.loss_fn_config, op.extra.get("custom"),
+                                             extra))
+                    weight += float(d.inputs["weights"].sum()) if "weights" in d.inputs else len(d.tokens)
+                    lp = logp.detach().cpu().numpy()
+                    outputs.append({"logprobs": lp, "elementwise_loss": -lp * d.inputs.get(
+                        "weights", np.ones(len(d.tokens), np.float32))})
+                total = sum(float(x.detach()) for x in parts)
+                if not op.forward_only and not math.isfinite(total):
+                    raise BadRequest(f"the loss is not finite ({total}); nothing was applied")
+            except (ApiError, ArithmeticError, ValueError, TypeError, RuntimeError) as exc:
+                results.append(exc)
+                continue
+            results.append((outputs, {"loss:sum": total, "loss:mean": total / max(weight, 1e-9),
+                                      **losses.reduce_metrics(extra, len(op.data))}))
+            if not op.forward_only:
+                kept += [x for x in parts if x.requires_grad]
+        if kept:
+            torch.stack(kept).sum().backward()
+    except BaseException:
+        for op, m in training:
+            engine._grad_restore(m, snapshots[id(op)])
+        raise
+    for (op, m), result in zip(items, results):
+        if op.forward_only:
+            continue
+        if isinstance(result, BaseException):  # its rows shared the pass: zeros may have reached its gradient
+            engine._grad_restore(m, snapshots[id(op)])
+            continue
+        m.op_head, m.ops, m.pending = heads[id(op)], m.ops + 1, m.pending + 1
+        if "custom" in op.extra:  # the loss's document goes with the model's history (manifest op_chain)
+            m.custom_losses[op.extra["custom"].id] = op.extra["custom"].doc
+        m.pending_loss += result[1]["loss:sum"]
+        m.tokens_seen += op.n_tokens
+    done = {id(op): r for (op, _m), r in zip(items, results)}
+    return [refused[id(op)] if id(op) in refused else done[id(op)] for op, _m in asked]

@@ -1,0 +1,262 @@
+"""Many tenants, one base model: forward_backward ops of different models that wait together run as one packed
+base-model pass (app/api/packed.py, app/api/worker.py). A model trains exactly as it would alone (bit for bit on a
+CPU, so ``verify --ops --replay`` of one client's ops, alone, reaches the server's weights), no tenant's tokens or
+gradients reach another's model, a refused op in a pass changes nothing, and each model's ops keep their order.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.api_inproc import ADAM, OWNER, Client, fb_body, fb_record, service, verify, wait, write_ops
+
+LORA = {"rank": 8, "seed": 0, "train_attn": True, "train_mlp": True, "train_unembed": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> Iterator[Any]:
+    from app.api.engine import Engine
+
+    e = Engine(tiny_model)
+    yield e
+    e.stop()
+
+
+def _op(model_id: str, lengths: list[int], seed: int, loss: str = "cross_entropy", weight: float = 1.0,
+        forward_only: bool = False) -> Any:
+    from app.api import wire
+
+    rng = np.random.default_rng(seed)
+    data = []
+    for n in lengths:
+        t = rng.integers(3, 700, n + 1).tolist()
+        data.append(wire.Datum(t[:-1], {"target_tokens": np.asarray(t[1:], dtype="int64"),
+                                        "weights": np.full(n, weight, dtype="float32")}))
+    return wire.Op(model_id, loss, forward_only, data)
+
+
+def _as(op: Any, model_id: str) -> Any:
+    from app.api import wire
+
+    return wire.Op(model_id, op.loss_fn, op.forward_only, op.data, op.loss_fn_config)
+
+
+def _weights(engine: Any, model_id: str) -> list[Any]:
+    return [p.detach().clone() for p in engine._params(engine.models[model_id].adapter)]
+
+
+def _grads(engine: Any, model_id: str) -> list[Any]:
+    return [None if p.grad is None else p.grad.clone() for p in engine._params(engine.models[model_id].adapter)]
+
+
+def _run(engine: Any, ops: list[Any]) -> list[Any]:
+    """The ops as one packed pass (as the worker runs them): each op's result, or the exception that refused it."""
+    engine._batch(ops)
+    out = []
+    for op in ops:
+        try:
+            out.append(engine.forward_backward(op))
+        except Exception as exc:  # noqa: BLE001 - the refusal is the result under test
+            out.append(exc)
+    return out
+
+
+def test_a_model_packed_with_others_trains_bit_for_bit_as_alone(engine: Any) -> None:
+    import torch
+
+    assert engine.packed
+    alone, twin = engine.create("alone", LORA), engine.create("twin", LORA)
+    others = [engine.create(f"other{i}", dict(LORA, rank=4 + 4 * i, train_mlp=bool(i % 2), seed=i)) for i in range(3)]
+    before = engine.batching["passes"]
+    for step in range(3):
+        mine = _op("alone", [17, 40, 5], seed=step)  # three datums of three lengths
+        (r_alone,) = _run(engine, [mine])
+        ops = [_op("other0", [33, 9], 10 + step), _as(mine, "twin"), _op("other1", [50], 20 + step),
+               _op("other2", [8, 8, 8], 30 + step)]
+        results = _run(engine, ops)
+        assert all(not isinstance(r, BaseException) for r in results), results
+        r_twin = results[1]
+        for a, b in zip(r_alone[0], r_twin[0]):  # the same logprobs, bit for bit
+            assert np.array_equal(a["logprobs"], b["logprobs"])
+        assert r_alone[1] == r_twin[1]
+        assert all(torch.equal(a, b) for a, b in zip(_grads(engine, "alone"), _grads(engine, "twin")))
+        for m in ("alone", "twin", *(o.id for o in others)):
+            engine.optim_step(m, ADAM)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(engine, "alone"), _weights(engine, "twin")))
+    assert (alone.op_head, alone.ops, alone.tokens_seen) == (twin.op_head, twin.ops, twin.tokens_seen)
+    assert engine.batching["passes"] == before  # _run calls the engine directly; the worker made no pass
+
+
+def test_the_packed_pass_computes_what_one_datum_at_a_time_does(engine: Any) -> None:
+    """The pass against the engine's per-datum path (DP models and the Unsloth backend use it): the same weights
+    within float32 rounding."""
+    engine.create("per-datum", LORA)
+    engine.create("packed", LORA)
+    for step in range(3):
+        op = _op("per-datum", [17, 40, 5], seed=100 + step)
+        engine.packed = False
+        try:
+            engine.forward_backward(op)
+        finally:
+            engine.packed = True
+        engine.forward_backward(_as(op, "packed"))
+        engine.optim_step("per-datum", ADAM)
+        engine.optim_step("packed", ADAM)
+    diff = max(float((a - b).abs().max()) for a, b in zip(_weights(engine, "per-datum"), _weights(engine, "packed")))
+    assert 0 <= diff < 1e-5
+
+
+def test_no_tenant_reaches_another_and_a_refused_op_changes_nothing(engine: Any) -> None:
+    import torch
+
+    for name in ("a", "b", "bad", "unrecordable", "fwd", "idle"):
+        engine.create(name, LORA)
+    idle_weights = _weights(engine, "idle")
+    bad = engine.models["bad"]
+    head, ops = bad.op_head, bad.ops
+    results = _run(engine, [_op("a", [20], 1), _op("bad", [12], 2, weight=3e38), _op("b", [30], 3),
+                            _op("fwd", [25], 4, forward_only=True), _op("unrecordable", [9], 5, weight=float("inf"))])
+    from app.api.errors import BadRequest
+
+    assert isinstance(results[1], BadRequest) and "not finite" in str(results[1])  # its loss overflowed
+    assert isinstance(results[4], BadRequest) and "cannot be recorded" in str(results[4])
+    assert engine.models["unrecordable"].ops == 0 and all(g is None for g in _grads(engine, "unrecordable"))
+    assert (bad.op_head, bad.ops, bad.pending) == (head, ops, 0)
+    assert all(g is None for g in _grads(engine, "bad"))  # its rows were in the pass; no gradient reached it
+    assert all(g is None for g in _grads(engine, "fwd")) and engine.models["fwd"].ops == 0
+    assert all(g is None for g in _grads(engine, "idle"))
+    assert all(torch.equal(a, b) for a, b in zip(idle_weights, _weights(engine, "idle")))
+    # a's and b's gradients are exactly what each gets alone: nothing of the others' tokens reached them
+    for name, op in (("a", _op("a", [20], 1)), ("b", _op("b", [30], 3))):
+        got = _grads(engine, name)
+        engine.create(f"{name}-alone", LORA)
+        _run(engine, [_as(op, f"{name}-alone")])
+        assert all(torch.equal(x, y) for x, y in zip(got, _grads(engine, f"{name}-alone")))
+
+
+def test_dp_models_and_oversized_ops_never_join_a_pass(engine: Any) -> None:
+    from app.api import packed
+
+    engine.create("dp", LORA, {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "dataset_size": 100, "batch_size": 2,
+                               "delta": 1e-5, "steps": 0, "accountant": "rdp"})
+    engine.create("plain1", LORA)
+    engine.create("plain2", LORA)
+    ops = [_op("dp", [10], 1), _op("plain1", [10], 2), _op("plain2", [10], 3)]
+    engine._batch(ops)
+    assert id(ops[0]) not in engine._ready and id(ops[1]) in engine._ready and id(ops[2]) in engine._ready
+    for op in ops[1:]:
+        engine.forward_backward(op)
+    big = packed.PASS_BYTES // (4 * engine.vocab) + 1
+    assert not engine._packs(_op("plain1", [big], 4), engine.models["plain1"])
+
+
+# --- the worker's queue ---------------------------------------------------------------------------------------------
+
+
+def test_the_worker_keeps_each_models_order_and_packs_only_first_jobs() -> None:
+    from app.api.worker import Job, Worker
+
+    passes: list[list[str]] = []
+    ran: list[str] = []
+    gate = threading.Event()
+    w = Worker(lambda ops: passes.append(list(ops)), budget=100)
+    w.submit(Job(lambda: gate.wait(10)))
+
+    def job(name: str, model: str | None, packable: bool, cost: int = 10) -> Job:
+        return Job(lambda: ran.append(name), model, name if packable else None, cost)
+
+    for j in (job("a1", "A", True), job("a2", "A", True), job("b-save", "B", False), job("b1", "B", True),
+              job("c1", "C", True), job("sample", None, False), job("d1", "D", True, cost=85),
+              job("e1", "E", True, cost=5)):
+        w.submit(j)
+    gate.set()
+    done = threading.Event()
+    w.submit(Job(done.set))
+    assert done.wait(10)
+    w.stop()
+    # a1 takes c1 and e1 along (b1 waits behind B's save, a2 behind a1, d1 would pass the budget)
+    assert passes[0] == ["a1", "c1", "e1"]
+    assert ran.index("a2") > ran.index("a1") and ran.index("b1") > ran.index("b-save")
+    assert sorted(ran) == sorted(["a1", "a2", "b-save", "b1", "c1", "sample", "d1", "e1"])
+    assert all(len({op[0] for op in p}) == len(p) for p in passes)  # no model twice in a pass
+    assert w.stats["largest"] == 3
+
+
+# --- through the service: tenants' ops packed, each client's proof still exact ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    with service(tmp_path_factory.mktemp("batching")) as s:
+        yield s
+
+
+def test_tenants_ops_share_passes_and_each_bundle_replays_bit_identically(svc: Any, tmp_path: Path) -> None:
+    from tinker import types
+
+    clients = [Client(svc, OWNER), Client(svc, "b" * 64)]
+    models = [(c, c.create(rank=r, seed=i, train_mlp=bool(i % 2))) for i, (c, r) in
+              enumerate([(clients[0], 4), (clients[1], 8), (clients[0], 8), (clients[1], 2)])]
+    before = svc.engine.batching
+    for step in range(2):
+        gate = threading.Event()
+        svc.engine.submit(lambda g=gate: g.wait(30))  # the worker busy: every op below waits in the queue together
+        futures = []
+        for i, (c, m) in enumerate(models):
+            record = fb_record([[(7 * k + i + step) % 600 + 3 for k in range(12 + 5 * i)], [1, 5, 9, 14]])
+            futures.append((c, m, record, svc.forward_backward(c.owner, fb_body(m, record))))
+        optims = [(c, m, svc.optim_step(c.owner, types.OptimStepRequest(
+            model_id=m, optim_params=types.AdamParams(**ADAM)))) for c, m in models]
+        gate.set()
+        for c, m, record, fut in futures:
+            ok, body = wait(svc, fut)
+            assert ok, body
+            c.ops[m].append(record)
+        for c, m, fut in optims:
+            ok, body = wait(svc, fut)
+            assert ok, body
+            c.ops[m].append({"op": "optim_step", "adam_params": dict(ADAM)})
+    after = svc.engine.batching
+    assert after["passes"] - before["passes"] == 2 and after["largest"] == 4
+    policy = svc.out / "simulator-test-policy.yaml"
+    for i, (c, m) in enumerate(models):
+        _path, bundle, ops = c.save(m, f"tenant-{i}")
+        code, doc = verify(bundle, policy, write_ops(tmp_path / f"t{i}.jsonl", ops), "--replay")
+        checks = {ch["name"]: ch for ch in doc["checks"]}
+        assert (code, doc["verdict"]) == (0, "accepted"), [ch for ch in doc["checks"] if ch["status"] == "fail"]
+        assert checks["op_chain.replay"]["status"] == "pass" and "bit-identical" in checks["op_chain.replay"]["reason"]
+        assert json.loads(json.dumps(ops))[0]["op"] == "forward_backward"
+
+
+def test_a_model_more_than_there_is_room_for_is_refused_with_503_never_evicting(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinker import types
+
+    from app.api import admission
+    from app.api.errors import Unavailable
+
+    with service(tmp_path, "api:\n  max_models: 2\n") as s:
+        c = Client(s, OWNER)
+        first, second = c.create(), c.create()
+        req = types.CreateModelRequest(session_id=c.session, model_seq_id=99, base_model="cvm-tune/tiny-llama",
+                                       lora_config=types.LoraConfig(rank=4))
+        with pytest.raises(Unavailable, match=r"2 models loaded \(api.max_models\): unload_model") as got:
+            s.create_model(OWNER, req)
+        assert got.value.status == 503
+        assert s.store.model_owner(f"{c.session}:train:99") is None  # nothing recorded of it
+        assert set(s.engine.models) == {first, second}  # and nobody evicted
+        ok, body = wait(s, s.unload_model(OWNER, first))
+        assert ok, body
+        monkeypatch.setattr(admission, "free_memory", lambda device: 4096)  # 4 KiB free: too little
+        with pytest.raises(Unavailable, match="MiB are free on cpu"):
+            s.create_model(OWNER, req)
+        monkeypatch.undo()
+        ok, body = wait(s, s.create_model(OWNER, req))
+        assert ok, body
