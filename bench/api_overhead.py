@@ -30,12 +30,13 @@ KEY = "tml-bench"
 BASE = "cvm-tune/tiny-llama"
 
 
-def _server(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _server(tmp: Path, config: str = "") -> tuple[subprocess.Popen[bytes], str]:
+    """``api serve --plain-http`` on a free loopback port, its output volume in ``tmp`` (``config``: more YAML)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg = tmp / "api.yaml"
-    cfg.write_text(f"output:\n  dir: {tmp / 'out'}\n")
+    cfg.write_text(f"output:\n  dir: {tmp / 'out'}\n{config}")
     log = tmp / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "app", "api", "serve", "--plain-http", "--listen",
                              f"127.0.0.1:{port}", "--config", str(cfg)], stdout=open(log, "wb"),  # noqa: SIM115

@@ -2,12 +2,13 @@
 the unmodified tinker SDK) running small steps at once, against one client alone and against the same steps run one
 after another in-process on the same engine.
 
-    python bench/api_tenants.py [--tenants 4] [--steps 40] [--tokens 32] [--batch 1] [--out FILE]
+    python bench/api_tenants.py [--tenants 4] [--steps 40] [--tokens 32] [--batch 1] [--backend hf] [--out FILE]
 
 A step is ``forward_backward`` (B datums of T tokens, cross-entropy) + ``optim_step``, submitted back to back and
 waited for, as the SDK's loops do. Prints aggregate steps/s for 1 and N tenants, their ratio (goal on the 2-core CPU
 with the tiny model, 4 tenants of 1x32 tokens: >= 1.5), the ratio to the in-process sequential steps, and the
-server's batching counters (how many operations ran in a shared base-model pass).
+server's batching counters (how many operations ran in a shared base-model pass). Packed passes need the
+transformers + PEFT backend (``--backend hf``, the default here; on a GPU the server's own default is Unsloth).
 """
 
 from __future__ import annotations
@@ -117,11 +118,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2, help="alternate 1 and N tenants this many times")
+    ap.add_argument("--backend", choices=("auto", "hf", "unsloth"), default="hf", help="the server's api.backend")
     ap.add_argument("--out", type=Path, help="also write the result as JSON here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="api-tenants-") as d:
         tmp = Path(d)
-        proc, url = _server(tmp)
+        proc, url = _server(tmp, f"api:\n  backend: {args.backend}\n")
         try:
             one, many = [], []
             for _ in range(args.repeats):  # alternating, so the machine's load hits both
@@ -142,6 +144,8 @@ def main() -> None:
               "batch": args.batch, "tokens": args.tokens, "one_tenant": one, "tenants_runs": many,
               "in_process_sequential_steps_s": seq, "ratio_tenants_over_one": best_many["steps_s"] / best_one["steps_s"],
               "ratio_tenants_over_in_process": best_many["steps_s"] / seq,
+              "tenants_tokens_s": best_many["steps_s"] * args.batch * args.tokens,
+              "sequential_tokens_s": seq * args.batch * args.tokens,
               "server_batching": batched[-1] if batched else None}
     print(f"server torch threads: {threads}; {args.batch}x{args.tokens} tokens a step, {args.steps} steps a tenant")
     print(f"1 tenant: {best_one['steps_s']:.1f} steps/s; {args.tenants} tenants: {best_many['steps_s']:.1f} steps/s in "
@@ -149,7 +153,8 @@ def main() -> None:
     for label, r in (("1 tenant", best_one), (f"{args.tenants} tenants", best_many)):
         print(f"  CPU a step, {label}: clients {r['client_cpu_ms_step']:.1f} ms, server {r['server_cpu_ms_step']:.1f} ms")
     print(f"in-process, one after another: {seq:.1f} steps/s; {args.tenants} tenants through the API / that: "
-          f"{result['ratio_tenants_over_in_process']:.2f}")
+          f"{result['ratio_tenants_over_in_process']:.2f} (aggregate tokens/s {result['tenants_tokens_s']:.0f} vs "
+          f"{result['sequential_tokens_s']:.0f}; GPU goal >= 2 with 8 tenants)")
     if batched:
         print(batched[-1])
     write_json(result, args.out)

@@ -10,11 +10,12 @@
 #     bash bench/gpu-checks.sh OUT bench [STEPS] [WARMUP]   # about 4 minutes (defaults 20 and 6)
 #     bash bench/gpu-checks.sh OUT tests                    # pytest -m gpu but the API's: about 5 minutes
 #     bash bench/gpu-checks.sh OUT api                      # the API's GPU tests + its overhead: about 4 minutes
-#     bash bench/gpu-checks.sh OUT all                      # all three (too long for one device call)
+#     bash bench/gpu-checks.sh OUT tenants                  # 8 tenants on one GPU (packed passes): about 3 minutes
+#     bash bench/gpu-checks.sh OUT all                      # all four (too long for one device call)
 # Measured on one H200 (2026-11-26): the benchmark 3.6 min at 20 steps; pytest -m gpu (without the API's) about 5 min.
 set -uo pipefail
 
-OUT=${1:?usage: bench/gpu-checks.sh OUT bench|tests|api|all [STEPS] [WARMUP]}
+OUT=${1:?usage: bench/gpu-checks.sh OUT bench|tests|api|tenants|all [STEPS] [WARMUP]}
 PART=${2:-all}
 STEPS=${3:-20}
 WARMUP=${4:-6}
@@ -52,4 +53,10 @@ if [ "$PART" = api ] || [ "$PART" = all ]; then
   say "training API overhead on the GPU"
   timeout 120 python3 bench/api_overhead.py --steps 10 --out "$OUT/api-overhead-gpu.json" 2>&1 | tee "$OUT/api-overhead.log"
   say "training API overhead: rc ${PIPESTATUS[0]}"
+fi
+if [ "$PART" = tenants ] || [ "$PART" = all ]; then
+  say "8 tenants on one GPU (packed passes, backend hf) against the same steps one after another"
+  timeout 240 python3 bench/api_tenants.py --tenants 8 --steps 20 --batch 8 --tokens 128 --repeats 1 --backend hf \
+    --out "$OUT/api-tenants-gpu.json" 2>&1 | tee "$OUT/api-tenants.log"
+  say "tenants: rc ${PIPESTATUS[0]}"
 fi
