@@ -41,9 +41,13 @@ def test_an_api_bundle_holds_its_weights_only_as_ciphertext_to_the_recipients(se
     path = tc.save_weights_for_sampler("w3", user_metadata={"export": "true"}).result().path  # exported when asked
     bundle = _bundle(server, tc.model_id, path)
 
-    cipher = (bundle / "adapter" / "adapter_model.safetensors").read_bytes()
+    cipher = (bundle / "adapter" / "adapter_model.safetensors.age").read_bytes()  # named as age's tools name it
     assert cipher.startswith(b"age-encryption.org/v1\n")
-    block = json.loads((bundle / "manifest.json").read_text())["confidentiality"]
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    block = manifest["confidentiality"]
+    assert [f for f in manifest["files"] if ".safetensors" in f] == ["adapter/adapter_model.safetensors.age"]
+    assert list(block["plaintext_sha256"]) == ["adapter/adapter_model.safetensors"]  # the plaintext's own name
+    assert sorted(p.name for p in bundle.rglob("*.safetensors*")) == ["adapter_model.safetensors.age"]
     assert str(owner.to_public()) in block["recipients"] and block["cvm_recipient"] in block["recipients"]
     assert block["dataset_recipients"] == []
 

@@ -36,7 +36,8 @@ OWNER = owner_key()
 OWNER_ID = C.identity_from_secret(bytes(range(32)))
 OPERATOR_ID = C.identity_from_secret(bytes(range(32, 64)))
 STRANGER_ID = C.identity_from_secret(b"\x55" * 32)
-WEIGHTS = "adapter/adapter_model.safetensors"
+WEIGHTS = "adapter/adapter_model.safetensors"  # the plaintext name: confidentiality.plaintext_sha256's key
+SEALED = WEIGHTS + ".age"  # where a confidential bundle holds it: age ciphertext, named as age's tools name it
 
 
 def _encrypt(path: Path, rows: list[dict], version: int, recipients: tuple[str, ...] = ()) -> Path:
@@ -129,8 +130,8 @@ def test_weights_are_ciphertext_only_and_no_plaintext_tensor_bytes_remain(night:
     ids = C.load_identities(night["owner_key"])
     needles = []
     for rel in weight_files:
-        data = (bundle / rel).read_bytes()
-        assert data.startswith(C.AGE_MAGIC) and m["files"][rel] == hashlib.sha256(data).hexdigest()
+        data = (bundle / (rel + ".age")).read_bytes()
+        assert data.startswith(C.AGE_MAGIC) and m["files"][rel + ".age"] == hashlib.sha256(data).hexdigest()
         plain = C.decrypt(data, ids)
         assert plain is not None and hashlib.sha256(plain).hexdigest() == conf["plaintext_sha256"][rel]
         needles += _needles(plain)
@@ -150,7 +151,7 @@ def test_weights_are_ciphertext_only_and_no_plaintext_tensor_bytes_remain(night:
 def test_age_cli_decrypts_to_the_bound_plaintext(night: dict[str, Any]) -> None:
     if shutil.which("age") is None:
         pytest.skip("the age CLI (Debian package age) is not installed")
-    got = subprocess.run(["age", "-d", "-i", str(night["owner_key"]), str(night["bundle"] / WEIGHTS)],
+    got = subprocess.run(["age", "-d", "-i", str(night["owner_key"]), str(night["bundle"] / SEALED)],
                          capture_output=True, check=True).stdout
     assert hashlib.sha256(got).hexdigest() == _manifest(night["bundle"])["confidentiality"]["plaintext_sha256"][WEIGHTS]
 
@@ -192,14 +193,16 @@ def _plain_hashes(bundle: Path, d: str) -> dict[str, str]:
 
 
 def test_model_signing_verifies_the_encrypted_dir_with_plaintext_digests(night: dict[str, Any], tmp_path: Path) -> None:
-    """The library's own verifier, weight files counted by their plaintext hashes: passes; by their ciphertext: not."""
+    """The library's own verifier, each ``<name>.age`` counted as ``<name>`` by its plaintext hash: passes; as the
+    file on disk: not (the signature names the plaintext files)."""
     from attestation.bundle.model_sig import verify_dir
 
     key = tmp_path / "key.pem"
     key.write_text(_manifest(night["bundle"])["signing"]["public_key_pem"])
     for d in ("adapter", "merged"):
         assert verify_dir(night["bundle"] / d, key, _plain_hashes(night["bundle"], d)) is None
-        assert "Hash mismatch" in (verify_dir(night["bundle"] / d, key) or "")
+        why = verify_dir(night["bundle"] / d, key) or ""
+        assert why.startswith("Signature mismatch: ") and ".safetensors.age" in why and "Missing files" in why, why
 
 
 def test_a_signature_without_key_hint_verifies_and_keeps_json_clean(night: dict[str, Any], tmp_path: Path) -> None:
@@ -265,7 +268,10 @@ def test_publish_says_the_staged_weights_are_ciphertext(night: dict[str, Any], t
     assert cli_main(["publish", str(night["bundle"]), "--repo", "owner/adapter", "--policy", str(policy),
                      "--stage-only", str(repo)]) == 0
     assert "note: the weight files are age ciphertext to 3 recipient(s)" in capsys.readouterr().out
-    assert (repo / "adapter_model.safetensors").read_bytes().startswith(C.AGE_MAGIC)
+    assert (repo / "adapter_model.safetensors.age").read_bytes().startswith(C.AGE_MAGIC)
+    weights = sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*") if ".safetensors" in p.name)
+    assert weights and all(w.endswith(".safetensors.age") for w in weights), weights  # no file the Hub would parse
+    assert any(w.startswith("merged/") for w in weights)
 
 
 def test_adapter_decrypt_writes_a_peft_directory_that_loads(night: dict[str, Any], tmp_path: Path) -> None:
@@ -274,6 +280,7 @@ def test_adapter_decrypt_writes_a_peft_directory_that_loads(night: dict[str, Any
                      "--policy", _policy_file(night)]) == 0
     want = _manifest(night["bundle"])["confidentiality"]["plaintext_sha256"][WEIGHTS]
     assert hashlib.sha256((out / "adapter_model.safetensors").read_bytes()).hexdigest() == want
+    assert sorted(p.name for p in out.iterdir()) == _original_names(night["bundle"] / "adapter")
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -286,6 +293,14 @@ def test_adapter_decrypt_writes_a_peft_directory_that_loads(night: dict[str, Any
     assert cli_main(["adapter", "decrypt", str(night["bundle"]), "--identity", str(night["operator_key"]), "-o",
                      str(merged), "--dir", "merged", "--policy", _policy_file(night)]) == 0
     assert AutoModelForCausalLM.from_pretrained(str(merged)) is not None
+    assert sorted(p.name for p in merged.iterdir()) == _original_names(night["bundle"] / "merged")
+
+
+def _original_names(directory: Path) -> list[str]:
+    """The names a decrypted copy of a bundle's model directory has: each weight file's without its ``.age``."""
+    names = sorted(p.name.removesuffix(".age") for p in directory.iterdir())
+    assert any(n.endswith(".safetensors") for n in names) and names != sorted(p.name for p in directory.iterdir())
+    return names
 
 
 @pytest.mark.parametrize("case", ["non-empty", "stranger", "altered", "truncated"])
@@ -300,12 +315,12 @@ def test_adapter_decrypt_refuses_and_writes_nothing(night: dict[str, Any], tmp_p
     else:
         bundle = tmp_path / "bundle"
         shutil.copytree(night["bundle"], bundle)
-        data = bytearray((bundle / WEIGHTS).read_bytes())
+        data = bytearray((bundle / SEALED).read_bytes())
         if case == "altered":
             data[len(data) // 2] ^= 1
         else:
             del data[-100:]
-        (bundle / WEIGHTS).write_bytes(bytes(data))
+        (bundle / SEALED).write_bytes(bytes(data))
     code = cli_main(["adapter", "decrypt", str(bundle), "--identity", str(key), "-o", str(out), "--policy",
                      _policy_file(night)])
     want = ConfigError if case == "non-empty" else CiphertextRejected  # the bundle does not verify with this identity
@@ -399,7 +414,7 @@ def test_warm_start_gate_and_resume_on_an_encrypted_parent(night: dict[str, Any]
     m = _manifest(second.bundle_dir)
     assert m["training"]["resumed_from_step"] == 2 and m["training"]["global_step"] == 4
     assert m["lineage"]["parent_run_id"] == first.run_id
-    assert m["lineage"]["parent_adapter_sha256"] == _manifest(first.bundle_dir)["files"][WEIGHTS]  # the ciphertext's
+    assert m["lineage"]["parent_adapter_sha256"] == _manifest(first.bundle_dir)["files"][SEALED]  # the ciphertext's
     assert m["evaluation"]["parent"] == f"run {first.run_id}" and m["evaluation"]["parent_loss"] > 0
     assert m["confidentiality"]["dataset_recipients"] == [night["owner"]]
     code, checks = _verify(night, "--identity", str(night["owner_key"]), bundle=second.bundle_dir)
@@ -493,16 +508,18 @@ def test_each_confidential_failure_names_its_reason(night: dict[str, Any], tmp_p
         conf["plaintext_sha256"][weight] = "0" * 64
         extra, check, reason = ("--identity", str(night["owner_key"])), "confidential.plaintext", "decrypts to bytes of SHA-256"
     elif case == "unencrypted weight file":
-        plain = C.decrypt((bundle / weight).read_bytes(), C.load_identities(night["owner_key"]))
+        plain = C.decrypt((bundle / (weight + ".age")).read_bytes(), C.load_identities(night["owner_key"]))
+        (bundle / (weight + ".age")).unlink()
         (bundle / weight).write_bytes(plain)  # written in the clear, its plaintext hash dropped (another one stays)
+        del m["files"][weight + ".age"]
         m["files"][weight] = hashlib.sha256(plain).hexdigest()
         assert len(conf["plaintext_sha256"]) > 1
         del conf["plaintext_sha256"][weight]
-        reason = "weight file(s) not encrypted"
+        check, reason = "manifest.schema", f"{weight} is listed under its plaintext name"
     elif case == "not age":
         junk = b"age-encryption.org/v2\n" + b"x" * 200
-        (bundle / weight).write_bytes(junk)
-        m["files"][weight] = hashlib.sha256(junk).hexdigest()
+        (bundle / (weight + ".age")).write_bytes(junk)
+        m["files"][weight + ".age"] = hashlib.sha256(junk).hexdigest()
         reason = "is not an age v1 file"
     elif case == "dataset recipient missing":
         conf["recipients"].remove(night["owner"])
@@ -512,6 +529,9 @@ def test_each_confidential_failure_names_its_reason(night: dict[str, Any], tmp_p
         reason = "plaintext hashes for files the manifest does not list"
     else:
         del m["confidentiality"]
+        for age in [f for f in m["files"] if f.endswith(".age")]:  # a plaintext bundle's names (bytes unchanged)
+            (bundle / age).rename(bundle / age.removesuffix(".age"))
+            m["files"][age.removesuffix(".age")] = m["files"].pop(age)
         extra, reason = ("--dataset", str(next((night["root"] / "data").iterdir()))), "weights are in plaintext"
     (bundle / "manifest.json").write_text(json.dumps(m, sort_keys=True, indent=2) + "\n")
     code, checks = _verify(night, *extra, bundle=bundle)
@@ -529,3 +549,94 @@ def test_the_run_says_who_can_read_its_weights(tmp_path: Path) -> None:
                            "owner, 1 by the operator") and all(r in line for r in (owner, operator, cvm))
     assert STRANGER_ID not in line  # the CVM's identity never
     assert describe(None).startswith("weights: exported in the clear")
+
+
+def test_the_bundle_lists_encrypted_weights_only_under_their_age_names(night: dict[str, Any]) -> None:
+    """Every weight file is on disk and in ``files`` only as ``<name>.age`` (its ciphertext's hash); the plaintext
+    hashes keep the original names; the audit's export entry commits to the ``.age`` file."""
+    from attestation.bundle import manifest as B
+
+    bundle, m = night["bundle"], _manifest(night["bundle"])
+    plain = m["confidentiality"]["plaintext_sha256"]
+    on_disk = sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*.safetensors*"))
+    assert on_disk == sorted(f for f in m["files"] if ".safetensors" in f) == sorted(r + ".age" for r in plain)
+    assert SEALED in on_disk and WEIGHTS not in m["files"] and not list(bundle.rglob("*.safetensors"))
+    assert all(C.is_weight_file(r) for r in plain)
+    parsed = B.Manifest.model_validate(m)
+    assert B.weights_file(parsed) == SEALED and SEALED in B.hashed_files(parsed) and B.files_problem(parsed) is None
+    assert B.artifact_files(True)[1] == SEALED and B.artifact_files(False)[1] == WEIGHTS
+
+
+def _old_layout(night: dict[str, Any], dest: Path) -> Path:
+    """The bundle as made before ciphertext was named ``.age``: the same age files under the plaintext names."""
+    bundle = Path(shutil.copytree(night["bundle"], dest))
+    m = _manifest(bundle)
+    for age in [f for f in m["files"] if f.endswith(".safetensors.age")]:
+        (bundle / age).rename(bundle / age.removesuffix(".age"))
+        m["files"][age.removesuffix(".age")] = m["files"].pop(age)
+    (bundle / "manifest.json").write_text(json.dumps(m, sort_keys=True, indent=2) + "\n")
+    return bundle
+
+
+def test_ciphertext_under_the_plaintext_name_is_rejected_naming_the_age_name(night: dict[str, Any], tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """An older bundle's layout fails closed: ``manifest.schema`` says which ``.age`` name the file must have, and
+    ``adapter decrypt`` writes nothing."""
+    bundle = _old_layout(night, tmp_path / "old")
+    code, checks = _verify(night, "--identity", str(night["owner_key"]), bundle=bundle)
+    schema = checks["manifest.schema"]
+    assert code == 1 and schema["status"] == "fail"
+    assert schema["reason"].startswith(
+        "manifest.json is not a valid cvm-tune/manifest/v1 manifest: adapter/adapter_model.safetensors is listed under "
+        "its plaintext name, but the weights are encrypted (confidentiality): a confidential bundle holds that file as "
+        "age ciphertext named adapter/adapter_model.safetensors.age; merged/"), schema
+    out = tmp_path / "out"
+    assert cli_main(["adapter", "decrypt", str(bundle), "--identity", str(night["owner_key"]), "-o", str(out),
+                     "--policy", _policy_file(night)]) == CiphertextRejected.exit_code
+    assert "FAIL manifest.schema" in capsys.readouterr().out and not out.exists()
+
+
+@pytest.mark.parametrize("listed", [False, True])
+def test_a_bundle_never_holds_both_names(night: dict[str, Any], tmp_path: Path, listed: bool) -> None:
+    """A copy under the plaintext name beside the ``.age`` file: unlisted, ``bundle.files`` names it; listed in the
+    manifest, ``manifest.schema`` rejects the plaintext name."""
+    bundle = Path(shutil.copytree(night["bundle"], tmp_path / "both"))
+    shutil.copyfile(bundle / SEALED, bundle / WEIGHTS)
+    if listed:
+        m = _manifest(bundle)
+        m["files"][WEIGHTS] = m["files"][SEALED]
+        (bundle / "manifest.json").write_text(json.dumps(m, sort_keys=True, indent=2) + "\n")
+    code, checks = _verify(night, bundle=bundle)
+    assert code == 1
+    if listed:
+        assert checks["manifest.schema"]["status"] == "fail"
+        assert f"{WEIGHTS} is listed under its plaintext name" in checks["manifest.schema"]["reason"]
+    else:
+        assert checks["manifest.schema"]["status"] == "pass"
+        assert checks["bundle.files"] == {**checks["bundle.files"], "status": "fail",
+                                          "reason": f"unexpected file {WEIGHTS}"}
+
+
+def test_an_age_name_in_a_plaintext_manifest_is_rejected(night: dict[str, Any]) -> None:
+    from attestation.bundle import manifest as B
+
+    doc = _manifest(night["bundle"])
+    del doc["confidentiality"]
+    assert B.files_problem(B.Manifest.model_validate(doc)).startswith(
+        f"{SEALED} is an age ciphertext name, but the manifest has no confidentiality")
+
+
+def test_decrypt_dir_restores_the_original_names_and_wants_every_bound_file(night: dict[str, Any],
+                                                                           tmp_path: Path) -> None:
+    from app.export.confidential import decrypt_dir
+
+    plain = _manifest(night["bundle"])["confidentiality"]["plaintext_sha256"]
+    ids = C.load_identities(night["operator_key"])
+    out = decrypt_dir(night["bundle"] / "merged", tmp_path / "merged", ids, plain, "merged")
+    assert sorted(p.name for p in out.iterdir()) == _original_names(night["bundle"] / "merged")
+    for rel in (r for r in plain if r.startswith("merged/")):
+        assert hashlib.sha256((out / rel.split("/", 1)[1]).read_bytes()).hexdigest() == plain[rel]
+    adapter = Path(shutil.copytree(night["bundle"] / "adapter", tmp_path / "adapter"))
+    (adapter / "adapter_model.safetensors.age").unlink()
+    with pytest.raises(CiphertextRejected, match=r"adapter/adapter_model\.safetensors\.age is missing"):
+        decrypt_dir(adapter, tmp_path / "d", ids, plain, "adapter")

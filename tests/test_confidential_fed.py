@@ -32,6 +32,7 @@ from tests.owner_fixtures import KEY, jsonl, owner_key
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = [json.loads(line) for line in (ROOT / "app" / "data" / "sample.jsonl").read_text().splitlines() if line.strip()]
 CLIENTS = ("lab-a", "lab-b")
+SEALED = C.ciphertext_name(B.WEIGHTS)  # a client bundle's encrypted adapter: adapter/adapter_model.safetensors.age
 OWNER_ID = C.identity_from_secret(bytes(range(32)))
 
 
@@ -154,7 +155,7 @@ def test_round_bundles_hold_no_plaintext_update_and_verify(secure_fed: dict[str,
         m = json.loads((rd / R.ROUND_MANIFEST).read_bytes())
         assert sorted(a["client"] for a in m["admitted"]) == list(CLIENTS) and m["rejected"] == []
         assert m["aggregator_recipient"] in m["confidentiality"]["recipients"]
-        sealed = (rd / R.GLOBAL_ADAPTER).read_bytes()
+        sealed = (rd / R.GLOBAL_ADAPTER_AGE).read_bytes()
         assert sealed.startswith(C.AGE_MAGIC)
         plain = C.decrypt(sealed, ids)  # the admitted clients' CVM keys open it
         assert plain is not None and sha256_hex(plain) == m["global_adapter_sha256"] == m["confidentiality"]["plaintext_sha256"]
@@ -162,12 +163,12 @@ def test_round_bundles_hold_no_plaintext_update_and_verify(secure_fed: dict[str,
         for name in CLIENTS:
             cm = json.loads((rd / R.CLIENTS_DIR / name / B.MANIFEST).read_bytes())
             assert m["aggregator_recipient"] in cm["confidentiality"]["recipients"]
-            update = (rd / R.CLIENTS_DIR / name / B.ADAPTER_FILES[1]).read_bytes()
+            update = (rd / R.CLIENTS_DIR / name / SEALED).read_bytes()
             assert update.startswith(C.AGE_MAGIC)
             needles += _needles(C.decrypt(update, ids))
         lab_a = json.loads((rd / R.CLIENTS_DIR / "lab-a" / B.MANIFEST).read_bytes())["confidentiality"]
         assert lab_a["dataset_recipients"] == [C.recipient_of(OWNER_ID)]  # the owner can read lab-a's update too
-        assert C.decrypt((rd / R.CLIENTS_DIR / "lab-a" / B.ADAPTER_FILES[1]).read_bytes(),
+        assert C.decrypt((rd / R.CLIENTS_DIR / "lab-a" / SEALED).read_bytes(),
                          C.load_identities(_key(secure_fed["root"]))) is not None
         # anyone: every attestation checks; the aggregate rests on the aggregator's attested code
         verdict = verify_round(rd, policy=_policy(), now=int(time.time()))
@@ -223,12 +224,40 @@ def test_cli_verifies_the_secure_round_with_and_without_an_identity(secure_fed: 
     assert checks["round.aggregate"]["status"] == "skip" and "lab-b" in checks["round.aggregate"]["reason"]
 
 
+def test_a_secure_round_names_every_ciphertext_weight_file_age(secure_fed: dict[str, Any]) -> None:
+    """The global adapter and each client update are on disk and listed only as ``adapter_model.safetensors.age``;
+    the round lists each client update by its ciphertext's hash."""
+    rd = secure_fed["rounds"][-1]
+    m = json.loads((rd / R.ROUND_MANIFEST).read_bytes())
+    assert set(m["files"]) == {B.APP_COMPOSE, R.GLOBAL_ADAPTER_AGE} == {B.APP_COMPOSE, "adapter/adapter_model.safetensors.age"}
+    weights = sorted(p.relative_to(rd).as_posix() for p in rd.rglob("*.safetensors*"))
+    assert weights == [R.GLOBAL_ADAPTER_AGE, *(f"{R.CLIENTS_DIR}/{c}/{SEALED}" for c in CLIENTS)], weights
+    for a in m["admitted"]:
+        assert a["adapter_sha256"] == sha256_hex((rd / R.CLIENTS_DIR / a["client"] / SEALED).read_bytes())
+
+
+def test_a_round_with_its_global_ciphertext_under_the_plain_name_is_rejected(secure_fed: dict[str, Any],
+                                                                            tmp_path: Path) -> None:
+    """A round laid out as before ``.age`` names fails closed: ``round.schema`` names the expected ``.age`` file."""
+    rd = Path(shutil.copytree(secure_fed["rounds"][-1], tmp_path / "round"))
+    (rd / R.GLOBAL_ADAPTER_AGE).rename(rd / R.GLOBAL_ADAPTER)
+    m = json.loads((rd / R.ROUND_MANIFEST).read_bytes())
+    m["files"][R.GLOBAL_ADAPTER] = m["files"].pop(R.GLOBAL_ADAPTER_AGE)
+    (rd / R.ROUND_MANIFEST).write_text(json.dumps(m, sort_keys=True, indent=2) + "\n")
+    checks = {c.name: c for c in verify_round(rd, policy=_policy(), now=int(time.time())).checks}
+    assert checks["round.schema"].status == "fail" and checks["round.schema"].detail.endswith(
+        "adapter/adapter_model.safetensors is listed under its plaintext name, but the weights are encrypted "
+        "(confidentiality): a confidential bundle holds that file as age ciphertext named "
+        "adapter/adapter_model.safetensors.age"), checks["round.schema"]
+    assert checks["round.files"].status == "pass"  # the one adapter file present: the schema names what is wrong
+
+
 def test_a_tampered_global_ciphertext_or_recipient_list_is_rejected(secure_fed: dict[str, Any], tmp_path: Path) -> None:
     rd = tmp_path / "round"
     shutil.copytree(secure_fed["rounds"][-1], rd)
-    data = bytearray((rd / R.GLOBAL_ADAPTER).read_bytes())
+    data = bytearray((rd / R.GLOBAL_ADAPTER_AGE).read_bytes())
     data[len(data) // 2] ^= 1
-    (rd / R.GLOBAL_ADAPTER).write_bytes(bytes(data))
+    (rd / R.GLOBAL_ADAPTER_AGE).write_bytes(bytes(data))
     verdict = verify_round(rd, policy=_policy(), now=int(time.time()))
     assert "round.file_hashes" in {c.name for c in verdict.failed}
     rd2 = tmp_path / "round2"
@@ -307,13 +336,13 @@ def test_a_secure_round_whose_aggregate_is_not_its_clients_average_fails_round_a
     rd = shutil.copytree(secure_fed["rounds"][-1], tmp_path / "round")
     ids = _cvm_identities(secure_fed["clients"][0])
     m = json.loads((rd / R.ROUND_MANIFEST).read_bytes())
-    tensors = load(C.decrypt((rd / R.GLOBAL_ADAPTER).read_bytes(), ids))
+    tensors = load(C.decrypt((rd / R.GLOBAL_ADAPTER_AGE).read_bytes(), ids))
     name = next(k for k, v in tensors.items() if v.size > 4)
     tensors[name] = (tensors[name] + np.float32(0.5)).astype(tensors[name].dtype)
     plain = save(dict(sorted(tensors.items())))
     sealed = C.encrypt(plain, tuple(m["confidentiality"]["recipients"]))
-    (rd / R.GLOBAL_ADAPTER).write_bytes(sealed)
-    m["files"][R.GLOBAL_ADAPTER] = sha256_hex(sealed)
+    (rd / R.GLOBAL_ADAPTER_AGE).write_bytes(sealed)
+    m["files"][R.GLOBAL_ADAPTER_AGE] = sha256_hex(sealed)
     m["global_adapter_sha256"] = m["confidentiality"]["plaintext_sha256"] = sha256_hex(plain)
     (rd / R.ROUND_MANIFEST).write_text(json.dumps(m, sort_keys=True, indent=2) + "\n")
     checks = {c.name: c for c in verify_round(rd, policy=_policy(), now=int(time.time()), identities=ids).checks}
@@ -325,10 +354,10 @@ def test_a_swapped_encrypted_update_is_rejected(secure_fed: dict[str, Any], tmp_
     """lab-a's update replaced by lab-b's ciphertext (both to the aggregator and valid age files): the client bundle's
     own file hashes and the round's admitted adapter hash fail."""
     rd = shutil.copytree(secure_fed["rounds"][-1], tmp_path / "round")
-    a, b = (rd / R.CLIENTS_DIR / n / B.ADAPTER_FILES[1] for n in ("lab-a", "lab-b"))
+    a, b = (rd / R.CLIENTS_DIR / n / SEALED for n in ("lab-a", "lab-b"))
     a.write_bytes(b.read_bytes())
     verdict = verify_round(rd, policy=_policy(), now=int(time.time()))
     failed = {c.name: c.detail for c in verdict.failed}
     assert not verdict.accepted and set(failed) == {"client.lab-a"}, failed
-    assert "adapter/adapter_model.safetensors changed" in failed["client.lab-a"]
+    assert "adapter/adapter_model.safetensors.age changed" in failed["client.lab-a"]
     assert "does not hash to the round manifest's value" in failed["client.lab-a"]

@@ -19,7 +19,7 @@ from app.cli import main
 from app.errors import CiphertextRejected
 from app.run.pipeline import RunHooks, run_once
 from attestation.outputs import confidential as C
-from tests.test_confidential import EVAL, OWNER_ID, SAMPLE, STRANGER_ID, WEIGHTS, _cfg, _encrypt, _key_file
+from tests.test_confidential import EVAL, OWNER_ID, SAMPLE, SEALED, STRANGER_ID, WEIGHTS, _cfg, _encrypt, _key_file
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +44,12 @@ def _forge(night: dict[str, Any], dest: Path) -> Path:
     """The bundle with other adapter weights: encrypted to its public recipients, hashes rewritten, no signature."""
     bundle = Path(shutil.copytree(night["bundle"], dest))
     m = json.loads((bundle / "manifest.json").read_bytes())
-    plain = bytearray(C.decrypt((bundle / WEIGHTS).read_bytes(), C.load_identities(night["owner_key"])) or b"")
+    plain = bytearray(C.decrypt((bundle / SEALED).read_bytes(), C.load_identities(night["owner_key"])) or b"")
     assert plain
     plain[-8:] = b"\x7f" * 8  # the forger's weights
     cipher = C.encrypt(bytes(plain), tuple(m["confidentiality"]["recipients"]))
-    (bundle / WEIGHTS).write_bytes(cipher)
-    m["files"][WEIGHTS] = hashlib.sha256(cipher).hexdigest()
+    (bundle / SEALED).write_bytes(cipher)
+    m["files"][SEALED] = hashlib.sha256(cipher).hexdigest()
     m["confidentiality"]["plaintext_sha256"][WEIGHTS] = hashlib.sha256(plain).hexdigest()
     for rel in [r for r in m["files"] if r.endswith("model.sig")]:
         (bundle / rel).unlink()

@@ -19,7 +19,7 @@ from attestation.rounds import manifest as R
 
 H = "0" * 64
 RECIPIENT = C.recipient_of(C.identity_from_secret(bytes(32)))
-MEMBERS = (R.GLOBAL_ADAPTER, "adapter", "app-compose.json", "quote.bin", "quote.hex", "event_log.json",
+MEMBERS = (R.GLOBAL_ADAPTER, "adapter",  # the global adapter: its .age name in a secure round "app-compose.json", "quote.bin", "quote.hex", "event_log.json",
            R.CLIENTS_DIR, f"{R.CLIENTS_DIR}/lab-a", f"{R.CLIENTS_DIR}/lab-a/manifest.json")
 
 
@@ -28,7 +28,7 @@ def _round(root: Path, *, secure: bool) -> Path:
     (rd / "adapter").mkdir(parents=True)
     (rd / R.CLIENTS_DIR / "lab-a").mkdir(parents=True)
     adapter = b"\0" * 64
-    (rd / R.GLOBAL_ADAPTER).write_bytes(adapter)
+    (rd / R.global_adapter(secure)).write_bytes(adapter)
     (rd / "app-compose.json").write_text("{}")
     (rd / R.CLIENTS_DIR / "lab-a" / "manifest.json").write_text("{}")
     for name in ("quote.bin", "quote.hex", "event_log.json"):
@@ -40,8 +40,8 @@ def _round(root: Path, *, secure: bool) -> Path:
          "strategy": {"name": "fedavg"}, "min_clients": 1, "global_adapter_sha256": hashlib.sha256(adapter).hexdigest(),
          "admitted": [{"client": "lab-a", "run_id": "run-1", "manifest_sha256": H, "quote_sha256": H,
                        "adapter_sha256": H, "trainable_tokens": 1, "weight": 1.0}],
-         "rejected": [], "files": {"app-compose.json": H, R.GLOBAL_ADAPTER: hashlib.sha256(adapter).hexdigest()}}
-    if secure:  # secure aggregation: the global adapter is read as age ciphertext
+         "rejected": [], "files": {"app-compose.json": H, R.global_adapter(secure): hashlib.sha256(adapter).hexdigest()}}
+    if secure:  # secure aggregation: the global adapter is read as age ciphertext (adapter_model.safetensors.age)
         m |= {"aggregator_recipient": RECIPIENT, "confidentiality": {"recipients": [RECIPIENT], "plaintext_sha256": H}}
     (rd / R.ROUND_MANIFEST).write_text(json.dumps(m))
     return rd
@@ -71,6 +71,7 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
 def test_a_damaged_round_member_is_a_rejected_verdict(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                       member: str, kind: str, secure: bool) -> None:
     rd = _round(tmp_path, secure=secure)
+    member = R.global_adapter(secure) if member == R.GLOBAL_ADAPTER else member
     _damage(rd / member, kind)
     before = _tree(rd)
     assert main(["verify", str(rd)]) == 1
@@ -86,8 +87,8 @@ def test_a_damaged_round_member_is_a_rejected_verdict(tmp_path: Path, capsys: py
 
 def test_a_secure_round_without_its_global_adapter_names_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rd = _round(tmp_path, secure=True)
-    (rd / R.GLOBAL_ADAPTER).unlink()
+    (rd / R.GLOBAL_ADAPTER_AGE).unlink()
     assert main(["verify", str(rd)]) == 1
     out, err = capsys.readouterr()
-    assert f"missing {R.GLOBAL_ADAPTER}" in out and f"{R.GLOBAL_ADAPTER} missing or unreadable" in out, out
+    assert f"missing {R.GLOBAL_ADAPTER_AGE}" in out and f"{R.GLOBAL_ADAPTER_AGE} missing or unreadable" in out, out
     assert "Traceback" not in err

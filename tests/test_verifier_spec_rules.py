@@ -41,7 +41,11 @@ def test_the_rule_vectors_are_there() -> None:
 
 def _required(m: dict[str, Any]) -> set[str]:
     """Section 2's formula, written from the spec alone."""
-    out = {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "config.json", "app-compose.json",
+    def w(f: str) -> str:  # an encrypted weight file is listed as f.age (section 14)
+        return f + ".age" if m.get("confidentiality") is not None and re.fullmatch(
+            r"(adapter|merged)/[^/]+\.safetensors", f) else f
+
+    out = {"adapter/adapter_config.json", w("adapter/adapter_model.safetensors"), "config.json", "app-compose.json",
            "README.md", "audit.jsonl"}
     if m.get("gpu") is not None:
         out.add("gpu-evidence.json")
@@ -62,6 +66,37 @@ def test_the_files_a_manifest_must_list(bundle: str) -> None:
     for extra in ("extra.txt", "adapter/sub/x", "report/other.png"):
         grown = {**doc, "files": {**doc["files"], extra: "0" * 64}}
         assert set(grown["files"]) != set(B.hashed_files(B.Manifest.model_validate(grown)))  # manifest.schema fails
+
+
+def _confidential(doc: dict[str, Any], *, age: bool) -> dict[str, Any]:
+    """The sample manifest as a confidential bundle's: a ``confidentiality`` block, the weights listed as ``.age``
+    (``age=False``: under the plaintext name, as bundles made before the ``.age`` names were)."""
+    recipient = "age13aqvttdk3ujkyjh9kg2w5an6dmy5mq5a84a4uxk3hfhnugfc9p0sy5p2wh"  # section 14's vector
+    files = dict(doc["files"])
+    weights = "adapter/adapter_model.safetensors"
+    if age:
+        files[weights + ".age"] = files.pop(weights)
+    return {**doc, "files": files, "confidentiality": {"recipients": [recipient], "cvm_recipient": recipient,
+                                                       "plaintext_sha256": {weights: "1" * 64}}}
+
+
+def test_an_encrypted_bundle_lists_its_weights_as_age_and_an_older_layout_is_named() -> None:
+    from attestation.bundle import manifest as B
+
+    doc = _confidential(json.loads((DATA / "bundle" / "manifest.json").read_text()), age=True)
+    m = B.Manifest.model_validate(doc)
+    assert _required(doc) == set(B.hashed_files(m)) == set(doc["files"]) and B.files_problem(m) is None
+    assert "adapter/adapter_model.safetensors.age" in doc["files"] and B.weights_file(m) == "adapter/adapter_model.safetensors.age"
+    old = B.Manifest.model_validate(_confidential(json.loads((DATA / "bundle" / "manifest.json").read_text()), age=False))
+    assert B.files_problem(old) == (
+        "adapter/adapter_model.safetensors is listed under its plaintext name, but the weights are encrypted "
+        "(confidentiality): a confidential bundle holds that file as age ciphertext named "
+        "adapter/adapter_model.safetensors.age")
+    both = B.Manifest.model_validate({**doc, "files": {**doc["files"], "adapter/adapter_model.safetensors": "0" * 64}})
+    assert "is listed under its plaintext name" in (B.files_problem(both) or "")
+    plain = B.Manifest.model_validate({k: v for k, v in doc.items() if k != "confidentiality"})
+    assert B.files_problem(plain) == ("adapter/adapter_model.safetensors.age is an age ciphertext name, but the "
+                                      "manifest has no confidentiality")
 
 
 def _api_audit() -> tuple[list[Any], Any, bytes]:

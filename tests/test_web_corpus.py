@@ -76,7 +76,20 @@ def _config_privacy(b: Path) -> None:
 
 
 def _plaintext_weights(b: Path) -> None:
-    (b / "adapter" / "adapter_model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    (b / "adapter" / "adapter_model.safetensors.age").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+
+
+def _plain_names(b: Path) -> None:
+    """The layout of a bundle made before ciphertext was named ``.age``: the age files under the plaintext names."""
+    m = json.loads((b / "manifest.json").read_bytes())
+    for age in [f for f in m["files"] if f.endswith(".safetensors.age")]:
+        (b / age).rename(b / age.removesuffix(".age"))
+        m["files"][age.removesuffix(".age")] = m["files"].pop(age)
+    (b / "manifest.json").write_text(json.dumps(m, indent=2, sort_keys=True) + "\n")
+
+
+def _both_names(b: Path) -> None:
+    shutil.copyfile(b / "adapter" / "adapter_model.safetensors.age", b / "adapter" / "adapter_model.safetensors")
 
 
 # (kind, tamper name, edit): each kind untampered, then the fields its kind adds to a bundle
@@ -86,6 +99,8 @@ CASES: list[tuple[str, str, Callable[[Path], None] | None]] = [
     ("dp", "config privacy", _config_privacy),
     ("dp", "privacy rows", _manifest_edit(lambda m: m["privacy"].update(rows=m["privacy"]["rows"] + 1))),
     ("confidential", "weights in plaintext", _plaintext_weights),
+    ("confidential", "ciphertext under the plaintext names", _plain_names),
+    ("confidential", "both names", _both_names),
     ("confidential", "recipients", _manifest_edit(lambda m: m["confidentiality"].update(
         recipients=m["confidentiality"]["recipients"][:-1]))),
     ("continual child", "lineage", _manifest_edit(lambda m: m["lineage"].update(parent_manifest_sha256="0" * 64))),
@@ -142,3 +157,13 @@ def test_the_page_agrees_with_cvm_tune_verify(shown: dict[str, dict[str, Any]], 
     page = shown[case]
     same_checks(page, page["python"], case)
     assert page["verdict"]["verdict"] == ("accepted" if case.endswith("as exported") else "rejected")
+
+
+def test_the_page_names_the_age_file_an_older_bundle_lacks(shown: dict[str, dict[str, Any]]) -> None:
+    """Ciphertext under the plaintext name: the page fails manifest.schema with cvm-tune's own reason, which names the
+    ``.age`` file the weights must be."""
+    page = shown["confidential: ciphertext under the plaintext names"]
+    mine = next(c for c in page["verdict"]["checks"] if c["name"] == "manifest.schema")
+    theirs = next(c for c in page["python"]["checks"] if c["name"] == "manifest.schema")
+    assert mine["status"] == theirs["status"] == "fail" and mine["reason"] == theirs["reason"]
+    assert "named adapter/adapter_model.safetensors.age" in mine["reason"], mine

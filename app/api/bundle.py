@@ -8,7 +8,8 @@ head, ``rows`` = the op count). The audit slice commits to them like a run's: ``
 ``gpu.evidence``, ``train.done`` (adapter hashes), ``export``. The manifest's ``backend`` block records the API's
 training backend (``api.backend``: ``hf`` or ``unsloth``), the device and the library versions as imported, as a
 nightly run records its own. With ``export.recipients`` set, the bundle's weight files are age ciphertext to those
-recipients and the CVM's own key, built in RAM, as a nightly run's (manifest ``confidentiality``).
+recipients and the CVM's own key, named ``<name>.age`` and built in RAM, as a nightly run's (manifest
+``confidentiality``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """``cvm-tune adapter decrypt`` and ``cvm-tune verify --identity``: reading weights exported as age ciphertext.
 
 Registered by :mod:`app.cli` (which catches errors and maps exit codes); like it, this module prints. A bundle whose
-manifest has ``confidentiality`` holds its weight files as age v1 ciphertext (docs/export-bundle.md); a recipient
-decrypts them in memory and writes a PEFT directory that loads. ``adapter decrypt`` first runs the verifier exactly
-as ``verify --identity`` does; nothing is written unless the bundle verifies.
+manifest has ``confidentiality`` holds its weight files as age v1 ciphertext named ``<name>.age``
+(docs/export-bundle.md); a recipient decrypts them in memory and writes a PEFT directory that loads, each weight file
+under its original name (``adapter_model.safetensors.age`` -> ``adapter_model.safetensors``). ``adapter decrypt``
+first runs the verifier exactly as ``verify --identity`` does; nothing is written unless the bundle verifies.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         description="Verify the bundle as `cvm-tune verify BUNDLE --identity KEY --policy FILE` "
                         "does (every check: quote, manifest, file hashes, the weights' plaintext hashes and the model "
                         "signature over the plaintext), then decrypt adapter/ (or merged/) with your age identity and "
-                        "write DIR atomically. Exit 0 written, 1 the bundle does not verify with this identity under "
-                        "the policy (nothing written), 2 usage.")
+                        "write DIR atomically, each NAME.age as NAME. Exit 0 written, 1 the bundle does not verify "
+                        "with this identity under the policy (nothing written), 2 usage.")
     d.add_argument("bundle", type=Path, metavar="BUNDLE", help="the exports/<run_id> directory")
     d.add_argument("--identity", type=Path, required=True, metavar="KEY", help="your age identity file (age-keygen)")
     d.add_argument("-o", "--out", type=Path, required=True, metavar="DIR", help="directory to create (absent or empty)")
@@ -126,8 +127,8 @@ def _decrypt(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     n = len([r for r in info.plaintext_sha256 if r.startswith(args.dir + "/")])
-    print(f"decrypted: {out} (the bundle verified with this identity; {n} weight file(s) written as the plaintext "
-          "the manifest binds)")
+    print(f"decrypted: {out} (the bundle verified with this identity; {n} weight file(s) written under their "
+          "original names as the plaintext the manifest binds)")
     return 0
 
 

@@ -250,8 +250,9 @@ def _ciphertext_note(bundle: Path) -> None:
     conf = _manifest_block(bundle, "confidentiality")
     if isinstance(conf, dict):
         n = len(conf.get("recipients") or ())
-        print(f"note: the weight files are age ciphertext to {n} recipient(s), not loadable as they are: a recipient "
-              "decrypts each with `age -d -i KEY`, or runs `cvm-tune adapter decrypt` on the bundle")
+        print(f"note: the weight files are age ciphertext to {n} recipient(s), named NAME.age, not loadable as they "
+              "are: a recipient decrypts each with `age -d -i KEY -o NAME NAME.age`, or runs `cvm-tune adapter "
+              "decrypt` on the bundle")
 
 
 def _print_verdict(verdict: Verdict, *, as_json: bool) -> int:

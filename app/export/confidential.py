@@ -2,7 +2,8 @@
 
 A run whose dataset header names age recipients (``cvm-tune dataset encrypt --recipient``), or whose configuration
 adds some (``export.recipients``), writes every weight file of its bundle only as age v1 ciphertext to those
-recipients plus the CVM's own key (``attestation.outputs.confidential``: derivation, manifest block, verifier steps). The
+recipients plus the CVM's own key, named ``<name>.age`` (``attestation.outputs.confidential``: derivation, names,
+manifest block, verifier steps); decrypting one gives back ``<name>``. The
 plaintext model directories are built, signed and hashed in a RAM directory (the scratch's sibling) and encrypted
 from there into the staged bundle, so no plaintext weight byte reaches the output volume. The CVM's identity is
 derived from GetKey when needed and kept in memory only.
@@ -82,7 +83,8 @@ def encrypt_file(src: Path, dst: Path, recipients: tuple[str, ...]) -> str:
 
 def model_dirs(plan: Plan, stage: Path, adapter_dir: Path, finish: Callable[[Path], ModelDirs]) -> ModelDirs:
     """Build the model directories in RAM with ``finish`` (tokenizer, merged/, signatures over the plaintext), then
-    write them into ``stage`` with every weight file encrypted; the RAM copy is removed whatever happens."""
+    write them into ``stage`` with every weight file encrypted as ``<name>.age`` (the manifest hashes it under that
+    name, its plaintext hash under ``<name>``); the RAM copy is removed whatever happens."""
     plain = Path(tempfile.mkdtemp(prefix="export-", dir=plan.ram))
     try:
         (plain / "adapter").mkdir()
@@ -94,35 +96,43 @@ def model_dirs(plan: Plan, stage: Path, adapter_dir: Path, finish: Callable[[Pat
             (stage / d).mkdir()
             for p in sorted((plain / d).iterdir()):
                 if C.is_weight_file(f"{d}/{p.name}"):
-                    plaintext[f"{d}/{p.name}"] = encrypt_file(p, stage / d / p.name, plan.recipients)
+                    plaintext[f"{d}/{p.name}"] = encrypt_file(p, stage / d / C.ciphertext_name(p.name), plan.recipients)
                 else:
                     shutil.copyfile(p, stage / d / p.name)
     finally:
         shutil.rmtree(plain, ignore_errors=True)
-    files = {rel: sha256_file(stage / rel) for rel in dirs.files}  # merged shards: their ciphertext
+    stored = [C.stored_name(rel, True) for rel in dirs.files]  # merged shards as <name>.age
+    files = {rel: sha256_file(stage / rel) for rel in stored}
     return ModelDirs(dirs.signing, files, plan.block(plaintext))
 
 
 def decrypt_dir(src: Path, dst: Path, identities: list[Any], plaintext_sha256: dict[str, str], prefix: str) -> Path:
-    """Copy model directory ``src`` of a bundle to ``dst`` (a new directory) with its weight files decrypted in memory
-    and checked against ``plaintext_sha256`` (keys ``<prefix>/<name>``); plain files are copied as they are.
+    """Copy model directory ``src`` of a bundle to ``dst`` (a new directory) with its weight files (``<name>.age``)
+    decrypted in memory, checked against ``plaintext_sha256`` (keys ``<prefix>/<name>``) and written as ``<name>``;
+    plain files are copied as they are.
 
     Raises:
         NotARecipientError: no identity opens a weight file whose ciphertext is intact.
-        CiphertextRejected: a weight file decrypts to other bytes than the manifest binds.
+        CiphertextRejected: a weight file decrypts to other bytes than the manifest binds, or one the manifest binds
+            is not in ``src`` as ``<name>.age``.
     """
     dst.mkdir()
+    names = {p.name for p in Path(src).iterdir()}
+    if missing := sorted(r for r in plaintext_sha256 if r.startswith(prefix + "/") and
+                         C.ciphertext_name(r.split("/", 1)[1]) not in names):
+        raise CiphertextRejected(f"{C.ciphertext_name(missing[0])} is missing: the manifest binds the plaintext of "
+                                 f"{missing[0]}, stored as age ciphertext under that name")
     for p in sorted(Path(src).iterdir()):
-        rel = f"{prefix}/{p.name}"
-        if rel not in plaintext_sha256:
+        rel = C.plaintext_name(f"{prefix}/{p.name}")
+        if rel is None or rel not in plaintext_sha256:
             shutil.copyfile(p, dst / p.name)
             continue
         data = C.decrypt(p.read_bytes(), identities)
         if data is None:
-            raise NotARecipientError(f"{rel} does not decrypt with the identity given")
+            raise NotARecipientError(f"{prefix}/{p.name} does not decrypt with the identity given")
         if sha256_hex(data) != plaintext_sha256[rel]:
-            raise CiphertextRejected(f"{rel} decrypts to bytes other than the manifest's plaintext hash")
-        (dst / p.name).write_bytes(data)
+            raise CiphertextRejected(f"{prefix}/{p.name} decrypts to bytes other than the manifest's plaintext hash")
+        (dst / rel.split("/", 1)[1]).write_bytes(data)
         del data
     return dst
 
@@ -136,11 +146,12 @@ def card_section(block: dict[str, Any] | None) -> bytes:
                     if r not in block["dataset_recipients"] and r != block["cvm_recipient"])
     return (
         "\n## Who can read the weights\n\n"
-        f"Every weight file ({', '.join(f'`{p}`' for p in sorted(block['plaintext_sha256']))}) is age v1 ciphertext "
-        "to these recipients only:\n\n" + owner + extra +
+        f"Every weight file ({', '.join(f'`{C.ciphertext_name(p)}`' for p in sorted(block['plaintext_sha256']))}) "
+        "is age v1 ciphertext to these recipients only:\n\n" + owner + extra +
         f"- `{block['cvm_recipient']}` (this deployment's CVM, key derived from GetKey inside the TEE: warm start, "
         "evaluation and resume)\n\n"
-        "A recipient decrypts with `age -d -i key.txt FILE`, or writes a loadable PEFT directory with "
+        "A recipient decrypts one with `age -d -i key.txt -o NAME NAME.age` (the original file), or writes a "
+        "loadable PEFT directory with "
         "`cvm-tune adapter decrypt BUNDLE --identity key.txt -o DIR`; `cvm-tune verify BUNDLE --identity key.txt` also "
         "checks the plaintext hashes and the model signature. The signature covers the plaintext: run the "
         "`model_signing verify key` command above on the directory `adapter decrypt` writes, not on the bundle's "

@@ -5,7 +5,9 @@ model card as its README.md, ``merged/`` when exported, and every other bundle f
 quote, event log, audit, collateral, config, app-compose, GPU evidence, run report). No file is changed: a relying
 party re-assembles the bundle (``attestation/`` + README.md + merged/ + the root's other files as ``adapter/``) and
 verifies it, or checks the root with ``model_signing verify key`` (ignoring ``attestation``, ``merged``, ``README.md``).
-The bundle is verified first under the given policy; a rejected bundle is never uploaded.
+A confidential bundle's weight files stay age ciphertext named ``<name>.age`` (as in the bundle), so the Hub's loaders
+never take them for weights. The bundle is verified first under the given policy; a rejected bundle is never
+uploaded.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def export_bundle(x: ExportInputs, *, phase: Phase, timings: dict[str, float],
                                   effective_batch_size=effective_batch, rows=x.rows_report,
                                   checks=_checks(x), validation=x.dataset["validation"])
         report_files = report.write(stage, run_report)
-        artifacts = {rel: sha256_file(stage / rel) for rel in B.ARTIFACT_FILES}
+        artifacts = {rel: sha256_file(stage / rel) for rel in B.artifact_files(x.confidential is not None)}
         with phase("audit"):
             x.recorder.record(x.run_id, "export", {"artifacts_sha256": files_digest(artifacts)})
         entries = x.log.run_slice(x.run_id)

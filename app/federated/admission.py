@@ -13,8 +13,9 @@ In order (the first failure is the recorded reason):
 6. its manifest's ``federation`` block names this round, this round's nonce, the global adapter the round sent and
    the FedProx ``mu`` (a bundle replayed from another round, or trained from another adapter, fails here);
 7. the adapter weights in the reply are exactly the bundle's ``adapter/adapter_model.safetensors``; with secure
-   aggregation (``app.federated.secure``) the reply carries no weights at all, and the bundle's adapter, encrypted to
-   the aggregator's attested key, is decrypted in memory and must be the plaintext its manifest binds.
+   aggregation (``app.federated.secure``) the reply carries no weights at all, and the bundle's adapter
+   (``adapter/adapter_model.safetensors.age``), encrypted to the aggregator's attested key, is decrypted in memory
+   and must be the plaintext its manifest binds.
 
 Any failure while checking one reply, expected or not, rejects that reply with a recorded reason: one client can
 never fail the round for the others. The weight a client gets is the trainable-token count from its verified
@@ -142,7 +143,7 @@ class Admission:
         if m.dataset.owner_public_key not in owners:
             raise _Reject(f"its dataset is not signed by an owner key of client {name!r}")
         _check_terms(m.federation, terms)
-        adapter = bundle / B.ADAPTER_FILES[1]
+        adapter = bundle / B.weights_file(m)  # encrypted: adapter_model.safetensors.age
         if self.secure is not None:  # decrypted in memory with the aggregator's key; nothing was sent in plaintext
             from app.federated.secure import decrypt_update
 

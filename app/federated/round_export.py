@@ -77,7 +77,8 @@ def export_round(out: Path, agg: Aggregator, rec: RoundRecord, aggregate: Any, a
             (stage / "adapter").mkdir()
             weights = arrays_to_safetensors(aggregate)
             recipients = global_recipients(admitted, agg.secure) if agg.secure else ()
-            (stage / R.GLOBAL_ADAPTER).write_bytes(C.encrypt(weights, recipients) if recipients else weights)
+            stored = C.encrypt(weights, recipients) if recipients else weights  # secure: as <name>.age
+            (stage / R.global_adapter(bool(recipients))).write_bytes(stored)
             (stage / B.APP_COMPOSE).write_bytes(agg.ident.app_compose.encode())
             for a in admitted:
                 shutil.copytree(a.bundle, stage / R.CLIENTS_DIR / a.client)
@@ -106,6 +107,7 @@ def _manifest_bytes(agg: Aggregator, rec: RoundRecord, admitted: list[Admitted],
                     stage: Path, plaintext_sha256: str, recipients: tuple[str, ...]) -> bytes:
     total = sum(a.trainable_tokens for a in admitted)
     ident = agg.ident
+    adapter = R.global_adapter(bool(recipients))  # secure aggregation: adapter_model.safetensors.age
     doc = {
         "schema": R.ROUND_SCHEMA, "federation_id": rec.federation_id, "round": rec.round, "nonce": rec.nonce,
         "created_at": utc_now(),
@@ -122,7 +124,7 @@ def _manifest_bytes(agg: Aggregator, rec: RoundRecord, admitted: list[Admitted],
                       "privacy_epsilon": a.privacy[0], "privacy_delta": a.privacy[1]} for a in admitted],
         "rejected": [{"client": r.client, "node_id": r.node_id, "reason": r.reason} for r in rejected],
         "files": {B.APP_COMPOSE: sha256_file(stage / B.APP_COMPOSE),
-                  R.GLOBAL_ADAPTER: sha256_file(stage / R.GLOBAL_ADAPTER)},
+                  adapter: sha256_file(stage / adapter)},
         **({"aggregator_recipient": agg.secure.recipient, "confidentiality": {
             "recipients": list(recipients), "plaintext_sha256": plaintext_sha256}} if recipients else {}),
     }

@@ -87,8 +87,8 @@ def decrypt_update(bundle: Path, m: B.Manifest, key: SecureKey) -> bytes:
     conf = m.confidentiality
     if conf is None or key.recipient not in conf.recipients:
         raise DataError("the update is not encrypted to the aggregator's attested key (secure aggregation)")
-    data = C.decrypt((bundle / B.ADAPTER_FILES[1]).read_bytes(), key.identities())
-    if data is None or sha256_hex(data) != conf.plaintext_sha256.get(B.ADAPTER_FILES[1]):
+    data = C.decrypt((bundle / B.weights_file(m)).read_bytes(), key.identities())
+    if data is None or sha256_hex(data) != conf.plaintext_sha256.get(B.WEIGHTS):
         raise DataError("the update does not decrypt with the aggregator's key to the plaintext its manifest binds")
     return data
 

@@ -26,7 +26,7 @@ from app.federated.round_export import Aggregator, RoundRecord, export_round, he
 from app.config.federation import FederationSettings
 from app.federated import secure
 from app.federated.transport import arrays_to_safetensors, pack_bundle
-from attestation.rounds.manifest import GLOBAL_ADAPTER
+from attestation.rounds.manifest import GLOBAL_ADAPTER_AGE
 
 log = logging.getLogger("cvm-tune.federated")
 
@@ -79,7 +79,7 @@ class AttestedStrategy(Strategy):
             return self.inner.configure_train(server_round, arrays, cfg, grid)
         cfg[secure.KEY_FIELD] = key.evidence  # the attested recipient the clients encrypt their updates to
         if self.rounds and len(arrays):  # an aggregate of client updates: only ever sent as ciphertext
-            cfg[secure.GLOBAL_FIELD] = (self.rounds[-1][1] / GLOBAL_ADAPTER).read_bytes()
+            cfg[secure.GLOBAL_FIELD] = (self.rounds[-1][1] / GLOBAL_ADAPTER_AGE).read_bytes()
             return secure.strip_arrays(self.inner.configure_train(server_round, arrays, cfg, grid))
         return self.inner.configure_train(server_round, arrays, cfg, grid)  # base model or the operator's initial
 

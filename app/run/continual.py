@@ -43,7 +43,6 @@ from app.run.state import RUN_ID
 PROMOTED = "PROMOTED"
 CANDIDATE = "CANDIDATE"
 PROMOTE = "promote"  # the audit entry that records each move of PROMOTED
-WEIGHTS = "adapter/adapter_model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -110,8 +109,8 @@ def load_parent(bundle: Path) -> Parent:
     try:
         raw = (bundle / B.MANIFEST).read_bytes()
         manifest: dict[str, Any] = parse_json(raw, f"{bundle.name}/manifest.json", ValueError)  # type: ignore[assignment]
-        B.Manifest.model_validate(manifest)  # the fields read below exist and have their types
-        adapter = sha256_file(bundle / WEIGHTS)
+        parsed = B.Manifest.model_validate(manifest)  # the fields read below exist and have their types
+        adapter = sha256_file(bundle / B.weights_file(parsed))  # encrypted weights: the .age file's hash
     except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         raise TrainingError(f"the promoted bundle {bundle.name} fails verification (its manifest or adapter cannot be "
                             f"read: {str(exc).splitlines()[0][:200]})", fix=fix) from exc

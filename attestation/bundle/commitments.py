@@ -35,7 +35,7 @@ def commitment_problems(entries: list[AuditEntry], m: B.Manifest, config_bytes: 
     last = {
         "train.done": {"global_step": m.training.global_step,  # encrypted weights: train.done names the plaintext
                        "adapter_sha256": {k: confidential_verify.trained_hash(m, k) for k in B.ADAPTER_FILES}},
-        "export": {"artifacts_sha256": files_digest({k: m.files[k] for k in B.ARTIFACT_FILES})},
+        "export": {"artifacts_sha256": files_digest({k: m.files[k] for k in B.artifact_files(B.encrypted(m))})},
         "privacy.spent": m.privacy.model_dump(mode="json") if m.privacy is not None else {"mechanism": None},
     }
     problems = []

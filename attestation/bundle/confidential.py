@@ -1,13 +1,14 @@
 """Bundle steps for confidential outputs (``confidentiality`` in the manifest; docs/verifier-spec.md §14).
 
- C1 ``confidential.outputs``   (anyone) every weight file is age v1 ciphertext with one X25519 stanza per listed
-                               recipient; none is left in plaintext; the CVM's key and every recipient the dataset's
-                               owner named are listed; with the dataset file, its signed header names exactly those
- C2 ``confidential.plaintext`` (a recipient: ``--identity``) each weight file decrypts in memory to the bytes whose
-                               SHA-256 the manifest binds
+ C1 ``confidential.outputs``   (anyone) every weight file is age v1 ciphertext named ``<name>.age`` with one X25519
+                               stanza per listed recipient; none is left in plaintext; the CVM's key and every
+                               recipient the dataset's owner named are listed; with the dataset file, its signed
+                               header names exactly those
+ C2 ``confidential.plaintext`` (a recipient: ``--identity``) each ``<name>.age`` decrypts in memory to the bytes whose
+                               SHA-256 the manifest binds to ``<name>``
  B16 ``model.signature``       over the plaintext: each ``model.sig`` passes ``model_signing``'s own key-based
                                verification under the manifest's key over exactly the directory's files, weight
-                               files counted by their (C2-checked) plaintext hash in place of the ciphertext's
+                               files counted under their plaintext name by their (C2-checked) plaintext hash
                                (:func:`attestation.bundle.model_sig.verify_dir`; no plaintext is written)
 
 Bundles without ``confidentiality`` go to :func:`attestation.bundle.model_sig.check` unchanged.
@@ -46,11 +47,13 @@ def check(f: QuoteFindings, root: Path, m: B.Manifest, identities: list[Any] | N
         return
     plain, problems = {}, []
     for rel, digest in sorted(info.plaintext_sha256.items()):
-        data = C.decrypt(_read(root / rel), identities)
+        age = C.ciphertext_name(rel)
+        data = C.decrypt(_read(root / age), identities)
         if data is None:
-            problems.append(f"{rel}: does not decrypt with the identity given (not a recipient, or damaged)")
+            problems.append(f"{age}: does not decrypt with the identity given (not a recipient, or damaged)")
         elif sha256_hex(data) != digest:
-            problems.append(f"{rel}: decrypts to bytes of SHA-256 {sha256_hex(data)[:16]}…, not the manifest's")
+            problems.append(f"{age}: decrypts to bytes of SHA-256 {sha256_hex(data)[:16]}…, not the manifest's "
+                            f"plaintext hash of {rel}")
         else:
             plain[rel] = digest
         del data
@@ -68,18 +71,18 @@ def trained_hash(m: B.Manifest, rel: str) -> str:
 
 
 def _outputs(root: Path, m: B.Manifest, info: C.ConfidentialityInfo, owner: tuple[str, ...] | None) -> tuple[str, str]:
-    problems = []
-    weights = {rel for rel in m.files if C.is_weight_file(rel)} | {"adapter/adapter_model.safetensors"}
-    if clear := sorted(weights - set(info.plaintext_sha256)):
+    problems = C.naming_problems(m.files, True)  # the manifest's schema check rejects these first
+    sealed = {plain for rel in m.files if (plain := C.plaintext_name(rel))}  # weight files listed as <name>.age
+    if clear := sorted((sealed | {B.WEIGHTS}) - set(info.plaintext_sha256)):
         problems.append(f"weight file(s) not encrypted: {clear[:3]}")
-    if odd := sorted(set(info.plaintext_sha256) - set(m.files)):
-        problems.append(f"plaintext hashes for files the manifest does not list: {odd[:3]}")
-    for rel in sorted(set(info.plaintext_sha256) & set(m.files)):
-        n = C.x25519_stanzas(_read(root / rel, 1 << 16))
+    if odd := sorted(set(info.plaintext_sha256) - sealed):
+        problems.append(f"plaintext hashes for files the manifest does not list: {[C.ciphertext_name(r) for r in odd[:3]]}")
+    for age in sorted(C.ciphertext_name(rel) for rel in set(info.plaintext_sha256) & sealed):
+        n = C.x25519_stanzas(_read(root / age, 1 << 16))
         if n is None:
-            problems.append(f"{rel} is not an age v1 file to X25519 recipients")
+            problems.append(f"{age} is not an age v1 file to X25519 recipients")
         elif n != len(info.recipients):
-            problems.append(f"{rel} has {n} X25519 stanzas, not one per listed recipient ({len(info.recipients)})")
+            problems.append(f"{age} has {n} X25519 stanzas, not one per listed recipient ({len(info.recipients)})")
     if missing := sorted(set(info.dataset_recipients) - set(info.recipients)):
         problems.append(f"dataset recipient(s) missing: {missing[:3]}")
     if owner is not None and tuple(owner) != info.dataset_recipients:

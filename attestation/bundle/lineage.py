@@ -15,13 +15,13 @@ from typing import Any
 
 from attestation.bundle import manifest as B
 from attestation.bundle.verify import verify_bundle
+from attestation.outputs import confidential as C
 from attestation.errors import BundleError
 from attestation.policy import Policy
 from attestation.io.safe_yaml import parse_json
 from attestation.verify import Verdict
 
 CHAIN_SCHEMA = "cvm-tune/chain/v1"
-WEIGHTS = "adapter/adapter_model.safetensors"
 MAX_MANIFEST = 16 << 20
 
 
@@ -59,7 +59,8 @@ def check_link(child: Path, parent: Path) -> list[str]:
         problems.append("parent manifest hash differs from the lineage")
     if lineage.get("parent_run_id") != p.get("run_id"):
         problems.append(f"lineage names run {lineage.get('parent_run_id')}, the parent bundle is {p.get('run_id')}")
-    if lineage.get("parent_adapter_sha256") != _field(p, "files", WEIGHTS):
+    weights = C.stored_name(B.WEIGHTS, p.get("confidentiality") is not None)  # encrypted: the .age file's hash
+    if lineage.get("parent_adapter_sha256") != _field(p, "files", weights):
         problems.append("parent adapter weights hash differs from the lineage")
     c_base, p_base = _field(c, "base_model", "tree_sha256"), _field(p, "base_model", "tree_sha256")
     if c_base != p_base:

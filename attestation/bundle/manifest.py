@@ -3,7 +3,8 @@
 A bundle ``exports/<run_id>/`` holds::
 
     adapter/adapter_config.json       PEFT adapter (base_model_name_or_path: the base's Hub id or name)
-    adapter/adapter_model.safetensors
+    adapter/adapter_model.safetensors   the weights; adapter_model.safetensors.age (age ciphertext) instead when the
+                                      manifest has ``confidentiality`` (``attestation.outputs.confidential``)
     adapter/tokenizer*.json, ...      the base model's tokenizer files (a loadable PEFT repo)
     adapter/model.sig                 OpenSSF model signature of adapter/ (``model-signing``, ECDSA P-256 key
                                       derived in the CVM; public key in the manifest ``signing``)
@@ -32,6 +33,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from attestation.outputs import confidential as C
 from attestation.outputs.confidential import ConfidentialityInfo
 from attestation.tdx.gpu import FILE as GPU_EVIDENCE
 from attestation.tdx.gpu import GpuInfo
@@ -49,7 +51,8 @@ AUDIT = "audit.jsonl"
 CONFIG = "config.json"
 APP_COMPOSE = "app-compose.json"
 MODEL_CARD = "README.md"
-ADAPTER_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors")
+ADAPTER_FILES = ("adapter/adapter_config.json", "adapter/adapter_model.safetensors")  # their plaintext names
+WEIGHTS = ADAPTER_FILES[1]
 # Files whose hashes the manifest must list (collateral and the quote cannot be: they come after it).
 HASHED_FILES = (*ADAPTER_FILES, CONFIG, APP_COMPOSE, MODEL_CARD, AUDIT)
 ARTIFACT_FILES = tuple(f for f in HASHED_FILES if f != AUDIT)  # what the audit `export` entry commits to
@@ -65,16 +68,45 @@ SIGNATURE_NAME = "model.sig"  # model_signing's default signature file name, ins
 SIGNING_GETKEY_PATH = "cvm-tune/model-signing/v1"
 
 
+def encrypted(manifest: Manifest) -> bool:
+    """The bundle holds its weight files as age ciphertext, named ``<name>.age`` (``confidentiality``)."""
+    return manifest.confidentiality is not None
+
+
+def artifact_files(confidential: bool) -> tuple[str, ...]:
+    """What the audit ``export`` entry commits to: ARTIFACT_FILES, the weights under their ``.age`` name when the
+    bundle is confidential."""
+    return tuple(C.stored_name(f, confidential) for f in ARTIFACT_FILES)
+
+
+def weights_file(manifest: Manifest) -> str:
+    """Where the bundle holds its adapter weights: ``adapter/adapter_model.safetensors``, or its ``.age`` name."""
+    return C.stored_name(WEIGHTS, encrypted(manifest))
+
+
 def hashed_files(manifest: Manifest | None) -> tuple[str, ...]:
-    """The files a manifest must list: HASHED_FILES, plus gpu-evidence.json when it records a ``gpu``,
-    plus the run report when it lists any report file (bundles made before reports have neither)."""
+    """The files a manifest must list: HASHED_FILES (the weights under their ``.age`` name when encrypted), plus
+    gpu-evidence.json when it records a ``gpu``, plus the run report when it lists any report file (bundles made
+    before reports have neither)."""
     if manifest is None:
         return HASHED_FILES
+    base = tuple(C.stored_name(f, encrypted(manifest)) for f in HASHED_FILES)
     gpu = (GPU_EVIDENCE,) if manifest.gpu is not None else ()
     report = REPORT_FILES if set(REPORT_FILES) & set(manifest.files) else ()
     signed = tuple(f"{d}/{SIGNATURE_NAME}" for d in manifest.signing.signed) if manifest.signing else ()
-    listed = tuple(sorted(f for f in manifest.files if _LISTED.fullmatch(f) and f not in ADAPTER_FILES and f not in signed))
-    return HASHED_FILES + gpu + report + signed + listed
+    listed = tuple(sorted(f for f in manifest.files if _LISTED.fullmatch(f) and f not in base and f not in signed))
+    return base + gpu + report + signed + listed
+
+
+def files_problem(manifest: Manifest) -> str | None:
+    """Why ``manifest.files`` is not the list the manifest must have (None: it is): a weight file under the wrong
+    name for the bundle's kind first (plaintext name in a confidential bundle, ``.age`` name in a plaintext one),
+    then any other difference from :func:`hashed_files`."""
+    if bad := C.naming_problems(manifest.files, encrypted(manifest)):
+        return "; ".join(bad[:3])
+    if set(manifest.files) != set(hashed_files(manifest)):
+        return f"manifest lists {sorted(manifest.files)}, expected {sorted(hashed_files(manifest))}"
+    return None
 
 
 _LISTED = re.compile(rf"(?:{'|'.join(LISTED_DIRS)})/{LISTED_FILE}")
@@ -239,7 +271,7 @@ class LineageInfo(_Closed):
 
     parent_run_id: str = Field(pattern=rf"^{RUN_ID_PATTERN}$")
     parent_manifest_sha256: Hex64 = _H64  # SHA-256 of the parent's manifest.json bytes
-    parent_adapter_sha256: Hex64 = _H64  # SHA-256 of the parent's adapter/adapter_model.safetensors
+    parent_adapter_sha256: Hex64 = _H64  # SHA-256 of the parent's adapter weights file (its .age file when encrypted)
 
 
 class EvaluationInfo(_Closed):

@@ -7,8 +7,9 @@ the library's key-based verifier under that key, over exactly the files in the d
 changed file, git files included, or a signature made with any other key, fails). The same check as
 ``model_signing verify key <dir> --signature <dir>/model.sig --public_key KEY.pem --no-ignore-git-paths``.
 Confidential bundles (:mod:`attestation.bundle.confidential`) go through the same verifier, with one difference:
-the signature covers the plaintext, so each age-encrypted weight file is counted by its plaintext SHA-256 (already
-checked by decrypting it in memory) in place of the hash of its bytes on disk; no plaintext is written.
+the signature covers the plaintext, so each age-encrypted weight file (``<name>.age`` on disk) is counted as
+``<name>``, by its plaintext SHA-256 (already checked by decrypting it in memory), in place of the hash of its bytes
+on disk; no plaintext is written.
 ``model_signing`` (the sigstore stack) is imported only when a bundle carries signatures, so ``import attestation``
 stays light.
 """
@@ -24,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import attestation.bundle.manifest as B
+from attestation.outputs.confidential import AGE_SUFFIX
 from attestation.verdict import QuoteFindings
 
 CHECK = "model.signature"
@@ -38,8 +40,8 @@ def run_key_path(run_id: str) -> str:
 def check(f: QuoteFindings, root: Path, manifest: B.Manifest, plaintext: Mapping[str, str] | None = None) -> None:
     """Add the ``model.signature`` check for ``root`` (a bundle whose manifest parsed).
 
-    ``plaintext`` (a confidential bundle, its weight files decrypted and checked): bundle-relative name → plaintext
-    SHA-256 of each encrypted file; such a bundle must carry signatures.
+    ``plaintext`` (a confidential bundle, its weight files decrypted and checked): bundle-relative plaintext name →
+    plaintext SHA-256 of each encrypted file (stored as ``<name>.age``); such a bundle must carry signatures.
     """
     signing = manifest.signing
     if signing is None:
@@ -62,7 +64,8 @@ def check(f: QuoteFindings, root: Path, manifest: B.Manifest, plaintext: Mapping
 
 def signed_dir_problems(root: Path, signing: B.SigningInfo, plaintext: Mapping[str, str] | None = None) -> list[str]:
     """``<dir>/model.sig: why`` for each of ``signing.signed`` under ``root`` that does not verify under the
-    manifest's key; ``plaintext`` (bundle-relative name → SHA-256 hex) counts those encrypted files by plaintext."""
+    manifest's key; ``plaintext`` (bundle-relative plaintext name → SHA-256 hex) counts those encrypted files
+    (``<name>.age``) by plaintext."""
     with tempfile.TemporaryDirectory(prefix="cvm-tune-verify-") as tmp:
         key = Path(tmp) / "model-signing.pub.pem"  # the library reads the public key from a path
         key.write_text(signing.public_key_pem)
@@ -73,8 +76,9 @@ def signed_dir_problems(root: Path, signing: B.SigningInfo, plaintext: Mapping[s
 def verify_dir(directory: Path, public_key_pem: Path, plaintext: Mapping[str, str] | None = None) -> str | None:
     """None when ``directory/model.sig`` verifies under the key, else why not (one line).
 
-    ``plaintext`` maps files of ``directory`` (relative names) that are encrypted on disk to the SHA-256 (hex) of
-    their plaintext, which the caller has checked: the signature is compared against those digests for them.
+    ``plaintext`` maps files of ``directory`` (relative plaintext names) that are encrypted on disk, as
+    ``<name>.age``, to the SHA-256 (hex) of their plaintext, which the caller has checked: the signature is compared
+    against those names and digests for them.
     """
     import model_signing
 
@@ -98,16 +102,24 @@ def verify_dir(directory: Path, public_key_pem: Path, plaintext: Mapping[str, st
 
 
 def _plaintext_hashing(plaintext: dict[str, str]):  # -> model_signing.hashing.Config (imported lazily)
-    """The library's hashing configuration, but the manifest it builds counts the files named in ``plaintext`` by
-    their plaintext SHA-256 (the library's ``Manifest`` equality compares exactly these name → digest pairs)."""
+    """The library's hashing configuration, but the manifest it builds counts each ``<name>.age`` file whose
+    ``<name>`` is in ``plaintext`` as ``<name>``, by its plaintext SHA-256 (the library's ``Manifest`` equality
+    compares exactly these name → digest pairs). A file under the plaintext name itself counts by its own bytes."""
     from model_signing import hashing, manifest
 
     class PlaintextHashing(hashing.Config):
         def hash(self, model_path, *, files_to_hash=None):  # type: ignore[no-untyped-def]
             actual = super().hash(model_path, files_to_hash=files_to_hash)  # the bytes on disk: ciphertext for weights
             kind = manifest.SerializationType.from_args(actual.serialization_type)
-            return manifest.Manifest(actual.model_name, [kind.new_item(rd.identifier, dataclasses.replace(
-                rd.digest, algorithm="sha256", digest_value=bytes.fromhex(plaintext[rd.identifier]))
-                if rd.identifier in plaintext else rd.digest) for rd in actual.resource_descriptors()], kind)
+            names = {str(rd.identifier) for rd in actual.resource_descriptors()}
+            items = []
+            for rd in actual.resource_descriptors():
+                plain = str(rd.identifier).removesuffix(AGE_SUFFIX)
+                if plain in plaintext and plain != rd.identifier and plain not in names:
+                    items.append(kind.new_item(plain, dataclasses.replace(
+                        rd.digest, algorithm="sha256", digest_value=bytes.fromhex(plaintext[plain]))))
+                else:
+                    items.append(kind.new_item(rd.identifier, rd.digest))
+            return manifest.Manifest(actual.model_name, items, kind)
 
     return PlaintextHashing()

@@ -131,8 +131,8 @@ def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> 
         if depth(doc) > MAX_DEPTH:
             raise ValueError(f"nested more than {MAX_DEPTH} levels deep")
         manifest = B.Manifest.model_validate(doc)
-        if set(manifest.files) != set(B.hashed_files(manifest)):
-            raise ValueError(f"manifest lists {sorted(manifest.files)}, expected {sorted(B.hashed_files(manifest))}")
+        if why := B.files_problem(manifest):
+            raise ValueError(why)
         f.add("manifest.schema", "pass", B.MANIFEST_SCHEMA)
     except (ValueError, ValidationError, RecursionError) as exc:
         f.add("manifest.schema", "fail", f"manifest.json is not a valid {B.MANIFEST_SCHEMA} manifest: {str(exc).splitlines()[0]}")

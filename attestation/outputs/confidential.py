@@ -2,9 +2,12 @@
 
 A run on a dataset whose owner-signed header names age X25519 recipients (or with ``export.recipients``) writes every
 weight file of its bundle (``*.safetensors`` under ``adapter/`` and ``merged/``) as age v1 ciphertext to those
-recipients plus the CVM's own key, under the file's usual name. The manifest's ``files`` hash the ciphertext (so
-anyone can check it); ``confidentiality.plaintext_sha256`` hashes the plaintext (a recipient checks it after
-decrypting in memory); the model signature covers the plaintext (``attestation.bundle.confidential``).
+recipients plus the CVM's own key, named as age's own tools name ciphertext: the file's name plus ``.age``
+(``adapter/adapter_model.safetensors.age``), so nothing that parses safetensors mistakes it for weights and
+``age -d`` gives back the original file. The manifest's ``files`` list and hash the ciphertext under that name (so
+anyone can check it); ``confidentiality.plaintext_sha256`` hashes the plaintext under the original name (a
+recipient checks it after decrypting in memory); the model signature covers the plaintext, under the original names
+(``attestation.bundle.confidential``). A bundle never holds a weight file under both names.
 
 The CVM's key is an age X25519 identity derived from dstack GetKey at :data:`CVM_KEY_PATH`::
 
@@ -18,6 +21,7 @@ reference algorithm, a dozen lines). Nothing here imports torch or the app: the 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
@@ -35,6 +39,7 @@ RECIPIENT = r"age1[02-9ac-hj-np-z]{58}"
 DATASET_META_KEY = "cvm-tune.recipients"  # the owner-signed header's metadata entry: recipients, space-separated
 MAX_RECIPIENTS = 16
 WEIGHT_SUFFIX = ".safetensors"
+AGE_SUFFIX = ".age"  # an encrypted weight file's name: the plaintext's name + .age
 ENCRYPTED_DIRS = ("adapter", "merged")
 _RECIPIENT = re.compile(RECIPIENT)
 _CHARSET = "qpzry9x8gf2tvdw0s3jn54khce6mua7l"
@@ -89,6 +94,35 @@ def is_weight_file(rel: str) -> bool:
     """A bundle path the confidential export encrypts: ``adapter/*.safetensors`` or ``merged/*.safetensors``."""
     parts = rel.split("/")
     return len(parts) == 2 and parts[0] in ENCRYPTED_DIRS and parts[1].endswith(WEIGHT_SUFFIX)
+
+
+def ciphertext_name(rel: str) -> str:
+    """The name weight file ``rel`` is stored under as age ciphertext: ``rel`` + ``.age``."""
+    return rel + AGE_SUFFIX
+
+
+def plaintext_name(rel: str) -> str | None:
+    """The weight file an age-ciphertext name stands for (``adapter/x.safetensors.age`` -> ``adapter/x.safetensors``);
+    None when ``rel`` is not such a name."""
+    plain = rel.removesuffix(AGE_SUFFIX)
+    return plain if plain != rel and is_weight_file(plain) else None
+
+
+def stored_name(rel: str, encrypted: bool) -> str:
+    """Where a bundle holds file ``rel``: its ``.age`` name when ``rel`` is a weight file and the bundle is
+    confidential (``encrypted``), else ``rel``."""
+    return ciphertext_name(rel) if encrypted and is_weight_file(rel) else rel
+
+
+def naming_problems(files: Iterable[str], encrypted: bool) -> list[str]:
+    """Weight files listed under the wrong name for the bundle's kind: a plaintext name in a confidential bundle (a
+    bundle made before ciphertext was named ``.age``, or one holding both names), an ``.age`` name in a plaintext one."""
+    if encrypted:
+        return [f"{rel} is listed under its plaintext name, but the weights are encrypted (confidentiality): a "
+                f"confidential bundle holds that file as age ciphertext named {ciphertext_name(rel)}"
+                for rel in sorted(files) if is_weight_file(rel)]
+    return [f"{rel} is an age ciphertext name, but the manifest has no confidentiality"
+            for rel in sorted(files) if plaintext_name(rel) is not None]
 
 
 def identity_from_secret(secret: bytes) -> str:

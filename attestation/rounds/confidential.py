@@ -1,7 +1,8 @@
 """Secure aggregation in a round bundle (``attestation.rounds.manifest``; docs/verifier-spec.md §14, "Rounds").
 
- R4' ``round.file_hashes``  (secure) the global adapter file is age ciphertext with one X25519 stanza per listed
-                            recipient; ``global_adapter_sha256`` is its plaintext's hash (checked by a recipient)
+ R4' ``round.file_hashes``  (secure) the global adapter file, ``adapter/adapter_model.safetensors.age``, is age
+                            ciphertext with one X25519 stanza per listed recipient; ``global_adapter_sha256`` is its
+                            plaintext's hash (checked by a recipient)
  R10 ``round.confidential`` (secure) every admitted client bundle holds its adapter as ciphertext whose recipients
                             include ``aggregator_recipient``; the global adapter's recipients are exactly the admitted
                             clients' CVM keys and the aggregator's
@@ -36,9 +37,9 @@ def global_problems(root: Path, m: R.RoundManifest) -> list[str]:
     if m.global_adapter_sha256 != conf.plaintext_sha256:
         problems.append("global_adapter_sha256 is not the global adapter's plaintext hash")
     try:
-        n = C.x25519_stanzas(_read(root / R.GLOBAL_ADAPTER, 1 << 16))
+        n = C.x25519_stanzas(_read(root / R.GLOBAL_ADAPTER_AGE, 1 << 16))
     except OSError:  # missing, or a directory in its place (round.files names it too)
-        problems.append(f"{R.GLOBAL_ADAPTER} missing or unreadable")
+        problems.append(f"{R.GLOBAL_ADAPTER_AGE} missing or unreadable")
     else:
         if n != len(conf.recipients):
             problems.append(f"the global adapter is not age ciphertext with one stanza per listed recipient ({n})")
@@ -87,10 +88,11 @@ def load_plain(root: Path, m: R.RoundManifest, identities: list[Any] | None) -> 
         clients = []
         for a in m.admitted:
             d = root / R.CLIENTS_DIR / a.client
-            conf = B.Manifest.model_validate_json(_read(d / B.MANIFEST)).confidentiality
-            digest = conf.plaintext_sha256.get(B.ADAPTER_FILES[1]) if conf is not None else None
-            clients.append(load(plain(d / B.ADAPTER_FILES[1], digest)))
-        result = load(plain(root / R.GLOBAL_ADAPTER, m.confidentiality.plaintext_sha256 if m.confidentiality else None))
+            cm = B.Manifest.model_validate_json(_read(d / B.MANIFEST))
+            digest = cm.confidentiality.plaintext_sha256.get(B.WEIGHTS) if cm.confidentiality is not None else None
+            clients.append(load(plain(d / B.weights_file(cm), digest)))
+        secure = m.confidentiality is not None
+        result = load(plain(root / R.global_adapter(secure), m.confidentiality.plaintext_sha256 if secure else None))
     except LookupError as exc:
         return (f"{exc.args[0]} does not decrypt with the identities given: the aggregate is not recomputed; it rests "
                 "on the aggregator's attested code (its quote binds this round manifest)")

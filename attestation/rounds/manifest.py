@@ -4,7 +4,8 @@ The aggregator of a federated round writes ``rounds/<federation>/round-<NNNN>/``
 
     round-manifest.json            what the round admitted and rejected, and the new global adapter (schema below)
     adapter/adapter_model.safetensors   the aggregated global adapter (safetensors bytes; their SHA-256 is the
-                                   ``global_adapter_sha256`` the next round's clients record)
+                                   ``global_adapter_sha256`` the next round's clients record); with secure
+                                   aggregation ``adapter/adapter_model.safetensors.age`` instead (age ciphertext)
     app-compose.json               the aggregator CVM's measured app-compose (raw bytes)
     clients/<name>/                each admitted client's complete export bundle (``attestation.bundle.manifest``); its
                                    quote is identified by the SHA-256 of its signed region (``quote_identity``)
@@ -20,8 +21,9 @@ manifest can never pass for a client manifest or the other way round).
 and sends it, with its quote, event log, app-compose and collateral, in every train message; a client checks it and
 encrypts its bundle's weights to that recipient too. The round manifest then names ``aggregator_recipient`` and a
 ``confidentiality`` block: the global adapter file is age ciphertext to the admitted clients' CVM keys and the
-aggregator's, ``global_adapter_sha256`` is the SHA-256 of its plaintext (what the next round's clients record), and
-the client bundles hold their adapters only as ciphertext (``attestation.outputs.confidential``).
+aggregator's, named :data:`GLOBAL_ADAPTER_AGE`, ``global_adapter_sha256`` is the SHA-256 of its plaintext (what the
+next round's clients record), and the client bundles hold their adapters only as ciphertext
+(``adapter/adapter_model.safetensors.age``: ``attestation.outputs.confidential``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from attestation.bundle.manifest import RUN_ID_PATTERN, CodeInfo, TeeInfo
-from attestation.outputs.confidential import RECIPIENT
+from attestation.outputs.confidential import RECIPIENT, ciphertext_name
 
 ROUND_SCHEMA = "cvm-tune/round-manifest/v1"
 KEY_SCHEMA = "cvm-tune/aggregator-key/v1"
@@ -41,6 +43,7 @@ KEY_DOC = "aggregator-key.json"
 ROUND_REPORT_DATA_TAG = b"cvm-tune-round-v1"
 ROUND_MANIFEST = "round-manifest.json"
 GLOBAL_ADAPTER = "adapter/adapter_model.safetensors"
+GLOBAL_ADAPTER_AGE = ciphertext_name(GLOBAL_ADAPTER)  # secure aggregation: the global adapter as age ciphertext
 CLIENTS_DIR = "clients"
 STRATEGIES = ("fedavg", "fedprox", "fedyogi")
 # Strategies whose aggregate the verifier recomputes from the client adapters (FedYogi keeps server-side
@@ -55,6 +58,12 @@ def client_privacy(manifest: object) -> tuple[float | None, float | None]:
     if privacy is None:
         return None, None
     return float(privacy.epsilon), float(privacy.delta)
+
+
+def global_adapter(secure: bool) -> str:
+    """The global adapter file of a round: :data:`GLOBAL_ADAPTER_AGE` with secure aggregation, else
+    :data:`GLOBAL_ADAPTER`."""
+    return GLOBAL_ADAPTER_AGE if secure else GLOBAL_ADAPTER
 
 
 def quote_identity(raw: bytes) -> str:
@@ -151,7 +160,7 @@ class RoundManifest(_Closed):
     previous_round_sha256: str | None = Field(None, pattern=_H64)  # sha256 of the previous round-manifest.json
     admitted: list[AdmittedClient] = Field(min_length=1)
     rejected: list[RejectedClient]
-    files: dict[str, str]  # app-compose.json and the global adapter -> sha256
+    files: dict[str, str]  # app-compose.json and the global adapter (global_adapter(secure)) -> sha256
     aggregator_recipient: str | None = Field(None, pattern=rf"^{RECIPIENT}$")  # secure aggregation: updates go to it
     confidentiality: RoundConfidentiality | None = None  # secure aggregation: the global adapter is ciphertext
 

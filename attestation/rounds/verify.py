@@ -43,11 +43,12 @@ from attestation.bundle.verify import (
 from attestation.tdx.dcap import Collateral
 from attestation.errors import AttestationError, BundleError
 from attestation.io.hashing import sha256_file, sha256_hex
+from attestation.outputs.confidential import naming_problems
 from attestation.policy import Policy
 from attestation.io.safe_yaml import parse_json
 from attestation.verify import QuoteFindings, Verdict, verify_quote
 
-_TOP = {R.ROUND_MANIFEST, B.QUOTE_BIN, B.QUOTE_HEX, B.EVENT_LOG, B.APP_COMPOSE, R.GLOBAL_ADAPTER}
+_TOP = {R.ROUND_MANIFEST, B.QUOTE_BIN, B.QUOTE_HEX, B.EVENT_LOG, B.APP_COMPOSE}  # and the global adapter
 _TOP_DIRS = {str(Path(R.GLOBAL_ADAPTER).parent), R.CLIENTS_DIR}
 WEIGHT_TOLERANCE = 1e-9
 # float32 weighted means summed in another order differ in the last bits; anything larger is another aggregate
@@ -115,6 +116,8 @@ def _schema(f: QuoteFindings, raw: bytes) -> R.RoundManifest | None:
         names = [a.client for a in m.admitted]
         if len(set(names)) != len(names):
             raise ValueError("a client is admitted twice")
+        if bad := naming_problems(m.files, m.confidentiality is not None):  # a round made before .age names
+            raise ValueError("; ".join(bad))
         f.add("round.schema", "pass", f"{R.ROUND_SCHEMA}, round {m.round}, {len(m.admitted)} admitted, "
               f"{len(m.rejected)} rejected")
         return m
@@ -150,8 +153,11 @@ def _files(f: QuoteFindings, root: Path, m: R.RoundManifest | None) -> None:
     for rel, mode in _walk(root):
         if not rel.startswith(R.CLIENTS_DIR + "/"):
             (present if stat.S_ISREG(mode) else dirs).add(rel)
-    problems += [f"missing {p}" for p in sorted(_TOP - present)]
-    problems += [f"unexpected file {p}" for p in sorted(present - _TOP - {B.COLLATERAL})]
+    adapters = {R.GLOBAL_ADAPTER, R.GLOBAL_ADAPTER_AGE}  # which one: the manifest says (unparsed: the one present)
+    top = _TOP | ({R.global_adapter(m.confidentiality is not None)} if m is not None else (present & adapters) or
+                  {R.GLOBAL_ADAPTER})
+    problems += [f"missing {p}" for p in sorted(top - present)]
+    problems += [f"unexpected file {p}" for p in sorted(present - top - {B.COLLATERAL})]
     problems += [f"unexpected directory {d}/" for d in sorted(dirs - _TOP_DIRS)]
     if m is not None:
         want = {a.client for a in m.admitted}
@@ -164,7 +170,7 @@ def _files(f: QuoteFindings, root: Path, m: R.RoundManifest | None) -> None:
 
 def _file_hashes(f: QuoteFindings, root: Path, m: R.RoundManifest) -> None:
     bad = file_problems(root, m.files)
-    if set(m.files) != {B.APP_COMPOSE, R.GLOBAL_ADAPTER}:
+    if set(m.files) != {B.APP_COMPOSE, R.global_adapter(m.confidentiality is not None)}:
         bad.append("the manifest's files are not app-compose.json and the global adapter")
     if m.confidentiality is not None:  # secure aggregation: the file is ciphertext, the hash names the plaintext
         bad += round_confidential.global_problems(root, m)
@@ -190,17 +196,22 @@ def _clients(f: QuoteFindings, root: Path, m: R.RoundManifest, policy: Policy, n
         raw = _read(d / B.MANIFEST)
         for what, digest, want in (("manifest.json", lambda: sha256_file(d / B.MANIFEST), a.manifest_sha256),
                                    ("quote.bin", lambda: R.quote_identity(_read(d / B.QUOTE_BIN)), a.quote_sha256),
-                                   ("adapter", lambda: sha256_file(d / B.ADAPTER_FILES[1]), a.adapter_sha256)):
+                                   ("adapter", lambda: sha256_file(d / _weights(raw)), a.adapter_sha256)):
             try:
                 if digest() != want:  # a quote by its signed region (verifier.md, "Quote padding")
                     problems.append(f"{what} does not hash to the round manifest's value")
-            except (OSError, AttestationError):
+            except (OSError, ValueError, AttestationError):  # ValueError: the client's manifest does not parse
                 problems.append(f"{what} unreadable")
         if not problems:
             out[a.client] = B.Manifest.model_validate_json(raw)
         f.add(f"client.{a.client}", "fail" if problems else "pass", "; ".join(problems[:3]) or
               f"bundle {a.run_id} accepted ({len(verdict.checks)} checks); hashes match the round manifest")
     return out
+
+
+def _weights(raw_manifest: bytes) -> str:
+    """A client bundle's adapter weights file (its ``.age`` name when encrypted); its manifest has verified."""
+    return B.weights_file(B.Manifest.model_validate_json(raw_manifest))
 
 
 def _terms_and_weights(f: QuoteFindings, m: R.RoundManifest, clients: dict[str, B.Manifest]) -> None:

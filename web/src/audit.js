@@ -1,11 +1,12 @@
 // The audit chain (verifier-spec §4) and its RTMR3 binding (§6, audit.rtmr3).
 import { canonical, enc, filesDigestOf, isObj, jsonEqual, parseJsonExact, plain, sha256hex, utf8 } from "./util.js";
+import { WEIGHTS, storedName } from "./confidential.js";
 
 const KEYS = ["data", "prev", "run_id", "seq", "time", "type", "v"];
 const TYPES = ["run.start", "run.resume", "gpu.evidence", "train.batch", "train.done", "export", "checkpoint",
   "checkpoint.rejected", "run.abort", "privacy.spent", "promote"];
 const GENESIS = "0".repeat(64);
-const ADAPTER_FILES = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"];
+const ADAPTER_FILES = ["adapter/adapter_config.json", WEIGHTS]; // plaintext names: train.done's keys
 const ARTIFACT_FILES = [...ADAPTER_FILES, "config.json", "app-compose.json", "README.md"];
 
 class AuditFormatError extends Error {}
@@ -70,9 +71,10 @@ function entryContents(entries, m, config) {
     code_source_sha256: m.code.source_sha256,
   };
   const training = config !== null ? trainingConfigSha256(config) : null;
+  const artifacts = ARTIFACT_FILES.map((k) => storedName(k, m.confidentiality != null)); // encrypted weights: <name>.age
   const last = {
     "train.done": { global_step: m.training.global_step, adapter_sha256: Object.fromEntries(ADAPTER_FILES.map((k) => [k, trainedHash(m, k)])) },
-    export: { artifacts_sha256: filesDigestOf(Object.fromEntries(ARTIFACT_FILES.map((k) => [k, m.files[k]]))) },
+    export: { artifacts_sha256: filesDigestOf(Object.fromEntries(artifacts.map((k) => [k, m.files[k]]))) },
     "privacy.spent": m.privacy != null ? m.privacy : { mechanism: null },
   };
   const problems = [];

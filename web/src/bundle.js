@@ -9,13 +9,13 @@ import { auditEntries, auditSteps } from "./audit.js";
 import { gpuStep } from "./gpu.js";
 import { manifestProblem } from "./schema.js";
 import { modelSignature } from "./signature.js";
-import { confidentialOutputs } from "./confidential.js";
+import { WEIGHTS, confidentialOutputs, namingProblems, storedName } from "./confidential.js";
 import { privacyStep } from "./privacy.js";
 import { opChainCheck } from "./opchain.js";
 import { enc, filesDigestOf, hex, plain, parseJsonExact, sha256hex, sha512, concat, utf8 } from "./util.js";
 
 import { NOT_IMPLEMENTED } from "./messages.js";
-export const ADAPTER_FILES = ["adapter/adapter_config.json", "adapter/adapter_model.safetensors"];
+export const ADAPTER_FILES = ["adapter/adapter_config.json", WEIGHTS];
 const HASHED = [...ADAPTER_FILES, "config.json", "app-compose.json", "README.md", "audit.jsonl"];
 export const ARTIFACT_FILES = HASHED.filter((f) => f !== "audit.jsonl");
 const ATTESTATION = ["manifest.json", "quote.bin", "quote.hex", "event_log.json"];
@@ -32,11 +32,12 @@ export class Findings {
 
 function hashedFiles(m) {
   if (!m) return HASHED;
+  const base = HASHED.map((f) => storedName(f, m.confidentiality != null));
   const gpu = m.gpu != null ? ["gpu-evidence.json"] : [];
   const report = REPORT.some((f) => f in m.files) ? REPORT : [];
   const signed = m.signing ? m.signing.signed.map((d) => `${d}/model.sig`) : [];
-  const listed = Object.keys(m.files).filter((f) => LISTED.test(f) && !ADAPTER_FILES.includes(f) && !signed.includes(f)).sort();
-  return [...HASHED, ...gpu, ...report, ...signed, ...listed];
+  const listed = Object.keys(m.files).filter((f) => LISTED.test(f) && !base.includes(f) && !signed.includes(f)).sort();
+  return [...base, ...gpu, ...report, ...signed, ...listed];
 }
 
 function manifestStep(f, b, manifestBytes) {
@@ -48,6 +49,8 @@ function manifestStep(f, b, manifestBytes) {
     const why = manifestProblem(parsed.value);
     if (why) throw new Error(why);
     m = plain(parsed.value);
+    const naming = namingProblems(Object.keys(m.files), m.confidentiality != null);
+    if (naming.length) throw new Error(naming.slice(0, 3).join("; "));
     const want = new Set(hashedFiles(m));
     const have = Object.keys(m.files);
     if (have.length !== want.size || have.some((k) => !want.has(k))) {
