@@ -297,7 +297,7 @@ def test_bad_input_is_a_4xx_with_its_reason_and_the_server_keeps_serving(server:
         "is not served": httpx.post(f"{server.url}/api/v1/no_such_route", headers=h, json={}),
     }
     for reason, r in cases.items():
-        assert 400 <= r.status_code < 500 or r.status_code == 501, (reason, r.status_code, r.text)
+        assert 400 <= r.status_code < 500, (reason, r.status_code, r.text)  # a 5xx: the SDK would retry for minutes
         assert reason in r.json()["detail"], (reason, r.text)
     # 600 tokens in one request: over max_tokens_per_request (512), each datum within max_seq_len
     from tinker.types import Datum, ModelInput

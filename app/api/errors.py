@@ -34,4 +34,4 @@ class Unavailable(ApiError):
 
 
 class NotServed(ApiError):
-    status = 501
+    status = 400  # not 501: the SDK retries every 5xx for minutes before it shows the reason

@@ -2,8 +2,9 @@
 
 Bodies are parsed with the SDK's own pydantic types (``tinker.types``) and protobuf module; a malformed body, an
 unknown model or a request over the limits is a 4xx whose body says why (the SDK surfaces it). Routes not served
-answer 501 (``NotServed``). Every route needs an API key but health, attestation and the signed download URLs of
-external weights (:mod:`app.api.external`: the URL is the capability).
+answer 400 with the reason (``NotServed``: a 5xx would have the SDK retry for minutes). Every route needs an API key
+but health, attestation and the signed download URLs of external weights (:mod:`app.api.external`: the URL is the
+capability).
 """
 
 from __future__ import annotations
@@ -308,7 +309,7 @@ class _Gate:
 
 
 def _refusal(exc: ApiError) -> JSONResponse:
-    """A 4xx (or 501) with its reason; category ``user``, as a refused operation's future reports it."""
+    """A 4xx with its reason; category ``user``, as a refused operation's future reports it."""
     return JSONResponse({"detail": str(exc), "category": "user"}, status_code=exc.status)
 
 
