@@ -151,6 +151,25 @@ def pack(src: Path, dst: Path) -> None:
         tar.add(src, arcname=src.name)
 
 
+def packed_cases(cases: list[tuple[str, str, Callable[[Path], None] | None]], bundles: dict[str, tuple[Path, Path]],
+                 site: Site, work: Path, prefix: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Each case (kind, name, edit) on ``site``: ``bundles[kind]`` (bundle, policy), or a copy ``edit`` changed, as
+    ``PREFIX-NN.tar.gz`` with its policy; (the pages to open, cvm-tune's verdict on each)."""
+    pages, pythons = [], []
+    for i, (kind, _name, edit) in enumerate(cases):
+        bundle, policy = bundles[kind]
+        if edit is not None:
+            copy = work / f"{i:02d}" / bundle.name
+            shutil.copytree(bundle, copy, symlinks=True)
+            edit(copy)
+            bundle = copy
+        shutil.copyfile(policy, site.root / f"{prefix}-{i:02d}.yaml")
+        pack(bundle, site.root / f"{prefix}-{i:02d}.tar.gz")
+        pythons.append(python_verdict(bundle, policy)[0])
+        pages.append({"url": site.url(f"{prefix}-{i:02d}.tar.gz", f"{prefix}-{i:02d}.yaml")})
+    return pages, pythons
+
+
 def same_checks(page: dict[str, Any], py: dict[str, Any], case: str) -> None:
     """The page agrees with ``cvm-tune verify --json``: verdict, and every check's name and status, in order."""
     assert page["errors"] == [], f"{case}: {page['errors']}"
@@ -411,14 +430,16 @@ def test_opened_from_disk_a_chosen_bundle_folder_is_verified(web_copy: Path, dem
         (c["name"], c["status"]) for c in python_verdict(bundle, policy)[0]["checks"]]
 
 
-def test_a_kind_the_page_does_not_check_is_never_accepted(web_copy: Path, site: Site, tmp_path: Path) -> None:
-    """A federated round bundle (round-manifest.json): the page says it cannot check it, and does not accept it."""
+def test_a_round_bundle_without_its_files_is_rejected_as_cvm_tune_rejects_it(web_copy: Path, site: Site,
+                                                                             tmp_path: Path) -> None:
+    """A federated round bundle (round-manifest.json) is verified as one (tests/test_web_rounds.py has real rounds):
+    one with nothing but a stub manifest fails the same checks in the page as in cvm-tune verify."""
     round_dir = tmp_path / "round-1"
     (round_dir / "adapter").mkdir(parents=True)
     (round_dir / "round-manifest.json").write_text(json.dumps({"schema": "cvm-tune/round-manifest/v1"}))
     pack(round_dir, site.root / "round.tar.gz")
     shutil.copyfile(SAMPLE_POLICY, site.root / "round-policy.yaml")
     [page] = drive(web_copy, [{"url": site.url("round.tar.gz", "round-policy.yaml")}])
-    assert page["errors"] == [] and page["body_verdict"] == page["verdict"]["verdict"] == "incomplete"
-    assert page["verdict"]["not_checked"] == ["round.files"]
-    assert all(c["status"] != "pass" for c in page["verdict"]["checks"])
+    same_checks(page, python_verdict(round_dir, SAMPLE_POLICY)[0], "round stub")
+    assert page["verdict"]["verdict"] == "rejected"
+    assert [c["name"] for c in page["verdict"]["checks"]][:1] == ["round.schema"]

@@ -13,8 +13,6 @@ import { WEIGHTS, confidentialOutputs, namingProblems, storedName } from "./conf
 import { privacyStep } from "./privacy.js";
 import { opChainCheck } from "./opchain.js";
 import { enc, filesDigestOf, hex, plain, parseJsonExact, sha256hex, sha512, concat, utf8 } from "./util.js";
-
-import { NOT_IMPLEMENTED } from "./messages.js";
 export const ADAPTER_FILES = ["adapter/adapter_config.json", WEIGHTS];
 const HASHED = [...ADAPTER_FILES, "config.json", "app-compose.json", "README.md", "audit.jsonl"];
 export const ARTIFACT_FILES = HASHED.filter((f) => f !== "audit.jsonl");
@@ -73,7 +71,7 @@ function manifestStep(f, b, manifestBytes) {
   return m;
 }
 
-function quoteBytes(f, b) {
+export function quoteBytes(f, b) {
   const raw = b.files.get("quote.bin");
   if (!raw) { f.add("quote.parse", "fail", "quote.bin missing or unreadable"); return null; }
   if (!raw.length || raw.length > MAX_QUOTE_BYTES) {
@@ -96,25 +94,11 @@ function quoteBytes(f, b) {
 
 export async function verifyBundle(b, { policy, now, ops = null }) {
   const f = new Findings();
-  if (b.files.has("round-manifest.json")) return roundBundle(f);
   const manifestBytes = b.files.get("manifest.json");
   const m = manifestStep(f, b, manifestBytes);
   const raw = quoteBytes(f, b);
-  let coll = null;
-  if (b.files.has("collateral.json")) {
-    try { coll = parseCollateral(b.files.get("collateral.json")); } catch (e) {
-      if (!(e instanceof CollateralError)) throw e;
-      f.add("collateral.parse", "fail", e.message);
-    }
-  }
-  let events = null;
-  try {
-    if (!b.files.has("event_log.json")) throw new EventLogError("event_log.json missing or unreadable");
-    events = parseEventLog(b.files.get("event_log.json"));
-  } catch (e) {
-    if (!(e instanceof EventLogError)) throw e;
-    f.add("event_log.parse", "fail", e.message);
-  }
+  const coll = readCollateral(f, b);
+  const events = readEvents(f, b);
   if (raw) {
     const expected = sha512(concat(enc.encode("cvm-tune-manifest-v1:"), manifestBytes));
     verifyQuote(f, raw, { policy, now, coll, events, expectedReportData: expected });
@@ -145,12 +129,29 @@ export async function verifyBundle(b, { policy, now, ops = null }) {
   return f;
 }
 
-function roundBundle(f) {
-  f.add("round.files", "skip", `${NOT_IMPLEMENTED}: federated round bundles (round-manifest.json) need \`cvm-tune verify\``);
-  return f;
+/** collateral.json parsed (null when absent; collateral.parse fails when it does not parse). */
+export function readCollateral(f, b) {
+  if (!b.files.has("collateral.json")) return null;
+  try { return parseCollateral(b.files.get("collateral.json")); } catch (e) {
+    if (!(e instanceof CollateralError)) throw e;
+    f.add("collateral.parse", "fail", e.message);
+    return null;
+  }
 }
 
-function composeAndAppId(f, b, m) {
+/** event_log.json parsed (null, and event_log.parse failed, when it is missing or does not parse). */
+export function readEvents(f, b) {
+  try {
+    if (!b.files.has("event_log.json")) throw new EventLogError("event_log.json missing or unreadable");
+    return parseEventLog(b.files.get("event_log.json"));
+  } catch (e) {
+    if (!(e instanceof EventLogError)) throw e;
+    f.add("event_log.parse", "fail", e.message);
+    return null;
+  }
+}
+
+export function composeAndAppId(f, b, m) {
   const app = b.files.get("app-compose.json");
   const actual = app ? sha256hex(app) : null;
   const measured = f.boot ? f.boot.hex("compose-hash") : null;

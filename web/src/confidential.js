@@ -26,7 +26,7 @@ export function namingProblems(files, encrypted) {
 }
 
 /** X25519 stanzas in an age v1 header (grease ignored); null when not a well-formed age v1 header. */
-function x25519Stanzas(data) {
+export function x25519Stanzas(data) {
   if (!data || data.length < MAGIC.length || MAGIC.some((c, i) => data[i] !== c)) return null;
   const head = data.subarray(0, LIMIT);
   const text = String.fromCharCode(...head);

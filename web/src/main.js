@@ -1,10 +1,12 @@
-// The page: take a bundle (drop, pick, or ?bundle=URL), a policy and an ops file; verify; show the verdict.
+// The page: take a bundle or a federated round bundle (drop, pick, or ?bundle=URL), a policy and an ops file;
+// verify; show the verdict.
 // Nothing leaves the browser: the only requests are same-origin fetches of the URLs named in the address.
 import { ArchiveError, fromArchive, fromDirectoryEntry, fromFileList } from "./archive.js";
 import { verifyBundle } from "./bundle.js";
 import { notImplemented } from "./messages.js";
 import { PolicyError, loadPolicy } from "./policy.js";
 import { hex, isoUtc, utf8 } from "./util.js";
+import { verifyRound } from "./rounds.js";
 import { render, renderError } from "./view.js";
 
 const VERSION = "0.1.0";
@@ -54,9 +56,11 @@ async function run() {
   }
   const params = new URLSearchParams(location.search);
   const now = params.has("now") ? Number(params.get("now")) : Math.floor(Date.now() / 1000);
-  if (!state.bundle.files.has("manifest.json") && !state.bundle.files.has("round-manifest.json")) return fail(`${state.bundleName} has no manifest.json: not a cvm-tune export bundle`);
+  const round = state.bundle.files.has("round-manifest.json");
+  if (!round && !state.bundle.files.has("manifest.json")) return fail(`${state.bundleName} has no manifest.json: not a cvm-tune export bundle`);
+  if (round && state.ops) return fail("an ops record checks a training-API checkpoint, not a federated round bundle");
   let f;
-  try { f = await verifyBundle(state.bundle, { policy, now, ops: state.ops }); } catch (e) {
+  try { f = round ? await verifyRound(state.bundle, { policy, now }) : await verifyBundle(state.bundle, { policy, now, ops: state.ops }); } catch (e) {
     return fail(`the page could not finish verifying (no verdict): ${e && e.message}`);
   }
   const verdict = verdictJson(f, policy, now);

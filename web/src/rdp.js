@@ -1,9 +1,9 @@
 // ε of DP-SGD from (σ, q, T) at δ, rdp accountant: the Rényi DP of the Poisson-subsampled Gaussian (Mironov, Talwar
 // and Zhang 2019, §3.3) at Opacus' orders, converted with Balle et al. 2020 (verifier-spec §10; what
 // attestation/privacy/epsilon.py computes with scipy, here with plain doubles).
+import { logNdtr } from "./normal.js";
 
 const ORDERS = [...Array.from({ length: 99 }, (_, x) => 1 + (x + 1) / 10), ...Array.from({ length: 52 }, (_, i) => 12 + i)];
-const LN2PI_2 = 0.5 * Math.log(2 * Math.PI);
 
 function logAdd(x, y) {
   const a = Math.min(x, y), b = Math.max(x, y);
@@ -16,30 +16,6 @@ function logSub(x, y) {
   if (x === y) return -Infinity;
   const d = Math.expm1(x - y);
   return Number.isFinite(d) ? Math.log(d) + y : x;
-}
-
-/** log Φ(t), Φ the standard normal CDF. */
-function logNdtr(t) {
-  if (t > 3) return Math.log1p(-Math.exp(logNdtr(-t)));
-  if (t > -3) {
-    // erf(x) = 2/√π e^{-x²} Σ 2^n x^{2n+1} / (1·3·…·(2n+1)): positive terms only
-    const x = Math.abs(t) / Math.SQRT2;
-    let term = x, sum = x;
-    for (let n = 1; n < 500 && term > sum * 1e-17; n++) { term *= (2 * x * x) / (2 * n + 1); sum += term; }
-    const erf = (2 / Math.sqrt(Math.PI)) * Math.exp(-x * x) * sum;
-    return Math.log(0.5 * (1 + (t < 0 ? -erf : erf)));
-  }
-  // Mills ratio R(x) = Φ(-x)/φ(x) = 1/(x + 1/(x + 2/(x + 3/(x + …)))), by the modified Lentz method
-  const x = -t, tiny = 1e-300;
-  let f = x, c = x, d = 0;
-  for (let k = 1; k < 5000; k++) {
-    d = x + k * d; d = 1 / (Math.abs(d) < tiny ? tiny : d);
-    c = x + k / c; if (Math.abs(c) < tiny) c = tiny;
-    const delta = c * d;
-    f *= delta;
-    if (Math.abs(delta - 1) < 1e-16) break;
-  }
-  return -0.5 * x * x - LN2PI_2 - Math.log(f);
 }
 
 const logErfc = (x) => Math.LN2 + logNdtr(-x * Math.SQRT2);

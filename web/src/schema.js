@@ -1,6 +1,6 @@
-// The manifest's shape (cvm-tune/manifest/v1, attestation/bundle/manifest.py): closed objects, required members,
-// types and patterns. Values come from parseJsonExact (numbers as Num, so 1 and 1.0 are told apart as Python does).
-import { Num, isObj } from "./util.js";
+// The manifest's shape (cvm-tune/manifest/v1, attestation/bundle/manifest.py) and the round manifest's
+// (cvm-tune/round-manifest/v1, attestation/rounds/manifest.py): closed objects, required members, types and patterns. Values come from parseJsonExact (numbers as Num, so 1 and 1.0 are told apart as Python does).
+import { Num, isObj, parseJsonExact, plain, utf8 } from "./util.js";
 
 const H64 = /^[0-9a-f]{64}$/;
 const RUN_ID = /^[A-Za-z0-9_][A-Za-z0-9._-]{0,99}$/;
@@ -53,9 +53,12 @@ const GPU = obj({
     consistent: opt(bool), signed: opt(bool), versions: dict(list(str())) })),
 });
 
+const CODE = obj({ package: str(), version: str(), source_sha256: str(H64) });
+const TEE = obj({ mode: lit("embedded-simulator", "dstack"), app_id: str(/^[0-9a-f]{40}$/), instance_id: str(), compose_hash: str(H64), agent_version: str(), agent_rev: str() });
+
 const MANIFEST = obj({
   run_id: str(RUN_ID), started_at: str(), created_at: str(),
-  code: obj({ package: str(), version: str(), source_sha256: str(H64) }),
+  code: CODE,
   backend: obj({ name: lit("hf", "unsloth"), device: str(), libraries: dict(str()) }, { cpu_threads: opt(int(1)) }),
   base_model: obj({ name: str(), source: str(), tree_sha256: str(H64), files: dict(str()) }, { hub_id: opt(str()), revision: opt(str()) }),
   dataset: obj({
@@ -65,7 +68,7 @@ const MANIFEST = obj({
     owner_public_key: opt(str(H64)), owner_key_id: opt(str(H64)), commitment: opt(str(H64)), validation: opt(dict(int())),
     plaintext_format: opt(lit("jsonl", "parquet", "arrow")), rows_sha256: opt(str(H64)),
   }),
-  tee: obj({ mode: lit("embedded-simulator", "dstack"), app_id: str(/^[0-9a-f]{40}$/), instance_id: str(), compose_hash: str(H64), agent_version: str(), agent_rev: str() }),
+  tee: TEE,
   training: obj({
     seed: int(), global_step: int(), resumed_from_step: opt(int()), losses: list(pair), train_runtime_s: num(), tokens_seen: opt(int()), effective_batch_size: int(),
   }, {
@@ -106,6 +109,23 @@ const MANIFEST = obj({
   })),
 });
 
+// cvm-tune/round-manifest/v1 (attestation/rounds/manifest.py: RoundManifest)
+const ROUND_MANIFEST = obj({
+  federation_id: str(RUN_ID), round: int(1), nonce: str(H64), created_at: str(), code: CODE, tee: TEE,
+  strategy: obj({ name: lit("fedavg", "fedprox", "fedyogi") }, { weighted_by: lit("trainable_tokens"), params: dict(num()) }),
+  min_clients: int(1), global_adapter_sha256: str(H64),
+  admitted: list(obj({
+    client: str(RUN_ID), run_id: str(RUN_ID), manifest_sha256: str(H64), quote_sha256: str(H64), adapter_sha256: str(H64),
+    trainable_tokens: int(1), weight: num((x) => x > 0 && x <= 1),
+  }, { privacy_epsilon: opt(num((x) => x >= 0)), privacy_delta: opt(num((x) => x > 0 && x < 1)) }), 1),
+  rejected: list(obj({ client: str(), node_id: int(), reason: str() })),
+  files: dict(str()),
+}, {
+  schema: lit("cvm-tune/round-manifest/v1"), global_adapter_in_sha256: opt(str(H64)), previous_round_sha256: opt(str(H64)),
+  aggregator_recipient: opt(str(RECIPIENT)),
+  confidentiality: opt(obj({ recipients: list(str(), 1), plaintext_sha256: str(H64) }, { scheme: lit("age-v1/x25519") })),
+});
+
 function sortedUnique(v, p) {
   const s = [...new Set(v)].sort();
   return s.length === v.length && s.every((x, i) => x === v[i]) ? null : `${p}: recipients must be sorted and unique`;
@@ -116,9 +136,27 @@ export function manifestProblem(value) {
   return MANIFEST(value, "manifest");
 }
 
+/** The document in `raw` as plain JS once `problem` (manifestProblem, roundManifestProblem) finds nothing wrong with
+ * it; throws an Error saying why not. */
+export function parseChecked(raw, problem) {
+  const text = raw ? utf8(raw) : null;
+  if (text === null) throw new Error("not UTF-8");
+  const parsed = parseJsonExact(text);
+  const why = problem(parsed.value);
+  if (why) throw new Error(why);
+  return plain(parsed.value);
+}
+
+/** Why `value` is not a cvm-tune/round-manifest/v1 manifest (null: it is). */
+export function roundManifestProblem(value) {
+  return ROUND_MANIFEST(value, "round-manifest");
+}
+
 /** The members of every closed object the page knows, nested ({member: {its members}} or null for a leaf): what
- * tests/test_web_units.py compares with the Python manifest model, so a new manifest member cannot go unnoticed. */
+ * tests/test_web_units.py compares with the Python models (`spec` "round": the round manifest's), so a new member
+ * cannot go unnoticed. */
 export function manifestMembers(spec = MANIFEST) {
+  if (spec === "round") spec = ROUND_MANIFEST;
   while (spec.inner) spec = spec.inner;
   if (!spec.members) return null;
   return Object.fromEntries(Object.entries(spec.members).map(([k, v]) => [k, manifestMembers(v)]));

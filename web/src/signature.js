@@ -85,10 +85,10 @@ export async function modelSignature(f, b, m) {
   const unsupported = [];
   for (const d of s.signed) {
     const why = await verifyDir(b, d, s.public_key_pem);
-    if (why && why.startsWith(NOT_IMPLEMENTED)) unsupported.push(`${d}/model.sig: ${why}`);
+    if (why && why.startsWith(NOT_IMPLEMENTED)) unsupported.push(`${d}/model.sig: ${why.slice(NOT_IMPLEMENTED.length + 2)}`);
     else if (why) problems.push(`${d}/model.sig: ${why}`);
   }
-  if (!problems.length && unsupported.length) { f.add("model.signature", "skip", unsupported.join("; ")); return; }
+  if (!problems.length && unsupported.length) { f.add("model.signature", "skip", `${NOT_IMPLEMENTED}: ${unsupported.join("; ")}`); return; }
   const scope = legacy ? "the deployment's key (shared by its runs: made before per-run keys)" : "this run's key";
   f.add("model.signature", problems.length ? "fail" : "pass", problems.join("; ") || `${s.signed.map((d) => d + "/").join(", ")} signed by ${scope} (P-256, in the manifest)`);
 }

@@ -191,3 +191,14 @@ export const isObj = (v) => v !== null && typeof v === "object" && !Array.isArra
 
 /** SHA-256 (hex) of the canonical JSON of a {path: sha256} map (verifier-spec §5, §7a). */
 export const filesDigestOf = (files) => sha256hex(enc.encode(canonical(files)));
+
+/** Python's format(x, f".{p}g"). */
+export function formatG(x, p = 6) {
+  if (!Number.isFinite(x)) return Number.isNaN(x) ? "nan" : x > 0 ? "inf" : "-inf";
+  if (x === 0) return Object.is(x, -0) ? "-0" : "0";
+  const [mant, e] = x.toExponential(p - 1).split("e");
+  const exp = Number(e);
+  const strip = (s) => (s.includes(".") ? s.replace(/0+$/, "").replace(/\.$/, "") : s);
+  if (exp >= -4 && exp < p) return strip(x.toFixed(Math.max(0, p - 1 - exp)));
+  return `${strip(mant)}e${exp < 0 ? "-" : "+"}${String(Math.abs(exp)).padStart(2, "0")}`;
+}

@@ -37,7 +37,31 @@ function lossCurve(points) {
   return svg;
 }
 
+/** What a round manifest says the round did (read, not checked: the checks above say whether to believe it). */
+function roundSummary(r) {
+  if (!isObj(r)) return el("p", {}, "The round manifest could not be read.");
+  const rows = [];
+  const add = (k, v) => { if (v !== undefined && v !== null && v !== "") rows.push(el("tr", {}, el("th", {}, k), el("td", {}, String(v)))); };
+  const admitted = Array.isArray(r.admitted) ? r.admitted : [], rejected = Array.isArray(r.rejected) ? r.rejected : [];
+  const strategy = isObj(r.strategy) ? r.strategy.name : "?";
+  add("round", `${r.round} of federation ${r.federation_id}`);
+  add("created", r.created_at);
+  add("admitted", `${admitted.length}` + (admitted.length ? `: ${admitted.map((a) => `${a.client} (${a.trainable_tokens} tokens, weight ${Number(a.weight).toFixed(3)})`).join(", ")}` : ""));
+  add("rejected", `${rejected.length}` + (rejected.length ? `: ${rejected.map((x) => `${x.client || "?"}: ${x.reason}`).join("; ")}` : ""));
+  let adapter = `global adapter sha256 ${String(r.global_adapter_sha256).slice(0, 16)}…`;
+  if (isObj(r.confidentiality)) adapter += `, stored as age ciphertext to ${(r.confidentiality.recipients || []).length} recipient(s) (secure aggregation)`;
+  add("aggregate", `${strategy} of ${admitted.length} update(s) weighted by trainable tokens; ${adapter}`);
+  if (r.previous_round_sha256) add("previous round", `round-manifest.json sha256 ${r.previous_round_sha256}`);
+  add("TEE", r.tee && `${r.tee.mode}, app-id ${r.tee.app_id}`);
+  return el("div", {}, el("table", { class: "kv", id: "round-summary" }, ...rows));
+}
+
 function summary(bundle) {
+  if (bundle.files.has("round-manifest.json")) {
+    let r = null;
+    try { r = JSON.parse(utf8(bundle.files.get("round-manifest.json"))); } catch { r = null; }
+    return roundSummary(r);
+  }
   let m = null, report = null;
   try { m = JSON.parse(utf8(bundle.files.get("manifest.json"))); } catch { m = null; }
   try { report = JSON.parse(utf8(bundle.files.get("report/report.json"))); } catch { report = null; }
@@ -80,7 +104,7 @@ export function render(v, { bundle, bundleName, policyName, opsName, ms }) {
   const table = el("table", { class: "checks", id: "checks" }, el("tr", {}, el("th", {}, "check"), el("th", {}, "status"), el("th", {}, "reason")));
   for (const c of v.checks) table.append(el("tr", { class: c.status, "data-check": c.name }, el("td", {}, el("code", {}, c.name)), el("td", { class: "status" }, c.status), el("td", {}, c.reason)));
   out.append(el("section", {}, el("h2", {}, "Checks"), table));
-  out.append(el("section", {}, el("h2", {}, "What the bundle says"), summary(bundle)));
+  out.append(el("section", {}, el("h2", {}, bundle.files.has("round-manifest.json") ? "What the round says" : "What the bundle says"), summary(bundle)));
 }
 
 export function renderError(message) {

@@ -1,9 +1,10 @@
 // Drives Debian's chromium (headless, through playwright-core: no browser download) for tests/test_web_verify.py.
 // stdin: {"pages": [{"url": URL, "pick": [[SELECTOR, [PATH, ...]], ...], "drop": [PATH, ...], "screenshot": PATH}],
 // "timeout_ms": N}: each page is opened (with "pick": files or a folder chosen in its file inputs, in order; with
-// "drop": the files dropped onto it, as a user drags them from a file manager); stdout: one JSON list, per
-// page {url, verdict (the parsed <pre id="verdict-json">), body_verdict, ms (the page's own timing of the verification),
-// loaded_ms (from opening the page to its verdict), requests: every URL the page asked for, errors}.
+// "drop": the files dropped onto it, as a user drags them from a file manager; with "text": the text of that element
+// once verified); stdout: one JSON list, per page {url, verdict (the parsed <pre id="verdict-json">), body_verdict, ms
+// (the page's own timing of the verification), loaded_ms (from opening the page to its verdict), text, requests: every
+// URL the page asked for, errors}.
 import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { basename, join } from "node:path";
@@ -30,13 +31,13 @@ async function dropFiles(page, paths) {
   await page.dispatchEvent("#drop", "drop", { dataTransfer: dt });
 }
 try {
-  for (const { url, pick, drop, screenshot } of input.pages) {
+  for (const { url, pick, drop, screenshot, text: selector } of input.pages) {
     const page = await context.newPage();
     const requests = [], errors = [];
     page.on("request", (r) => requests.push(r.url()));
     page.on("pageerror", (e) => errors.push(String(e)));
     page.on("console", (m) => { if (m.type() === "error") errors.push(m.text()); });
-    let verdict = null, bodyVerdict = null, ms = null, loadedMs = null;
+    let verdict = null, bodyVerdict = null, ms = null, loadedMs = null, text = null;
     try {
       await page.goto(url);
       for (const [selector, paths] of pick || []) await page.setInputFiles(selector, paths);
@@ -47,6 +48,7 @@ try {
       ms = await page.evaluate(() => Number(document.body.dataset.verifyMs || "NaN"));
       loadedMs = await page.evaluate(() => Number(document.body.dataset.loadedMs || "NaN"));
       verdict = JSON.parse(await page.textContent("#verdict-json"));
+      if (selector) text = await page.textContent(selector);
     } catch (e) {
       errors.push(String(e));
     }
@@ -54,7 +56,7 @@ try {
       await page.setViewportSize({ width: 1000, height: 760 });
       await page.screenshot({ path: screenshot });
     }
-    results.push({ url, verdict, body_verdict: bodyVerdict, ms, loaded_ms: loadedMs, requests, errors });
+    results.push({ url, verdict, body_verdict: bodyVerdict, ms, loaded_ms: loadedMs, text, requests, errors });
     await page.close();
   }
 } finally {

@@ -3,6 +3,9 @@
 import { readFileSync } from "node:fs";
 import { opChainCheck } from "../src/opchain.js";
 import { rdpEpsilon } from "../src/rdp.js";
+import { historyProblems, recomputeEpsilon } from "../src/epsilon.js";
+import { weightedSum } from "../src/aggregate.js";
+import { DtypeLookupError, loadSafetensors } from "../src/safetensors.js";
 import { Findings } from "../src/bundle.js";
 import { checkMrConfigId } from "../src/compose.js";
 import { manifestMembers } from "../src/schema.js";
@@ -17,6 +20,22 @@ const FUNCTIONS = {
   mrConfigId: (v) => checkMrConfigId(unhex(v.mr_config_id), v.compose_hash, v.app_id,
     v.key_provider === null ? null : enc.encode(JSON.stringify(v.key_provider)))[0],
   manifestMembers: () => manifestMembers(),
+  roundManifestMembers: () => manifestMembers("round"),
+  epsilon: (accountant, history, delta) => {
+    try { return recomputeEpsilon(accountant, history, delta); } catch (e) { return { error: e.message }; }
+  },
+  historyProblems: (accountant, history, delta) => historyProblems(accountant, history, delta),
+  safetensors: (b64) => {  // what loads, or how it fails: "parse" (SafetensorError) or "lookup" (a dtype numpy lacks)
+    try {
+      const t = loadSafetensors(new Uint8Array(Buffer.from(b64, "base64")));
+      return Object.fromEntries(Object.entries(t).map(([k, v]) => [k, { dtype: v.dtype, shape: v.shape, values: [...v.values] }]));
+    } catch (e) { return e instanceof DtypeLookupError ? "lookup" : "parse"; }
+  },
+  weightedSum: (weights, clients) => {  // Σ weight · tensors, as round.aggregate computes it (clients: base64 files)
+    const loaded = clients.map((b64) => loadSafetensors(new Uint8Array(Buffer.from(b64, "base64"))));
+    const total = weightedSum({ admitted: weights.map((weight) => ({ weight })) }, loaded);
+    return Object.fromEntries(Object.entries(total).map(([k, v]) => [k, [...v.values]]));
+  },
   bootGpu: (events) => bootGpuAttestation(events.map(([event, payload]) => ({ imr: 3, type: 0x08000001, event, payload: enc.encode(payload) }))),
   gpu: (text) => {  // gpu-evidence.json's summary, and gpu.evidence for a manifest and audit entry that agree with it
     const data = enc.encode(text);
