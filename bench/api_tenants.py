@@ -137,19 +137,26 @@ def main() -> None:
             proc.wait(30)
         log = (tmp / "serve.log").read_text()
     batched = [x for x in log.splitlines() if x.startswith("engine batching:")]
+    import statistics
+
     best_one = max(one, key=lambda r: r["steps_s"])
     best_many = max(many, key=lambda r: r["steps_s"])
+    med_one = statistics.median(r["steps_s"] for r in one)
+    med_many = statistics.median(r["steps_s"] for r in many)
     result = {"machine": platform.platform(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
               "server_threads": threads, "tenants": args.tenants, "steps_per_tenant": args.steps,
               "batch": args.batch, "tokens": args.tokens, "one_tenant": one, "tenants_runs": many,
               "in_process_sequential_steps_s": seq, "ratio_tenants_over_one": best_many["steps_s"] / best_one["steps_s"],
               "ratio_tenants_over_in_process": best_many["steps_s"] / seq,
+              "median_ratio_tenants_over_one": med_many / med_one,
               "tenants_tokens_s": best_many["steps_s"] * args.batch * args.tokens,
               "sequential_tokens_s": seq * args.batch * args.tokens,
               "server_batching": batched[-1] if batched else None}
     print(f"server torch threads: {threads}; {args.batch}x{args.tokens} tokens a step, {args.steps} steps a tenant")
     print(f"1 tenant: {best_one['steps_s']:.1f} steps/s; {args.tenants} tenants: {best_many['steps_s']:.1f} steps/s in "
           f"all; ratio {result['ratio_tenants_over_one']:.2f} (goal >= 1.5 for 4 x 1x32 on the tiny CPU model)")
+    print(f"  medians of {args.repeats} alternating runs: 1 tenant {med_one:.1f}, {args.tenants} tenants {med_many:.1f} "
+          f"steps/s; ratio {med_many / med_one:.2f}")
     for label, r in (("1 tenant", best_one), (f"{args.tenants} tenants", best_many)):
         print(f"  CPU a step, {label}: clients {r['client_cpu_ms_step']:.1f} ms, server {r['server_cpu_ms_step']:.1f} ms")
     print(f"in-process, one after another: {seq:.1f} steps/s; {args.tenants} tenants through the API / that: "

@@ -50,8 +50,9 @@ def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: An
     bounds = getattr(_pass, "bounds", None)
     if bounds is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    outs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **kwargs)[0]
-            for a, b in bounds]
+    sizes = [b - a for a, b in bounds]  # split, not sliced: one backward node, not a full-size gradient per segment
+    outs = [sdpa_attention_forward(module, q, k, v, None, **kwargs)[0] for q, k, v in
+            zip(query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2))]
     return torch.cat(outs, dim=1), None
 
 
@@ -66,16 +67,20 @@ def _mask(*args: Any, **kwargs: Any) -> Any:
 def _routed_forward(layer: Any, segments: list[tuple[str, int, int]], x: Any, *args: Any, **kwargs: Any) -> Any:
     """A LoRA linear layer's forward in a packed pass: the base layer on every row, each segment's adapter on its
     own rows (a segment whose adapter does not target this layer gets the base alone)."""
+    import torch
+
     result = layer.base_layer(x, *args, **kwargs)
     dtype = result.dtype
-    for adapter, a, b in segments:
+    sizes = [b - a for _adapter, a, b in segments]  # split, not sliced: one backward node for all segments
+    out = []
+    for (adapter, _a, _b), rows, base in zip(segments, x.split(sizes, dim=1), result.split(sizes, dim=1)):
         if adapter not in layer.lora_A:
+            out.append(base)
             continue
         lora_a = layer.lora_A[adapter]
-        rows = x[:, a:b].to(lora_a.weight.dtype)
-        delta = layer.lora_B[adapter](lora_a(layer.lora_dropout[adapter](rows))) * layer.scaling[adapter]
-        result[:, a:b] += delta.to(dtype)
-    return result
+        delta = layer.lora_B[adapter](lora_a(layer.lora_dropout[adapter](rows.to(lora_a.weight.dtype))))
+        out.append(base + (delta * layer.scaling[adapter]).to(dtype))
+    return torch.cat(out, dim=1)
 
 
 @contextlib.contextmanager
@@ -154,13 +159,14 @@ def forward_backward(engine: Any, items: list[tuple[Any, Any]]) -> list[Any]:
         with torch.set_grad_enabled(bool(training)), routed(engine.model, segments):
             logits = engine.net(input_ids=torch.tensor([tokens], device=device),
                                 position_ids=torch.tensor([positions], device=device)).logits[0]
+            rows = logits.split([b - a for _adapter, a, b in segments])  # one backward node for all datums
         for (op, _m), (first, end) in zip(items, spans):
             try:
                 extra: dict[str, float] = {}
                 outputs, parts, weight = [], [], 0.0
-                for d, (_a, a, b) in zip(op.data, segments[first:end]):
+                for d, datum_logits in zip(op.data, rows[first:end]):
                     target = torch.as_tensor(d.inputs["target_tokens"], device=device)
-                    logp = torch.log_softmax(logits[a:b].float(), dim=-1).gather(1, target[:, None])[:, 0]
+                    logp = torch.log_softmax(datum_logits.float(), dim=-1).gather(1, target[:, None])[:, 0]
                     parts.append(losses.loss(op.loss_fn, logp, d.inputs, op.loss_fn_config, op.extra.get("custom"),
                                              extra))
                     weight += float(d.inputs["weights"].sum()) if "weights" in d.inputs else len(d.tokens)
