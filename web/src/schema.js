@@ -133,7 +133,17 @@ function sortedUnique(v, p) {
 
 /** Why `value` is not a cvm-tune/manifest/v1 manifest (null: it is). */
 export function manifestProblem(value) {
-  return MANIFEST(value, "manifest");
+  return MANIFEST(value, "manifest") || confidentialityProblem(value.confidentiality);
+}
+
+/** The confidentiality block's rules across its members (attestation/outputs/confidential.py ConfidentialityInfo). */
+function confidentialityProblem(c) {
+  if (c == null) return null;
+  const weight = (rel) => /^(adapter|merged)\/[^/]*\.safetensors$/.test(rel);
+  const stray = Object.keys(c.plaintext_sha256).find((rel) => !weight(rel));
+  if (stray !== undefined) return `manifest.confidentiality: plaintext_sha256 must map weight files to SHA-256 hex, not '${stray}'`;
+  if (!c.recipients.includes(c.cvm_recipient)) return "manifest.confidentiality: the CVM's recipient must be among the recipients";
+  return null;
 }
 
 /** The document in `raw` as plain JS once `problem` (manifestProblem, roundManifestProblem) finds nothing wrong with
