@@ -362,3 +362,23 @@ def test_the_cards_verify_commands_work_as_written_from_the_exports_directory(ru
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ACCEPTED" in proc.stdout and "Verification succeeded" in proc.stdout + proc.stderr
+
+
+def test_the_card_links_the_published_browser_verifier_only_when_one_is_configured() -> None:
+    """export.verify_page_url: the card tells readers to open the page and drop the bundle; without it, no link."""
+    import pytest as _pytest
+    from pydantic import ValidationError
+
+    from app.config import ExportSettings
+    from app.export.card import CardInputs, model_card
+
+    base = dict(run_id="run-1", version="1", simulated=False, base_name="tiny", hub_id=None, revision=None,
+                base_tree="0" * 64, license="other", dataset={"dataset_id": "d"}, backend="hf", hyper={}, steps=1,
+                last_loss=None, eval_loss=None, source_sha="0" * 40, public_key_pem="KEY\n", merged=False)
+    url = "https://verify.example.org/verify.html"
+    with_page = model_card(CardInputs(**base, verify_page_url=url)).decode()
+    assert f"open {url} and drop the bundle's folder" in with_page
+    assert "verify.html" not in model_card(CardInputs(**base)).decode()
+    for bad in ("http://plain.example.org/v.html", "https://x.org/a b", "javascript:alert(1)"):
+        with _pytest.raises(ValidationError):
+            ExportSettings(verify_page_url=bad)

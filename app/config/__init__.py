@@ -312,6 +312,10 @@ class ExportSettings(_Closed):
                                         "files are encrypted to, in addition to those the dataset's owner named in its "
                                         "signed header (which cannot be removed) and the CVM's own key. Empty, with a "
                                         "dataset that names none: the weights are exported in plaintext.")
+    verify_page_url: str | None = Field(None, pattern=r"^https://[^\s<>()\[\]`]+$", max_length=512, description="Where "
+                                        "you publish the browser verifier (web/dist/verify.html, or a bundles server's "
+                                        "/verify): the model card then tells readers to open it and drop the bundle. "
+                                        "None: the card names cvm-tune verify only.")
 
     @field_validator("recipients")
     @classmethod

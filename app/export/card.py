@@ -93,7 +93,10 @@ From the directory holding the bundle ({% if simulated %}the run's `exports/`; {
 ```sh
 cvm-tune verify {{ run_id }}{% if simulated %} --policy ../simulator-test-policy.yaml{% endif %}
 ```
-{% if simulated %}
+{% if verify_page_url %}
+In a browser, installing nothing: open {{ verify_page_url }} and drop the bundle's folder (or a `.tar.gz` of it){% if
+simulated %} and the policy file{% endif %}; the page runs the same checks offline and shows the same verdict.
+{% endif %}{% if simulated %}
 (`../simulator-test-policy.yaml` is the policy the run wrote next to `exports/`, trusting the simulator's test CA; for a
 copy of the bundle elsewhere, pass that file's path.)
 {% endif %}
@@ -139,6 +142,7 @@ class CardInputs:
     source_sha: str
     public_key_pem: str
     merged: bool
+    verify_page_url: str | None = None  # where the browser verifier is published (export.verify_page_url)
 
 
 def model_card(c: CardInputs) -> bytes:
@@ -153,7 +157,7 @@ def model_card(c: CardInputs) -> bytes:
         hub_id=c.hub_id, revision=c.revision, base_tree=c.base_tree, dataset=c.dataset, owner=owner,
         validation=[(k, v) for k, v in sorted((c.dataset.get("validation") or {}).items()) if k in CARD_COUNTS], backend=c.backend, hyper=sorted(c.hyper.items()),
         steps=c.steps, last_loss=_fmt(c.last_loss), eval_loss=_fmt(c.eval_loss), source_sha=c.source_sha,
-        public_key_pem=c.public_key_pem, merged=c.merged)
+        public_key_pem=c.public_key_pem, merged=c.merged, verify_page_url=c.verify_page_url)
     return (card.content.rstrip("\n") + "\n").encode()
 
 
@@ -174,7 +178,8 @@ def card_inputs(cfg: Config, run_id: str, simulated: bool, base_name: str, base_
         backend=result.backend, hyper=hyper, steps=result.global_step,
         last_loss=result.losses[-1][1] if result.losses else None,
         eval_loss=result.eval_losses[-1][1] if result.eval_losses else None,
-        source_sha=source_sha, public_key_pem=public_key_pem, merged=cfg.export.merged)
+        source_sha=source_sha, public_key_pem=public_key_pem, merged=cfg.export.merged,
+        verify_page_url=cfg.export.verify_page_url)
 
 
 def _fmt(x: float | None) -> str:
