@@ -135,6 +135,12 @@ def serve(cfg: Config, listen: str, progress: Progress = print, *, plain_http: b
     prepare(cfg)  # the backend decision, and Unsloth's import, before uvicorn, FastAPI, tinker and the engine
     import uvicorn
 
+    import sys
+
+    # The engine's thread holds the GIL through Python for up to the switch interval (5 ms by default) while a
+    # request waits on it; 1 ms lets request handling in sooner (docs/performance.md: many tenants).
+    sys.setswitchinterval(0.001)
+
     from app.api.server import accepted_keys, create_app
     from app.api.tls import tls_identity
 
