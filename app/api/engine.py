@@ -26,9 +26,8 @@ from attestation.outputs.op_chain import GENESIS
 from app.api import dp as dpsgd
 from app.api import losses, packed, sampling, wire
 from app.api.errors import ApiError, BadRequest, NotFound
-from app.api.history import check_adam, fresh_optimizer, link, opt_restore, opt_snapshot
-from app.api.loading import saved_dp  # noqa: F401  (the service reads it from here)
-from app.api.worker import Job, Worker, run_job  # noqa: F401
+from app.api.history import applied, check_adam, fresh_optimizer, link, opt_restore, opt_snapshot
+from app.api.worker import Job, Worker
 
 logger = logging.getLogger(__name__)
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -210,17 +209,11 @@ class Engine:
         """One op, applied atomically: its gradient is added and the op linked into the chain, or (refused, or
         failed part-way) the model, its pending gradient and its DP sums are exactly as before."""
         if id(op) in self._ready:  # computed by the packed pass it joined
-            done = self._ready.pop(id(op))
-            if isinstance(done, BaseException):
-                raise done
-            return done  # type: ignore[no-any-return]
+            return _outcome(self._ready.pop(id(op)))
         m = self.get(op.model_id)
         losses.check_config(op.loss_fn, op.loss_fn_config)  # every input checked before any state is touched
         if self._packs(op, m):
-            (done,) = packed.forward_backward(self, [(op, m)])
-            if isinstance(done, BaseException):
-                raise done
-            return done  # type: ignore[no-any-return]
+            return _outcome(packed.forward_backward(self, [(op, m)])[0])
         if op.forward_only:
             self._activate(m.adapter, False)
             return self._forward_backward(m, op)
@@ -234,11 +227,7 @@ class Engine:
         except BaseException:
             self._grad_restore(m, snapshot)
             raise
-        m.op_head, m.ops, m.pending = new_head, m.ops + 1, m.pending + 1
-        if "custom" in op.extra:  # the loss's document goes with the model's history (manifest op_chain)
-            m.custom_losses[op.extra["custom"].id] = op.extra["custom"].doc
-        m.pending_loss += metrics["loss:sum"]
-        m.tokens_seen += op.n_tokens
+        applied(m, op, new_head, metrics["loss:sum"])
         return outputs, metrics
 
     def _grad_snapshot(self, m: Model) -> tuple[list[Any], list[Any] | None]:
@@ -262,21 +251,16 @@ class Engine:
         for d in op.data:
             ids = torch.tensor([d.tokens], device=self.device)
             with torch.set_grad_enabled(not op.forward_only):
-                logits = self.net(input_ids=ids).logits[0].float()
-                target = torch.as_tensor(d.inputs["target_tokens"], device=self.device)
-                logp = torch.log_softmax(logits, dim=-1).gather(1, target[:, None])[:, 0]
+                logp, datum_weight, output = losses.score(self.net(input_ids=ids).logits[0], d)
                 loss = losses.loss(op.loss_fn, logp, d.inputs, op.loss_fn_config, op.extra.get("custom"), extra)
                 if not op.forward_only:
                     loss.backward()
                     if private:
                         dpsgd.clip_into(params, m.dp_sums, m.dp["max_grad_norm"])  # type: ignore[index,arg-type]
             total += float(loss.detach())
-            weight += float(d.inputs["weights"].sum()) if "weights" in d.inputs else len(d.tokens)
-            outputs.append({"logprobs": logp.detach().cpu().numpy(),
-                            "elementwise_loss": (-logp.detach().cpu().numpy()
-                                                 * d.inputs.get("weights", np.ones(len(d.tokens), np.float32)))})
-        return outputs, {"loss:sum": total, "loss:mean": total / max(weight, 1e-9),
-                         **losses.reduce_metrics(extra, len(op.data))}
+            weight += datum_weight
+            outputs.append(output)
+        return outputs, losses.op_metrics(total, weight, extra, len(op.data))
 
     def optim_step(self, model_id: str, adam: dict[str, float]) -> dict[str, float]:
         """Apply the pending gradient (DP: noised) with ``adam``, atomically: every parameter is checked and the op
@@ -392,3 +376,9 @@ class Engine:
         decode = sampling.tokenizer_of(str(self.base_dir)).decode if params["stop"].strings else str  # checked
         return sampling.run(self.net, prompt, decode=decode, device=self.device, **params)
 
+
+def _outcome(done: Any) -> Any:
+    """A forward_backward's result from a packed pass: returned, or its refusal raised."""
+    if isinstance(done, BaseException):
+        raise done
+    return done

@@ -52,6 +52,16 @@ def opt_restore(opt: Any, snapshot: tuple[dict[Any, dict[str, Any]], list[dict[s
         group.update(saved)
 
 
+def applied(m: Any, op: Any, head: str, loss_sum: float) -> None:
+    """Record a forward_backward op that added its gradient to model ``m``: the chain head ``head`` (linked before
+    anything changed), one more op and pending gradient, the custom loss it used, its loss and tokens."""
+    m.op_head, m.ops, m.pending = head, m.ops + 1, m.pending + 1
+    if "custom" in op.extra:  # the loss's document goes with the model's history (manifest op_chain)
+        m.custom_losses[op.extra["custom"].id] = op.extra["custom"].doc
+    m.pending_loss += loss_sum
+    m.tokens_seen += op.n_tokens
+
+
 def link(prev: str, record: dict[str, Any]) -> str:
     """The chain head after ``record``; a record with no canonical form is refused before anything changes."""
     try:

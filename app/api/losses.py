@@ -94,6 +94,24 @@ def loss(name: str, logp: Any, inputs: dict[str, np.ndarray], config: dict[str, 
     return -torch.minimum(ratio * adv, clipped * adv).sum()
 
 
+def score(logits: Any, d: Any) -> tuple[Any, float, dict[str, np.ndarray]]:
+    """One datum's log-probabilities of its ``target_tokens`` under ``logits`` (its rows), its weight (the sum of
+    its ``weights``, else its token count) and its output (``logprobs``, ``elementwise_loss``)."""
+    import torch
+
+    target = torch.as_tensor(d.inputs["target_tokens"], device=logits.device)
+    logp = torch.log_softmax(logits.float(), dim=-1).gather(1, target[:, None])[:, 0]
+    weight = float(d.inputs["weights"].sum()) if "weights" in d.inputs else len(d.tokens)
+    lp = logp.detach().cpu().numpy()
+    return logp, weight, {"logprobs": lp,
+                          "elementwise_loss": -lp * d.inputs.get("weights", np.ones(len(d.tokens), np.float32))}
+
+
+def op_metrics(total: float, weight: float, sums: dict[str, float], datums: int) -> dict[str, float]:
+    """An op's metrics: ``loss:sum``, ``loss:mean`` (over its weight) and a custom loss's (:func:`reduce_metrics`)."""
+    return {"loss:sum": total, "loss:mean": total / max(weight, 1e-9), **reduce_metrics(sums, datums)}
+
+
 def reduce_metrics(sums: dict[str, float], datums: int) -> dict[str, float]:
     """A custom loss's metrics over a request: ``…:sum`` summed, ``…:mean`` averaged over its datums."""
     return {k: v / max(datums, 1) if k.endswith(":mean") else v for k, v in sums.items()}

@@ -120,12 +120,11 @@ def forward_backward(engine: Any, items: list[tuple[Any, Any]]) -> list[Any]:
     """
     import math
 
-    import numpy as np
     import torch
 
     from app.api import losses
     from app.api.errors import ApiError, BadRequest
-    from app.api.history import link
+    from app.api.history import applied, link
 
     refused: dict[int, Exception] = {}
     heads = {}
@@ -165,22 +164,18 @@ def forward_backward(engine: Any, items: list[tuple[Any, Any]]) -> list[Any]:
                 extra: dict[str, float] = {}
                 outputs, parts, weight = [], [], 0.0
                 for d, datum_logits in zip(op.data, rows[first:end]):
-                    target = torch.as_tensor(d.inputs["target_tokens"], device=device)
-                    logp = torch.log_softmax(datum_logits.float(), dim=-1).gather(1, target[:, None])[:, 0]
+                    logp, datum_weight, output = losses.score(datum_logits, d)
                     parts.append(losses.loss(op.loss_fn, logp, d.inputs, op.loss_fn_config, op.extra.get("custom"),
                                              extra))
-                    weight += float(d.inputs["weights"].sum()) if "weights" in d.inputs else len(d.tokens)
-                    lp = logp.detach().cpu().numpy()
-                    outputs.append({"logprobs": lp, "elementwise_loss": -lp * d.inputs.get(
-                        "weights", np.ones(len(d.tokens), np.float32))})
+                    weight += datum_weight
+                    outputs.append(output)
                 total = sum(float(x.detach()) for x in parts)
                 if not op.forward_only and not math.isfinite(total):
                     raise BadRequest(f"the loss is not finite ({total}); nothing was applied")
             except (ApiError, ArithmeticError, ValueError, TypeError, RuntimeError) as exc:
                 results.append(exc)
                 continue
-            results.append((outputs, {"loss:sum": total, "loss:mean": total / max(weight, 1e-9),
-                                      **losses.reduce_metrics(extra, len(op.data))}))
+            results.append((outputs, losses.op_metrics(total, weight, extra, len(op.data))))
             if not op.forward_only:
                 kept += [x for x in parts if x.requires_grad]
         if kept:
@@ -195,10 +190,6 @@ def forward_backward(engine: Any, items: list[tuple[Any, Any]]) -> list[Any]:
         if isinstance(result, BaseException):  # its rows shared the pass: zeros may have reached its gradient
             engine._grad_restore(m, snapshots[id(op)])
             continue
-        m.op_head, m.ops, m.pending = heads[id(op)], m.ops + 1, m.pending + 1
-        if "custom" in op.extra:  # the loss's document goes with the model's history (manifest op_chain)
-            m.custom_losses[op.extra["custom"].id] = op.extra["custom"].doc
-        m.pending_loss += result[1]["loss:sum"]
-        m.tokens_seen += op.n_tokens
+        applied(m, op, heads[id(op)], result[1]["loss:sum"])
     done = {id(op): r for (op, _m), r in zip(items, results)}
     return [refused[id(op)] if id(op) in refused else done[id(op)] for op, _m in asked]

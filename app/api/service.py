@@ -31,7 +31,9 @@ from app.api.admission import admit
 from app.api.bundle import Exporter
 from app.api.checkpoints import Checkpoints, live
 from app.api.completions import Completions
-from app.api.engine import Engine, Model, run_job, saved_dp
+from app.api.engine import Engine, Model
+from app.api.loading import saved_dp
+from app.api.worker import run_job
 from app.api.errors import BadRequest, NotFound, NotServed, TooMany
 from app.api.external import check_name
 from app.api.history import check_adam, load_record
