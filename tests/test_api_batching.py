@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -160,33 +160,88 @@ def test_dp_models_and_oversized_ops_never_join_a_pass(engine: Any) -> None:
 # --- the worker's queue ---------------------------------------------------------------------------------------------
 
 
-def test_the_worker_keeps_each_models_order_and_packs_only_first_jobs() -> None:
+def _queued(specs: list[tuple[str, str | None, bool, int, bool]]) -> tuple[list[list[str]], list[str], Any]:
+    """Jobs (name, model, a pass op?, cost, ahead?) queued while the worker is held, so that they all wait together,
+    then run to the end: the passes made, the order the jobs ran in, and the worker."""
     from app.api.worker import Job, Worker
 
     passes: list[list[str]] = []
     ran: list[str] = []
-    gate = threading.Event()
+    gate, done = threading.Event(), threading.Event()
     w = Worker(lambda ops: passes.append(list(ops)), budget=100)
     w.submit(Job(lambda: gate.wait(10)))
-
-    def job(name: str, model: str | None, packable: bool, cost: int = 10) -> Job:
-        return Job(lambda: ran.append(name), model, name if packable else None, cost)
-
-    for j in (job("a1", "A", True), job("a2", "A", True), job("b-save", "B", False), job("b1", "B", True),
-              job("c1", "C", True), job("sample", None, False), job("d1", "D", True, cost=85),
-              job("e1", "E", True, cost=5)):
-        w.submit(j)
+    for name, model, op, cost, ahead in specs:
+        w.submit(Job(lambda name=name: ran.append(name), model, name if op else None, cost, ahead))  # type: ignore[misc]
     gate.set()
-    done = threading.Event()
     w.submit(Job(done.set))
     assert done.wait(10)
     w.stop()
+    return passes, ran, w
+
+
+def test_the_worker_keeps_each_models_order_and_packs_only_first_jobs() -> None:
+    passes, ran, w = _queued([("a1", "A", True, 10, False), ("a2", "A", True, 10, False),
+                              ("b-save", "B", False, 0, False), ("b1", "B", True, 10, False),
+                              ("c1", "C", True, 10, False), ("sample", None, False, 0, False),
+                              ("d1", "D", True, 85, False), ("e1", "E", True, 5, False)])
     # a1 takes c1 and e1 along (b1 waits behind B's save, a2 behind a1, d1 would pass the budget)
     assert passes[0] == ["a1", "c1", "e1"]
     assert ran.index("a2") > ran.index("a1") and ran.index("b1") > ran.index("b-save")
     assert sorted(ran) == sorted(["a1", "a2", "b-save", "b1", "c1", "sample", "d1", "e1"])
     assert all(len({op[0] for op in p}) == len(p) for p in passes)  # no model twice in a pass
     assert w.stats["largest"] == 3
+
+
+def test_an_optimizer_step_goes_before_a_waiting_pass_but_never_before_its_own_models_jobs() -> None:
+    passes, ran, _w = _queued([("a1", "A", True, 10, False), ("a-step", "A", False, 0, True),
+                               ("b-step", "B", False, 0, True), ("c1", "C", True, 10, False),
+                               ("x-save", "X", False, 0, False), ("d-step", "D", False, 0, True)])
+    # B's step overtakes the waiting pass; A's waits behind a1; D's never passes X's save (neither pass nor step)
+    assert ran == ["b-step", "a1", "c1", "a-step", "x-save", "d-step"]
+    assert passes == [["a1", "c1"]]
+
+
+def test_the_gather_window_waits_for_models_between_steps_and_never_for_a_lone_one() -> None:
+    import time
+
+    from app.api.worker import ACTIVE_S, Job, Worker
+
+    passes: list[list[str]] = []
+    ran: dict[str, float] = {}
+    gate = threading.Event()
+    w = Worker(lambda ops: (passes.append(list(ops)), time.sleep(1.0)), budget=100, wait_s=5.0)  # a 1 s pass
+    w.submit(Job(lambda: gate.wait(10)))
+    submitted: dict[str, float] = {}
+
+    def job(name: str, model: str, then: Callable[[], None] = lambda: None) -> Job:
+        def run() -> None:
+            ran[name] = time.monotonic()
+            then()
+        return Job(run, model, name, 10)
+
+    def later(delay: float, j: Job, name: str) -> Callable[[], None]:
+        def go() -> None:
+            time.sleep(delay)
+            submitted[name] = time.monotonic()
+            w.submit(j)
+        return lambda: threading.Thread(target=go, daemon=True).start()
+
+    a4 = job("a4", "A")
+    a3 = job("a3", "A", later(ACTIVE_S + 0.3, a4, "a4"))  # B's last pass is then long over: A alone, no wait
+    b2 = job("b2", "B")
+    a2 = job("a2", "A", later(0.0, a3, "a3"))
+    w.submit(job("a1", "A", later(0.0, a2, "a2")))
+    w.submit(job("b1", "B", later(0.3, b2, "b2")))  # B's client answers 0.3 s after its result
+    gate.set()
+    deadline = time.monotonic() + 30
+    while "a4" not in ran and time.monotonic() < deadline:
+        time.sleep(0.05)
+    w.stop()
+    assert passes[:2] == [["a1", "b1"], ["a2", "b2"]]  # a2 waited for b2 (B was between two steps)
+    assert ran["a2"] >= submitted["b2"]
+    assert ran["a3"] - submitted["a3"] >= 0.9  # B had just trained: waited, at most as long as the last pass took
+    assert ran["a4"] - submitted["a4"] < 0.5  # no other model active: a lone model never waits
+    assert len(passes) == 2
 
 
 # --- through the service: tenants' ops packed, each client's proof still exact ---------------------------------------

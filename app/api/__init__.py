@@ -156,7 +156,7 @@ def serve(cfg: Config, listen: str, progress: Progress = print, *, plain_http: b
             svc.tls = tls_identity(svc.agent.agent, cfg.api.tls_names)  # type: ignore[attr-defined]
             ssl["ssl_keyfile"], ssl["ssl_certfile"] = files.enter_context(svc.tls.files())  # type: ignore[attr-defined]
         config = uvicorn.Config(create_app(svc, keys), host=host, port=port, log_level="warning", access_log=False,
-                                **ssl)
+                                proxy_headers=False, **ssl)  # no proxy's headers are trusted, none are parsed
         config.load()  # reads the key and certificate now
         files.close()  # ... which then leave the disk
         if config.ssl is not None:  # a client that does not trust the certificate is named, with the fix

@@ -78,10 +78,11 @@ class Engine:
         self.samplers: dict[str, str] = {}  # checkpoint dir -> adapter name
         self._names = itertools.count(1)
         self._cache: dict[str, list[Any]] = {}  # adapter -> its parameters (dropped when adapters change)
+        self._layers: list[Any] | None = None  # the LoRA layers (dropped when adapters change)
         self._state: tuple[str | None, bool | None] = (None, None)  # active adapter, train mode
         self.packed = backend == "hf" and packed.install(self.model)  # packed passes possible
         self._ready: dict[int, Any] = {}  # id(op) -> its result (or refusal) from a packed pass
-        self._worker = Worker(self._batch, packed.PASS_BYTES)
+        self._worker = Worker(self._batch, packed.PASS_BYTES, cfg.api.pack_wait_ms / 1000 if cfg is not None else 0.0)
 
     def _load_hf(self, base_dir: Path, cfg: Any) -> None:
         import torch
@@ -104,11 +105,13 @@ class Engine:
 
     # --- the worker --------------------------------------------------------------------------------
 
-    def submit(self, job: Callable[[], None], model: str | None = None, op: wire.Op | None = None) -> None:
-        """Queue ``job`` (acting on ``model``); ``op``: the forward_backward it runs, which may join a packed pass."""
+    def submit(self, job: Callable[[], None], model: str | None = None, op: wire.Op | None = None,
+               ahead: bool = False) -> None:
+        """Queue ``job`` (acting on ``model``); ``op``: the forward_backward it runs, which may join a packed pass;
+        ``ahead``: an optimizer step, taken before waiting passes (app.api.worker)."""
         packable = op is not None and self.packed
         self._worker.submit(Job(job, model, op if packable else None,
-                                packed.pack_bytes(op.n_tokens, self.vocab) if packable else 0))
+                                packed.pack_bytes(op.n_tokens, self.vocab) if packable else 0, ahead))
 
     def _batch(self, ops: list[wire.Op]) -> None:
         """The worker's packed pass: each op's result kept for its job (the ops that cannot join, run alone)."""
@@ -174,9 +177,16 @@ class Engine:
             got = self._cache[adapter] = [p for n, p in self.model.named_parameters() if f".{adapter}." in n]
         return got
 
+    def lora_layers(self) -> list[Any]:
+        """The model's LoRA layers (a packed pass routes them), looked up afresh when adapters change."""
+        if self._layers is None:
+            self._layers = packed.lora_layers(self.model)
+        return self._layers
+
     def _changed(self) -> None:
         """Adapters were added or removed: parameter lists and the active adapter are looked up afresh."""
         self._cache.clear()
+        self._layers = None
         self._state = (None, None)
 
     def get(self, model_id: str) -> Model:
@@ -277,13 +287,14 @@ class Engine:
         params = self._params(m.adapter)
         weights = [p.detach().clone() for p in params]
         optimizer = opt_snapshot(m.optimizer)
-        snapshot = self._grad_snapshot(m)
+        clips = adam["grad_clip_norm"] > 0
+        snapshot = self._grad_snapshot(m) if dp is not None or clips else None  # else the step leaves grads as is
         try:
             if dp is not None:
                 dpsgd.noisy_grads(params, m.dp_sums, dp)  # type: ignore[arg-type]
             grads = [p.grad for p in params if p.grad is not None]
             norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
-            if adam["grad_clip_norm"] > 0:
+            if clips:
                 torch.nn.utils.clip_grad_norm_(params, adam["grad_clip_norm"])
             for g in m.optimizer.param_groups:
                 g.update(lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
@@ -295,7 +306,8 @@ class Engine:
                 for p, w in zip(params, weights):
                     p.copy_(w)
             opt_restore(m.optimizer, optimizer)
-            self._grad_restore(m, snapshot)
+            if snapshot is not None:
+                self._grad_restore(m, snapshot)
             raise
         m.dp = dp
         m.steps += 1

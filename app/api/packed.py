@@ -66,8 +66,12 @@ def _mask(*args: Any, **kwargs: Any) -> Any:
 
 def _routed_forward(layer: Any, segments: list[tuple[str, int, int]], x: Any, *args: Any, **kwargs: Any) -> Any:
     """A LoRA linear layer's forward in a packed pass: the base layer on every row, each segment's adapter on its
-    own rows (a segment whose adapter does not target this layer gets the base alone)."""
+    own rows (a segment whose adapter does not target this layer gets the base alone). The adapter's two linear
+    maps are called as ``F.linear`` on their weights, which is what their modules' forward does, without the
+    module call's overhead (a packed pass makes a few of these a segment and layer)."""
     import torch
+    from torch.nn import Identity
+    from torch.nn.functional import linear
 
     result = layer.base_layer(x, *args, **kwargs)
     dtype = result.dtype
@@ -77,19 +81,19 @@ def _routed_forward(layer: Any, segments: list[tuple[str, int, int]], x: Any, *a
         if adapter not in layer.lora_A:
             out.append(base)
             continue
-        lora_a = layer.lora_A[adapter]
-        delta = layer.lora_B[adapter](lora_a(layer.lora_dropout[adapter](rows.to(lora_a.weight.dtype))))
+        lora_a, lora_b, dropout = layer.lora_A[adapter], layer.lora_B[adapter], layer.lora_dropout[adapter]
+        rows = rows.to(lora_a.weight.dtype)
+        if not isinstance(dropout, Identity):
+            rows = dropout(rows)
+        delta = linear(linear(rows, lora_a.weight, lora_a.bias), lora_b.weight, lora_b.bias)
         out.append(base + (delta * layer.scaling[adapter]).to(dtype))
     return torch.cat(out, dim=1)
 
 
 @contextlib.contextmanager
-def routed(model: Any, segments: list[tuple[str, int, int]]) -> Iterator[None]:
-    """Within: the model's LoRA layers and attention follow ``segments`` ((adapter, first row, end row), covering
-    the packed row in order)."""
-    from peft.tuners.lora.layer import LoraLayer
-
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+def routed(layers: list[Any], segments: list[tuple[str, int, int]]) -> Iterator[None]:
+    """Within: the LoRA ``layers`` (every one of the model's) and attention follow ``segments`` ((adapter, first
+    row, end row), covering the packed row in order)."""
     for layer in layers:
         layer.forward = functools.partial(_routed_forward, layer, segments)
     _pass.bounds = [(a, b) for _adapter, a, b in segments]
@@ -99,6 +103,13 @@ def routed(model: Any, segments: list[tuple[str, int, int]]) -> Iterator[None]:
         _pass.bounds = None
         for layer in layers:
             del layer.forward
+
+
+def lora_layers(model: Any) -> list[Any]:
+    """The model's LoRA layers, which a packed pass routes."""
+    from peft.tuners.lora.layer import LoraLayer
+
+    return [m for m in model.modules() if isinstance(m, LoraLayer)]
 
 
 def pack_bytes(tokens: int, vocab: int) -> int:
@@ -155,7 +166,7 @@ def forward_backward(engine: Any, items: list[tuple[Any, Any]]) -> list[Any]:
         return [refused[id(op)] for op, _m in asked]
     try:
         device = engine.device
-        with torch.set_grad_enabled(bool(training)), routed(engine.model, segments):
+        with torch.set_grad_enabled(bool(training)), routed(engine.lora_layers(), segments):
             logits = engine.net(input_ids=torch.tensor([tokens], device=device),
                                 position_ids=torch.tensor([positions], device=device)).logits[0]
             rows = logits.split([b - a for _adapter, a, b in segments])  # one backward node for all datums

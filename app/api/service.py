@@ -115,7 +115,8 @@ class Service:
             if sampler is not None:  # (sampling session, seq id): its poller learns of it by retrieve_futures
                 self.completions.finished(sampler[0], sampler[1], fid, ok)
 
-        self.engine.submit(run_job(fn, finish), model_id, op)  # op: a forward_backward that may share a pass
+        self.engine.submit(run_job(fn, finish), model_id, op,  # op: a forward_backward that may share a pass
+                           ahead=kind == "optim_step")
         ids = [f"{fid}:{i}" for i in range(samples)] if samples else None
         return types.UntypedAPIFuture(request_id=fid, model_id=model_id, sample_sequence_ids=ids).model_dump(
             mode="json", exclude_none=True)

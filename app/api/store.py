@@ -64,6 +64,7 @@ class Store:
         self.conn = self.db.conn
         self.lock = threading.Lock()
         self.conn.execute("PRAGMA synchronous=NORMAL")  # futures; see the module docstring
+        self._owners: dict[str, str] = {}  # model id -> owner: asked on every operation, and never changes
 
     def _tx(self, sql: str, args: tuple[Any, ...] = (), *more: tuple[str, tuple[Any, ...]]) -> None:
         with self.lock:
@@ -119,6 +120,7 @@ class Store:
                  " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                  (model_id, owner, session_id, base_model, json.dumps(lora), json.dumps(dp) if dp else None, op_head,
                   ops, utc_now()))
+        self._owners[model_id] = owner
 
     def model(self, model_id: str) -> dict[str, Any] | None:
         """A model's record (owner, base model, LoRA, created_at) and ``last_request``: when its last operation came."""
@@ -133,10 +135,15 @@ class Store:
     def drop_model(self, model_id: str) -> None:
         """Forget a model that never came to exist (its load was refused); its futures stay."""
         self._tx("DELETE FROM api_models WHERE id = ?", (model_id,))
+        self._owners.pop(model_id, None)
 
     def model_owner(self, model_id: str) -> str | None:
-        rows = self._all("SELECT owner FROM api_models WHERE id = ?", (model_id,))
-        return rows[0][0] if rows else None
+        owner = self._owners.get(model_id)
+        if owner is None:
+            rows = self._all("SELECT owner FROM api_models WHERE id = ?", (model_id,))
+            if rows:
+                owner = self._owners[model_id] = rows[0][0]
+        return owner
 
     # --- checkpoints -------------------------------------------------------------------------------
 

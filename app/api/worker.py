@@ -6,6 +6,15 @@ a forward_backward job, it also takes every later forward_backward job in the qu
 model (no earlier job of that model is waiting), up to the pass's memory budget, and hands them to ``batch`` at once;
 then it runs each taken job, whose result is ready. Jobs of one model never overtake each other, and no model has
 two ops in a pass.
+
+A job marked ``ahead`` (an optimizer step: quick, and its model's barrier) that is its model's first waiting job is
+taken before a waiting pass: while it runs, other models' forward_backward jobs gather for that pass, which then
+serves more models at once (tenants stepping together fall into step with each other).
+
+With a gather window (``wait_s`` > 0), a pass also waits for the next forward_backward of every model whose last
+pass ended in the last :data:`ACTIVE_S` and that has no job waiting (its client is between two steps): until they
+all came, a stop is queued, the window passed, or as long as the previous pass took, whichever comes first. A lone
+model never waits; a pass of many models costs less than its models' passes one by one.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,12 +38,19 @@ class Job:
     model: str | None = None
     op: Any = None  # a forward_backward op (app.api.wire.Op) that may join a packed pass; None: runs alone
     cost: int = 0  # what the op's pass takes (bytes), against the budget
+    ahead: bool = False  # taken before a waiting pass, once it is its model's first waiting job
+
+
+ACTIVE_S = 0.1  # a model whose pass ended this recently is waited for by the next pass (gather window)
 
 
 class Worker:
-    def __init__(self, batch: Callable[[list[Any]], None], budget: int) -> None:
-        """``batch(ops)``: run the ops as one pass and keep each op's result for its job."""
-        self.batch, self.budget = batch, budget
+    def __init__(self, batch: Callable[[list[Any]], None], budget: int, wait_s: float = 0.0) -> None:
+        """``batch(ops)``: run the ops as one pass and keep each op's result for its job; ``wait_s``: the gather
+        window (0: a pass takes what is waiting, never waits)."""
+        self.batch, self.budget, self.wait_s = batch, budget, wait_s
+        self._active: dict[str, float] = {}  # model -> when its last pass ended (time.monotonic)
+        self._last_pass = 0.0  # how long the last pass took (s)
         self.stats = {"passes": 0, "packed_ops": 0, "largest": 0}  # packed passes of more than one op
         self._jobs: collections.deque[Job | None] = collections.deque()
         self._cv = threading.Condition()
@@ -55,27 +72,54 @@ class Worker:
         with self._cv:
             while not self._jobs:
                 self._cv.wait()
-            first = self._jobs.popleft()
+            first = self._first()
             if first is None:
                 return None
             taken = [first]
             if first.op is None or first.cost > self.budget:
                 return taken
-            seen, cost = {first.model}, first.cost
-            for job in list(self._jobs):
-                if job is None:
-                    break
-                if job.model is None:
-                    continue
-                if job.model not in seen and job.op is not None and cost + job.cost <= self.budget:
-                    taken.append(job)
-                    cost += job.cost
-                    self._jobs.remove(job)
-                seen.add(job.model)  # a model's later jobs wait behind this one
-            return taken
+            now = time.monotonic()
+            deadline = now + min(self.wait_s, self._last_pass)
+            self._active = {m: t for m, t in self._active.items() if now - t < ACTIVE_S}
+            while True:
+                self._gather(taken)
+                left = deadline - time.monotonic()
+                if left <= 0 or None in self._jobs or not self._active.keys() - {j.model for j in self._jobs} - {
+                        j.model for j in taken}:
+                    return taken
+                self._cv.wait(left)  # a job's arrival wakes it
+
+    def _gather(self, taken: list[Job]) -> None:
+        """Move into ``taken`` every waiting forward_backward job that is its model's first waiting job, no model
+        twice, within the budget (called holding the lock)."""
+        seen, cost = {j.model for j in taken}, sum(j.cost for j in taken)
+        for job in list(self._jobs):
+            if job is None:
+                break
+            if job.model is None:
+                continue
+            if job.model not in seen and job.op is not None and cost + job.cost <= self.budget:
+                taken.append(job)
+                cost += job.cost
+                self._jobs.remove(job)
+            seen.add(job.model)  # a model's later jobs wait behind this one
+
+    def _first(self) -> Job | None:
+        """The queue's head, or the first ``ahead`` job that is its model's first waiting job (called holding the
+        lock, the queue not empty)."""
+        seen: set[str | None] = set()
+        for job in self._jobs:
+            if job is None or job.op is None and not job.ahead:
+                break  # a stop, or a job that is neither a pass nor ahead: nothing overtakes it
+            if job.ahead and job.model not in seen:
+                self._jobs.remove(job)
+                return job
+            seen.add(job.model)
+        return self._jobs.popleft()
 
     def _work(self) -> None:
         while (taken := self._take()) is not None:
+            start = time.monotonic()
             if len(taken) > 1:
                 self.stats["passes"] += 1
                 self.stats["packed_ops"] += len(taken)
@@ -89,6 +133,10 @@ class Worker:
                     job.run()
                 except Exception:  # a job reports its own failure; this only keeps the worker alive
                     logger.exception("engine job failed")
+            if taken[0].op is not None:  # a pass: its models are active, and its length bounds the next wait
+                end = time.monotonic()
+                self._last_pass = end - start
+                self._active.update((j.model, end) for j in taken if j.model is not None)
 
 
 def run_job(fn: Callable[[], tuple[bool, str, bytes]], finish: Callable[[bool, str, bytes], None]) -> Callable[[], None]:

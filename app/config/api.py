@@ -42,6 +42,11 @@ class ApiSettings(_Closed):
                                         "limit.")
     tls_names: tuple[str, ...] = Field((), description="Host names (or IP addresses) the server's TLS certificate "
                                        "names besides 127.0.0.1 and localhost: the names clients connect to.")
+    pack_wait_ms: float = Field(10.0, ge=0, le=1000, description="Gather window of the engine's packed passes: "
+                                "a pass of forward_backward ops waits at most this long (and no longer than the "
+                                "previous pass took) for the next op of every other model that trained in the last "
+                                "0.1 s, so that tenants stepping at once share passes. A lone model never waits. 0: "
+                                "a pass takes only what is already waiting.")
     long_poll_s: float = Field(5.0, ge=0, le=30, description="How long retrieve_future waits for a result before "
                                "answering try_again.")
     backend: Literal["auto", "hf", "unsloth"] = Field(
