@@ -50,6 +50,8 @@ def load(engine: Any, m: Any, src: Path, *, optimizer: bool, record: dict[str, A
             fresh.load_state_dict(state)
         except (ValueError, KeyError, RuntimeError) as exc:
             raise BadRequest(f"the saved optimizer state does not fit this model: {str(exc)[:200]}") from None
+        for group in fresh.param_groups:  # a state saved before Adam ran as foreach says None: the same bits, slower
+            group["foreach"] = True
     new_head = link(record["checkpoint_head"], record)
     with torch.no_grad():
         set_peft_model_state_dict(engine.model, weights, adapter_name=m.adapter)
