@@ -28,13 +28,22 @@ def check_adam(adam: dict[str, Any]) -> None:
             raise BadRequest(f"adam_params.{name} must be a finite number {what} (got {v!r})")
 
 
-def fresh_optimizer(params: list[Any]) -> Any:
-    """The optimizer every adapter starts with (create, a load without its state, and replay alike). ``foreach``:
-    one call for all of an adapter's tensors (a GPU's default; on a CPU the same per-tensor arithmetic, so the same
-    bits, with a fraction of the Python calls)."""
+def fresh_optimizer(params: list[Any], state: dict[str, Any] | None = None) -> Any:
+    """The optimizer every adapter starts with (create, a load, and replay alike), with a saved ``state`` loaded
+    when given. ``foreach``: one call for all of an adapter's tensors (a GPU's default; on a CPU the same per-tensor
+    arithmetic, so the same bits, with a fraction of the Python calls), also for a state saved when it said None.
+
+    Raises:
+        ValueError, KeyError, RuntimeError: ``state`` does not fit ``params``.
+    """
     import torch
 
-    return torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, foreach=True)
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0, foreach=True)
+    if state is not None:
+        opt.load_state_dict(state)  # takes the saved groups' options, foreach among them
+        for group in opt.param_groups:
+            group["foreach"] = True
+    return opt
 
 
 def opt_snapshot(opt: Any) -> tuple[dict[Any, dict[str, Any]], list[dict[str, Any]]]:

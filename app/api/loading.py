@@ -44,14 +44,10 @@ def load(engine: Any, m: Any, src: Path, *, optimizer: bool, record: dict[str, A
     if {k: tuple(v.shape) for k, v in weights.items()} != shapes:
         raise BadRequest("the saved state's LoRA tensors do not fit this model (another rank or target layers)")
     params = engine._params(m.adapter)
-    fresh = fresh_optimizer(params)
-    if state is not None:
-        try:
-            fresh.load_state_dict(state)
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise BadRequest(f"the saved optimizer state does not fit this model: {str(exc)[:200]}") from None
-        for group in fresh.param_groups:  # a state saved before Adam ran as foreach says None: the same bits, slower
-            group["foreach"] = True
+    try:
+        fresh = fresh_optimizer(params, state)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise BadRequest(f"the saved optimizer state does not fit this model: {str(exc)[:200]}") from None
     new_head = link(record["checkpoint_head"], record)
     with torch.no_grad():
         set_peft_model_state_dict(engine.model, weights, adapter_name=m.adapter)

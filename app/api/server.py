@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
+from starlette.datastructures import Headers
 from tinker import types
 
 from attestation.io.safe_yaml import parse_json
@@ -288,8 +289,6 @@ class _Gate:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
-            from starlette.datastructures import Headers
-
             headers = Headers(scope=scope)
             try:
                 if int(headers.get("content-length") or 0) > MAX_BODY:

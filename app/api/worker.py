@@ -84,10 +84,14 @@ class Worker:
             while True:
                 self._gather(taken)
                 left = deadline - time.monotonic()
-                if left <= 0 or None in self._jobs or not self._active.keys() - {j.model for j in self._jobs} - {
-                        j.model for j in taken}:
+                if left <= 0 or None in self._jobs or not self._awaited(taken):
                     return taken
                 self._cv.wait(left)  # a job's arrival wakes it
+
+    def _awaited(self, taken: list[Job]) -> set[str]:
+        """The active models a pass of ``taken`` still waits for: neither in it nor with a job waiting (called
+        holding the lock, no stop queued)."""
+        return self._active.keys() - {j.model for j in self._jobs} - {j.model for j in taken}  # type: ignore[union-attr]
 
     def _gather(self, taken: list[Job]) -> None:
         """Move into ``taken`` every waiting forward_backward job that is its model's first waiting job, no model
