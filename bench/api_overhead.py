@@ -67,7 +67,7 @@ def main() -> None:
     import tinker
     from tinker import types
 
-    from app.api import wire
+    from app.api import sampling, wire
     from app.api.engine import Engine
 
     with tempfile.TemporaryDirectory(prefix="api-bench-") as d:
@@ -115,7 +115,7 @@ def main() -> None:
                     f.result()
                 return (time.perf_counter() - t) / k
 
-            sampler = sc.create_sampling_client(base_model=BASE)
+            sampler = sc.create_sampling_client(base_model=BASE).result()
             prompt = types.ModelInput.from_ints(toks[:16])
             one = types.SamplingParams(max_tokens=1, temperature=0.0)
 
@@ -127,7 +127,7 @@ def main() -> None:
             def sample_local() -> float:
                 t = time.perf_counter()
                 engine.sample(None, toks[:16], num_samples=1, max_tokens=1, temperature=0.0, top_k=-1, top_p=1.0,
-                              seed=0, stop=[], prompt_logprobs=False)
+                              seed=0, stop=sampling.Stop(), prompt_logprobs=False)
                 return time.perf_counter() - t
 
             for f in (in_process, via_api, pipelined, sample_api, sample_local):  # warm-up

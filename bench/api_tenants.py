@@ -2,13 +2,19 @@
 the unmodified tinker SDK) running small steps at once, against one client alone and against the same steps run one
 after another in-process on the same engine.
 
-    python bench/api_tenants.py [--tenants 4] [--steps 40] [--tokens 32] [--batch 1] [--backend hf] [--out FILE]
+    python bench/api_tenants.py [--tenants 4] [--steps 40] [--tokens 32] [--batch 1] [--backend hf]
+                                [--base embedded|tiny|llama-1b] [--out FILE]
 
 A step is ``forward_backward`` (B datums of T tokens, cross-entropy) + ``optim_step``, submitted back to back and
 waited for, as the SDK's loops do. Prints aggregate steps/s for 1 and N tenants, their ratio (goal on the 2-core CPU
 with the tiny model, 4 tenants of 1x32 tokens: >= 1.5), the ratio to the in-process sequential steps, and the
 server's batching counters (how many operations ran in a shared base-model pass). Packed passes need the
 transformers + PEFT backend (``--backend hf``, the default here; on a GPU the server's own default is Unsloth).
+
+``--base``: the base model the server trains on. ``embedded`` (default) is the server's own tiny model; ``tiny`` and
+``llama-1b`` are random-init models of bench/gpu_train.py's shapes built here, bf16 on a GPU (``llama-1b``: the
+Llama-3.2-1B shape, what the GPU part of bench/gpu-checks.sh measures: on the tiny model a GPU step is all launch
+overhead, and packing has no matrix work to share).
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ import time
 from pathlib import Path
 
 from api_overhead import BASE, KEY, _server, _server_threads  # bench/: the script directory is on sys.path
+from gpu_train import LLAMA_3_2_1B, TINY, build_model
 from timing import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def _tenant(url: str, steps: int, batch: int, tokens: int, seed: int, start: "mp.synchronize.Barrier",
+def _tenant(url: str, base: str, steps: int, batch: int, tokens: int, seed: int, start: "mp.synchronize.Barrier",
             out: "mp.Queue[tuple[float, float, float]]") -> None:
     import tinker
     from tinker import types
@@ -40,7 +47,7 @@ def _tenant(url: str, steps: int, batch: int, tokens: int, seed: int, start: "mp
               for _ in range(batch)]
     adam = types.AdamParams(learning_rate=1e-4)
     sc = tinker.ServiceClient(base_url=url, api_key=KEY)
-    tc = sc.create_lora_training_client(base_model=BASE, rank=8, seed=seed).result()
+    tc = sc.create_lora_training_client(base_model=base, rank=8, seed=seed).result()
     for _ in range(3):  # warm-up
         tc.forward_backward(datums, "cross_entropy").result()
         tc.optim_step(adam).result()
@@ -60,12 +67,12 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _round(url: str, server: int, n: int, steps: int, batch: int, tokens: int) -> dict[str, float]:
+def _round(url: str, base: str, server: int, n: int, steps: int, batch: int, tokens: int) -> dict[str, float]:
     """Aggregate steps/s of ``n`` tenants running ``steps`` steps each at once (first start to last end), and the
     CPU milliseconds a step took in the clients and in the server."""
     ctx = mp.get_context("spawn")
     start, out = ctx.Barrier(n + 1), ctx.Queue()  # this process passes it too: the server's CPU from then
-    procs = [ctx.Process(target=_tenant, args=(url, steps, batch, tokens, i, start, out)) for i in range(n)]
+    procs = [ctx.Process(target=_tenant, args=(url, base, steps, batch, tokens, i, start, out)) for i in range(n)]
     for p in procs:
         p.start()
     start.wait(900)
@@ -111,6 +118,21 @@ def _in_process(base_dir: Path, n: int, steps: int, batch: int, tokens: int) -> 
     return n * steps / (time.perf_counter() - t)
 
 
+SHAPES = {"embedded": None, "tiny": TINY, "llama-1b": LLAMA_3_2_1B}
+
+
+def _base(tmp: Path, name: str) -> tuple[Path, str, str]:
+    """(model directory, base model name, config YAML) of ``--base name``; the embedded model is built by the server."""
+    if SHAPES[name] is None:
+        return tmp / "out" / "models" / "tiny-llama", BASE, ""
+    import torch
+
+    path = tmp / "base"
+    build_model(path, SHAPES[name], cuda=torch.cuda.is_available())
+    hub_id = f"bench/{name}"
+    return path, hub_id, f"base_model:\n  source: local-dir\n  path: {path}\n  hub_id: {hub_id}\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tenants", type=int, default=4)
@@ -119,18 +141,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=2, help="alternate 1 and N tenants this many times")
     ap.add_argument("--backend", choices=("auto", "hf", "unsloth"), default="hf", help="the server's api.backend")
+    ap.add_argument("--base", choices=sorted(SHAPES), default="embedded", help="the base model (see above)")
     ap.add_argument("--out", type=Path, help="also write the result as JSON here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="api-tenants-") as d:
         tmp = Path(d)
-        proc, url = _server(tmp, f"api:\n  backend: {args.backend}\n")
+        base_dir, base, config = _base(tmp, args.base)
+        proc, url = _server(tmp, f"api:\n  backend: {args.backend}\n{config}")
         try:
             one, many = [], []
             for _ in range(args.repeats):  # alternating, so the machine's load hits both
-                one.append(_round(url, proc.pid, 1, args.steps, args.batch, args.tokens))
-                many.append(_round(url, proc.pid, args.tenants, args.steps, args.batch, args.tokens))
-            seq = _in_process(tmp / "out" / "models" / "tiny-llama", args.tenants, args.steps, args.batch,
-                              args.tokens)
+                one.append(_round(url, base, proc.pid, 1, args.steps, args.batch, args.tokens))
+                many.append(_round(url, base, proc.pid, args.tenants, args.steps, args.batch, args.tokens))
+            seq = _in_process(base_dir, args.tenants, args.steps, args.batch, args.tokens)
             threads = _server_threads(tmp)
         finally:
             proc.terminate()
@@ -144,7 +167,7 @@ def main() -> None:
     med_one = statistics.median(r["steps_s"] for r in one)
     med_many = statistics.median(r["steps_s"] for r in many)
     result = {"machine": platform.platform(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
-              "server_threads": threads, "tenants": args.tenants, "steps_per_tenant": args.steps,
+              "server_threads": threads, "base": args.base, "tenants": args.tenants, "steps_per_tenant": args.steps,
               "batch": args.batch, "tokens": args.tokens, "one_tenant": one, "tenants_runs": many,
               "in_process_sequential_steps_s": seq, "ratio_tenants_over_one": best_many["steps_s"] / best_one["steps_s"],
               "ratio_tenants_over_in_process": best_many["steps_s"] / seq,

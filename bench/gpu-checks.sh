@@ -8,14 +8,17 @@
 # (cvm-tune's own dependencies: bash bench/make-gpu-extras.sh), then
 # carry .gpu with the working tree. On the GPU machine, from the repo root:
 #     bash bench/gpu-checks.sh OUT bench [STEPS] [WARMUP]   # about 4 minutes (defaults 20 and 6)
-#     bash bench/gpu-checks.sh OUT tests                    # pytest -m gpu but the API's: about 5 minutes
+#     bash bench/gpu-checks.sh OUT tests                    # pytest -m gpu but the API's and padding-free: about 5 minutes
+#     bash bench/gpu-checks.sh OUT padding                  # the padding-free test (two Unsloth runs): about 4 minutes
 #     bash bench/gpu-checks.sh OUT api                      # the API's GPU tests + its overhead: about 4 minutes
 #     bash bench/gpu-checks.sh OUT tenants                  # 8 tenants on one GPU (packed passes): about 3 minutes
-#     bash bench/gpu-checks.sh OUT all                      # all four (too long for one device call)
+#     bash bench/gpu-checks.sh OUT all                      # all five (too long for one device call)
 # Measured on one H200 (2026-11-26): the benchmark 3.6 min at 20 steps; pytest -m gpu (without the API's) about 5 min.
+# 2026-11-28: the GPU pipeline test 79 s, the API's Unsloth test 79 s and its 4-bit HF test 27 s (+ 14 s to build the
+# model once); the padding-free test needed more than 150 s for its two runs.
 set -uo pipefail
 
-OUT=${1:?usage: bench/gpu-checks.sh OUT bench|tests|api|tenants|all [STEPS] [WARMUP]}
+OUT=${1:?usage: bench/gpu-checks.sh OUT bench|tests|padding|api|tenants|all [STEPS] [WARMUP]}
 PART=${2:-all}
 STEPS=${3:-20}
 WARMUP=${4:-6}
@@ -46,17 +49,21 @@ gpu_pytest() {  # NAME TIMEOUT PYTEST-ARGS...
   say "pytest -m gpu $*: rc ${PIPESTATUS[0]}"
 }
 if [ "$PART" = tests ] || [ "$PART" = all ]; then
-  gpu_pytest pytest-gpu 480 --ignore tests/test_gpu_api.py
+  gpu_pytest pytest-gpu 480 --ignore tests/test_gpu_api.py -k "not padding_free"
+fi
+if [ "$PART" = padding ] || [ "$PART" = all ]; then
+  gpu_pytest pytest-gpu-padding 440 tests/test_gpu.py -k padding_free
 fi
 if [ "$PART" = api ] || [ "$PART" = all ]; then
-  gpu_pytest pytest-gpu-api 420 tests/test_gpu_api.py
+  gpu_pytest pytest-gpu-api 300 tests/test_gpu_api.py
   say "training API overhead on the GPU"
-  timeout 120 python3 bench/api_overhead.py --steps 10 --out "$OUT/api-overhead-gpu.json" 2>&1 | tee "$OUT/api-overhead.log"
+  timeout 180 python3 bench/api_overhead.py --steps 10 --out "$OUT/api-overhead-gpu.json" 2>&1 | tee "$OUT/api-overhead.log"
   say "training API overhead: rc ${PIPESTATUS[0]}"
 fi
 if [ "$PART" = tenants ] || [ "$PART" = all ]; then
-  say "8 tenants on one GPU (packed passes, backend hf) against the same steps one after another"
+  say "8 tenants on one GPU (Llama-3.2-1B shape, packed passes, backend hf) against the same steps one after another"
   timeout 240 python3 bench/api_tenants.py --tenants 8 --steps 20 --batch 8 --tokens 128 --repeats 1 --backend hf \
+    --base llama-1b \
     --out "$OUT/api-tenants-gpu.json" 2>&1 | tee "$OUT/api-tenants.log"
   say "tenants: rc ${PIPESTATUS[0]}"
 fi

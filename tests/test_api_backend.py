@@ -296,13 +296,16 @@ class FastLanguageModel:
 
         model = AutoModelForCausalLM.from_pretrained(kw["model_name"], local_files_only=kw["local_files_only"],
                                                      dtype=torch.float32)
-        def forward(input_ids=None, past_key_values=None, use_cache=None, **rest):
+        def forward(input_ids=None, past_key_values=None, use_cache=None, position_ids=None, **rest):
             if past_key_values is not None and input_ids.shape[1] == 1:  # as Unsloth's decode step: the active
                 for m in model.modules():                                  # adapter's LoRA looked up in every layer
                     lora_a = m._modules.get("lora_A")
                     if lora_a is not None and not m.disable_adapters:
                         lora_a[m.active_adapters[0]]  # KeyError where the adapter does not reach
-            out = model.model(input_ids=input_ids, past_key_values=past_key_values, use_cache=use_cache)
+                # and the step's position read from position_ids (AttributeError on None, as Unsloth's)
+                assert int(position_ids.max()) == past_key_values.get_seq_length(), "decode position off"
+            out = model.model(input_ids=input_ids, past_key_values=past_key_values, use_cache=use_cache,
+                              position_ids=position_ids)
             h = out.last_hidden_state
             if os.environ.get("UNSLOTH_RETURN_HIDDEN_STATES") == "1":  # as Unsloth: final hidden states as .logits
                 return SimpleNamespace(logits=h, past_key_values=out.past_key_values)

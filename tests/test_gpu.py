@@ -74,10 +74,15 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, str(REPO)])}
 
 
-def _train(tmp: Path, model: Path, settings: dict[str, Any], **spec: Any) -> dict[str, Any]:
+def _train(tmp: Path, model: Path, settings: dict[str, Any], *, timeout: float = 1200, **spec: Any) -> dict[str, Any]:
+    tmp.mkdir(parents=True, exist_ok=True)
     job = {"model": str(model), "run_dir": str(tmp / "run"), "settings": settings, **spec}
-    proc = subprocess.run([sys.executable, "-c", _TRAIN, json.dumps(job)], cwd=tmp, env=_env(), capture_output=True,
-                          text=True, timeout=1200)
+    try:
+        proc = subprocess.run([sys.executable, "-c", _TRAIN, json.dumps(job)], cwd=tmp, env=_env(), capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # the run's own output, not only pytest-timeout's stack
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"training did not finish in {timeout:g} s; its stderr ends:\n{err[-4000:]}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -128,10 +133,12 @@ def test_unsloth_trains_offline_and_exports_an_adapter_plain_peft_loads(small_mo
 
 
 @needs_unsloth
+@pytest.mark.timeout(420)  # two Unsloth runs, each in a fresh interpreter that compiles again (over 150 s together)
 def test_unsloth_padding_free_keeps_examples_apart(small_model: Path, tmp_path: Path) -> None:
     """Same examples per step, flattened: the first-step loss must match the padded run's."""
-    padded = _train(tmp_path / "a", small_model, _settings(backend="unsloth", max_steps=2))
-    flat = _train(tmp_path / "b", small_model, _settings(backend="unsloth", max_steps=2, gpu={"batching": "padding_free"}))
+    padded = _train(tmp_path / "a", small_model, _settings(backend="unsloth", max_steps=2), timeout=200)
+    flat = _train(tmp_path / "b", small_model, _settings(backend="unsloth", max_steps=2, gpu={"batching": "padding_free"}),
+                  timeout=200)
     assert flat["losses"][0][1] == pytest.approx(padded["losses"][0][1], rel=2e-2)
 
 

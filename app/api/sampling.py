@@ -117,8 +117,9 @@ def generate(model: Any, prompt: list[int], *, max_tokens: int, temperature: flo
         logprobs.append(float(lp[tok]))
         if tok in stop.tokens or (stop.strings and any(x in decode(tokens) for x in stop.strings)):
             return tokens, logprobs, True  # the first occurrence: the text before this token held none
+        # the position named: Unsloth's one-token decode step needs it (transformers derives the same from the cache)
         out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=out.past_key_values,
-                    use_cache=True)
+                    position_ids=torch.tensor([[len(prompt) + len(tokens) - 1]], device=device), use_cache=True)
     return tokens, logprobs, False
 
 
