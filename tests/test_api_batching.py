@@ -6,6 +6,7 @@ gradients reach another's model, a refused op in a pass changes nothing, and eac
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -315,3 +316,33 @@ def test_a_model_more_than_there_is_room_for_is_refused_with_503_never_evicting(
         monkeypatch.undo()
         ok, body = wait(s, s.create_model(OWNER, req))
         assert ok, body
+
+
+def test_a_long_poll_is_woken_with_the_result_itself_and_leaves_nothing_behind(svc: Any,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.api.errors import NotFound
+
+    client = Client(svc, OWNER)
+    model = client.create(rank=2)
+    reads: list[str] = []
+    real = svc.store.future
+    monkeypatch.setattr(svc.store, "future", lambda fid: reads.append(fid) or real(fid))
+    gate = threading.Event()
+    svc.engine.submit(lambda: gate.wait(30))  # the op below stays pending while the poll registers
+    fut = svc.forward_backward(OWNER, fb_body(model, fb_record([[1, 5, 9, 14, 3]])))
+    fid = fut["request_id"]
+
+    async def poll() -> tuple[int, str, bytes]:
+        task = asyncio.create_task(svc.retrieve(OWNER, fid))
+        await asyncio.sleep(0.2)
+        assert [w[0] for w in svc._waiters[fid]] == [asyncio.get_running_loop()] and reads == [fid]
+        gate.set()
+        return await task
+
+    status, ctype, body = asyncio.run(poll())
+    stored = real(fid)
+    assert (status, ctype, body) == (200, stored.content_type, stored.result) and stored.status == "done" and body
+    assert reads == [fid] and fid not in svc._waiters  # woken with the committed result: no second read
+    with pytest.raises(NotFound):  # another key's poll: refused, and no waiter of it left
+        asyncio.run(svc.retrieve("b" * 64, fid))
+    assert fid not in svc._waiters

@@ -105,7 +105,7 @@ def test_an_optim_step_with_a_nan_parameter_is_refused_before_anything_changes(s
     assert c.forward_backward(m, fb_record([list(TOKENS[0])]))[0]
     before = _state(svc, m)
     for name, value in (("grad_clip_norm", math.nan), ("weight_decay", math.inf), ("grad_clip_norm", -1.0),
-                        ("learning_rate", math.nan), ("eps", 0.0)):
+                        ("learning_rate", math.nan), ("eps", 0.0), ("learning_rate", 1e300)):  # 1e300: beyond float32
         ok, body = c.optim_step(m, {**ADAM, name: value})  # the route refuses it with the reason (400)
         assert not ok and f"adam_params.{name}" in _user_error(body) and json.loads(body)["status"] == 400
         with pytest.raises(BadRequest, match=f"adam_params.{name}"):

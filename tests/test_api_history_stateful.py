@@ -102,7 +102,8 @@ def _machine(tmp: Path) -> type[RuleBasedStateMachine]:
             adam = {**ADAM, **change}
             ok = self._atomic(m, lambda: self.c.optim_step(m, adam))
             valid = all(math.isfinite(v) for v in adam.values()) and adam["learning_rate"] >= 0 and 0 <= adam["beta1"] < 1 \
-                and adam["eps"] > 0 and adam["grad_clip_norm"] >= 0 and adam["weight_decay"] >= 0
+                and adam["eps"] > 0 and adam["grad_clip_norm"] >= 0 and adam["weight_decay"] >= 0 \
+                and adam["learning_rate"] / (1 - adam["beta1"]) <= 3.4028234663852886e38  # a float32 step size
             if ok is not None:
                 assert ok == valid
 
@@ -142,7 +143,7 @@ def _machine(tmp: Path) -> type[RuleBasedStateMachine]:
                 changed = json.loads(json.dumps(ops))
                 last = changed[-1]
                 if last["op"] == "optim_step":
-                    last["adam_params"]["learning_rate"] = last["adam_params"]["learning_rate"] + 1e-3
+                    last["adam_params"]["learning_rate"] = last["adam_params"]["learning_rate"] * 2 + 1e-3  # 1e300 too
                 elif last["op"] == "forward_backward":
                     last["data"][0]["model_input"][0] ^= 1
                 else:

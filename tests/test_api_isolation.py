@@ -6,6 +6,7 @@ changes. The module builds its own state (it depends on no other test).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -77,7 +78,7 @@ def _head(srv: Server, model: str) -> tuple[str, str]:
     return last["op_chain_head"], last["op_chain_ops"]
 
 
-ROUTES = ["create_model", "get_info", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler",
+ROUTES = ["create_model", "get_info", "forward_backward", "forward_backward with bad data", "optim_step", "save_weights", "save_weights_for_sampler",
           "load_weights into the model", "load_weights into a new model", "checkpoints", "create_sampling_session",
           "samplers", "asample by path", "asample by session", "retrieve_future", "retrieve_futures"]
 
@@ -94,6 +95,9 @@ def test_another_key_gets_404_on_every_data_route(server: Server, alice: dict[st
         r = _post(server, route, BOB, {"model_id": a["model"]})
     elif route == "forward_backward":
         r = _post(server, route, BOB, fb_body(a["model"], fb_record([list(TOKENS[0])])), proto=True)
+    elif route == "forward_backward with bad data":  # the model is answered for first, whatever else is wrong
+        r = _post(server, "forward_backward", BOB, fb_body(a["model"], fb_record([list(TOKENS[0])], weights=math.nan)),
+                  proto=True)
     elif route == "optim_step":
         r = _post(server, route, BOB, {"model_id": a["model"], "adam_params": ADAM})
     elif route.startswith("save_weights"):

@@ -10,8 +10,12 @@ from attestation.outputs import op_chain
 from app.api.errors import BadRequest
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def check_adam(adam: dict[str, Any]) -> None:
-    """Adam parameters as an optim_step needs them: every value a finite number in its range.
+    """Adam parameters as an optim_step needs them: every value a finite number in its range, and a first step size
+    (``learning_rate / (1 - beta1)``) that a 32-bit float holds.
 
     Raises:
         BadRequest: a missing, non-finite or out-of-range parameter (nothing is applied).
@@ -26,6 +30,10 @@ def check_adam(adam: dict[str, Any]) -> None:
             0 <= v < 1 if name.startswith("beta") else v > 0 if name == "eps" else v >= 0)
         if not ok:
             raise BadRequest(f"adam_params.{name} must be a finite number {what} (got {v!r})")
+    first = adam["learning_rate"] / (1 - adam["beta1"])  # the largest step size Adam applies (its first step)
+    if first > FLOAT32_MAX:  # torch cannot hand it to the weights' kernels: the step would fail part-way
+        raise BadRequest(f"adam_params.learning_rate {adam['learning_rate']!r} is too large: learning_rate / "
+                         f"(1 - beta1) = {first:.3g} does not fit a 32-bit float")
 
 
 def fresh_optimizer(params: list[Any], state: dict[str, Any] | None = None) -> Any:

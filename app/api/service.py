@@ -59,7 +59,8 @@ class Service:
         self.samplers: dict[str, tuple[str, str | None]] = {}  # sampling session id -> (owner, checkpoint path)
         self.sampler_session: dict[str, str] = {}  # sampling session id -> the session it belongs to (ended with it)
         self.custom_losses: dict[tuple[str, str], dict[str, Any]] = {}  # (owner, session) -> loss id -> custom_loss.Loss
-        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}  # long polls
+        # long polls: (loop, event, box) per future; its finish puts (content type, body) in the box, then sets it
+        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event, list[tuple[str, bytes]]]]] = {}
         self._waiters_lock = threading.Lock()
         self.completions = Completions(limits.long_poll_s)  # retrieve_futures: finished samples per session
         self.storage = Storage(store, vault, exporter, limits)  # what saved states take: exports, expiry, quota
@@ -110,7 +111,8 @@ class Service:
                               head=(m.id, m.op_head, m.ops) if m else None)  # committed before anyone is told
             with self._waiters_lock:
                 waiting = self._waiters.pop(fid, [])
-            for loop, event in waiting:
+            for loop, event, box in waiting:
+                box.append((ctype, body))
                 loop.call_soon_threadsafe(event.set)
             if sampler is not None:  # (sampling session, seq id): its poller learns of it by retrieve_futures
                 self.completions.finished(sampler[0], sampler[1], fid, ok)
@@ -165,8 +167,8 @@ class Service:
 
     def forward_backward(self, owner: str, raw: bytes) -> dict[str, Any]:
         op = wire.decode_forward_backward(raw, vocab=self.engine.vocab, max_seq_len=self.limits.max_seq_len,
-                                          max_tokens=self.limits.max_tokens_per_request)
-        self._model(owner, op.model_id)
+                                          max_tokens=self.limits.max_tokens_per_request,
+                                          model=lambda model_id: self._model(owner, model_id))
         session = op.model_id.split(":", 1)[0]
         if op.loss_fn == "custom":  # a loss this session created: rebuilt, checked, named by its hash
             from app.api.custom_loss import lookup
@@ -371,26 +373,30 @@ class Service:
     # --- futures -----------------------------------------------------------------------------------
 
     async def retrieve(self, owner: str, fid: str) -> tuple[int, str, bytes]:
-        f = self.store.future(fid)
-        if f is None or f.owner != owner:
-            raise NotFound(f"future {fid} not found")
-        if f.status == "pending":  # long poll: woken by the engine when the result is committed
-            event = asyncio.Event()
-            with self._waiters_lock:
-                self._waiters.setdefault(fid, []).append((asyncio.get_running_loop(), event))
-            f = self.store.future(fid)  # finished between the first read and registering?
-            if f is not None and f.status == "pending":
+        """A future's result, a pending one waited for up to the long poll (then ``try_again``); registered before the
+        read, so a result committed after it wakes the poll with the result itself (one store read a poll)."""
+        event, box = asyncio.Event(), list[tuple[str, bytes]]()
+        waiter = (asyncio.get_running_loop(), event, box)
+        with self._waiters_lock:
+            self._waiters.setdefault(fid, []).append(waiter)
+        try:
+            f = self.store.future(fid)
+            if f is None or f.owner != owner:
+                raise NotFound(f"future {fid} not found")
+            if f.status == "pending":
                 try:
-                    await asyncio.wait_for(event.wait(), self.limits.long_poll_s)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(self.limits.long_poll_s):
+                        await event.wait()
+                except TimeoutError:
                     pass
-                f = self.store.future(fid)
+                if box:
+                    ctype, body = box[0]
+                    return 200, ctype or JSON, body
+                f = self.store.future(fid)  # the wait ran out: finished since, or still pending
+        finally:
             with self._waiters_lock:
-                left = [w for w in self._waiters.get(fid, []) if w[1] is not event]
-                if left:
+                if left := [w for w in self._waiters.pop(fid, []) if w is not waiter]:
                     self._waiters[fid] = left
-                else:
-                    self._waiters.pop(fid, None)
         if f is None or f.status == "pending":
             return 200, JSON, json.dumps({"type": "try_again", "request_id": fid, "queue_state": "active"}).encode()
         return 200, f.content_type or JSON, f.result or b""

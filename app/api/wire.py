@@ -9,6 +9,7 @@ chain (:mod:`attestation.outputs.op_chain`) hashes and the engine runs.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,8 +52,10 @@ class Op:
         return sum(len(d.tokens) for d in self.data)
 
 
-def decode_forward_backward(body: bytes, *, vocab: int, max_seq_len: int, max_tokens: int) -> Op:
-    """Parse and check a protobuf forward_backward body.
+def decode_forward_backward(body: bytes, *, vocab: int, max_seq_len: int, max_tokens: int,
+                            model: Callable[[str], object] = lambda _id: None) -> Op:
+    """Parse and check a protobuf forward_backward body; ``model`` is called with its model id as soon as it parses,
+    before anything else is checked (a model that is not there is the first answer, whatever else is wrong).
 
     Raises:
         BadRequest: malformed (a token chunk that is not whole int32s too), an unknown loss, a token id outside the
@@ -63,6 +66,7 @@ def decode_forward_backward(body: bytes, *, vocab: int, max_seq_len: int, max_to
         msg.ParseFromString(body)
     except DecodeError as exc:
         raise BadRequest(f"forward_backward body is not a ForwardBackwardRequest protobuf: {exc}") from None
+    model(msg.model_id)
     if msg.loss_fn not in _KNOWN_LOSSES:
         raise BadRequest(f"loss_fn {msg.loss_fn!r} is not served (served: {', '.join(_KNOWN_LOSSES)})")
     if not msg.data:
