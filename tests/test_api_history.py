@@ -111,6 +111,9 @@ def test_an_optim_step_with_a_nan_parameter_is_refused_before_anything_changes(s
         with pytest.raises(BadRequest, match=f"adam_params.{name}"):
             svc.engine.optim_step(m, {**ADAM, name: value})  # and so would the engine, whoever called it
         assert _same(_state(svc, m), before)
+    ok, body = c.optim_step(m, {**ADAM, "weight_decay": 1e300})  # in range, but it would make the weights -inf
+    assert not ok and "non-finite" in _user_error(body)
+    assert _same(_state(svc, m), before)  # weights, optimizer and the pending gradient as they were
     assert c.optim_step(m, {**ADAM, "grad_clip_norm": 1.0})[0]
     _verified(svc, policy, c, m, "nan-clip", tmp_path)
 

@@ -300,6 +300,9 @@ class Engine:
                 g.update(lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
                          weight_decay=adam["weight_decay"])
             m.optimizer.step()
+            if not float(torch.nn.utils.get_total_norm(params, norm_type=float("inf"))) < float("inf"):  # inf or nan
+                raise BadRequest("the step would make weights non-finite (learning_rate and weight_decay too large "
+                                 "for them); nothing was applied")
             m.optimizer.zero_grad(set_to_none=True)
         except BaseException:
             with torch.no_grad():
