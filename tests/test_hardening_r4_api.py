@@ -21,7 +21,6 @@ import pytest
 from tests.api_inproc import BASE, service
 
 KEY, OTHER = "tml-r4-key", "tml-r4-other"
-SESSION = {"tags": [], "user_metadata": None, "sdk_version": "0.38"}
 CAPS = "api:\n  max_sessions_per_key: 2\n  max_sampling_sessions_per_key: 3\n  long_poll_s: 0\n"
 
 
@@ -59,22 +58,18 @@ def test_a_deeply_nested_body_is_a_400(client: Any, route: str) -> None:
 def test_a_token_chunk_of_partial_int32s_is_a_400(client: Any, size: int) -> None:
     from tinker.proto import tinker_public_pb2 as pb
 
-    from tests.api_inproc import wait
+    from tests.api_inproc import Client
 
-    session = client.post("/api/v1/create_session", json=SESSION).json()["session_id"]
+    owner = Client(client.svc, hashlib.sha256(KEY.encode()).hexdigest())  # this key's session
     try:  # a model of this key: the body is checked once its model is known to be there
-        created = client.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
-                                                            "base_model": BASE, "lora_config": {"rank": 2}})
-        ok, body = wait(client.svc, created.json())
-        assert ok, body
-        msg = pb.ForwardBackwardRequest(model_id=json.loads(body)["model_id"], loss_fn="cross_entropy")
+        msg = pb.ForwardBackwardRequest(model_id=owner.create(rank=2), loss_fn="cross_entropy")
         d = msg.data.add()
         d.model_input.add().encoded_text.tokens = bytes(range(1, size + 1))
         r = client.post("/api/v1/forward_backward", content=msg.SerializeToString(),
                         headers={"Content-Type": "application/x-protobuf"})
         _refused(r, 400, "whole int32")
     finally:  # the key's session slot back for the cap's test
-        assert client.post(f"/api/v1/sessions/{session}/finish", json={}).status_code == 200
+        assert client.post(f"/api/v1/sessions/{owner.session}/finish", json={}).status_code == 200
 
 
 def test_a_token_chunk_of_partial_int32s_is_refused_by_the_decoder() -> None:
@@ -120,6 +115,9 @@ def test_valid_edge_sampling_parameters_sample(client: Any) -> None:
         assert r.status_code == 200, r.text
         ok, result = wait(client.svc, r.json())
         assert ok, (params, result)
+
+
+SESSION = {"tags": [], "user_metadata": None, "sdk_version": "0.38"}
 
 
 def test_sessions_per_key_are_capped(client: Any) -> None:

@@ -293,14 +293,14 @@ class Engine:
             if dp is not None:
                 dpsgd.noisy_grads(params, m.dp_sums, dp)  # type: ignore[arg-type]
             grads = [p.grad for p in params if p.grad is not None]
-            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
             if clips:
                 torch.nn.utils.clip_grad_norm_(params, adam["grad_clip_norm"])
             for g in m.optimizer.param_groups:
                 g.update(lr=adam["learning_rate"], betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
                          weight_decay=adam["weight_decay"])
             m.optimizer.step()
-            if not float(torch.nn.utils.get_total_norm(params, norm_type=float("inf"))) < float("inf"):  # inf or nan
+            if not torch.isfinite(torch.nn.utils.get_total_norm(params, norm_type=float("inf"))):  # an inf or a NaN
                 raise BadRequest("the step would make weights non-finite (learning_rate and weight_decay too large "
                                  "for them); nothing was applied")
             m.optimizer.zero_grad(set_to_none=True)
