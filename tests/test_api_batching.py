@@ -158,6 +158,71 @@ def test_dp_models_and_oversized_ops_never_join_a_pass(engine: Any) -> None:
     assert not engine._packs(_op("plain1", [big], 4), engine.models["plain1"])
 
 
+def test_a_pass_that_runs_out_of_memory_changes_nothing_and_halves_the_pass_budget(engine: Any, monkeypatch:
+                                                                                    pytest.MonkeyPatch) -> None:
+    """A packed pass the allocator cannot hold (a GPU's CUDA out-of-memory error): no model's gradient or chain
+    changed, its ops then run alone as if nothing had happened, and later passes hold at most half of what failed."""
+    import torch
+
+    from app.api import packed
+
+    for name in ("oom-a", "oom-b", "oom-c", "oom-a-alone"):
+        engine.create(name, LORA)
+    ops = [_op("oom-a", [20, 7], 1), _op("oom-b", [30], 2), _op("oom-c", [11], 3)]
+    real = packed.forward_backward
+
+    def short_of_memory(e: Any, items: list[Any]) -> list[Any]:
+        if len(items) > 1:  # a pass of several ops allocates its activations, then the allocator gives up
+            e.net(input_ids=torch.tensor([[5, 6, 7]]))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(e, items)
+
+    monkeypatch.setattr(packed, "forward_backward", short_of_memory)
+    budget = engine.pass_budget
+    heads = [(engine.models[op.model_id].op_head, engine.models[op.model_id].ops) for op in ops]
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            engine._batch(ops)
+        assert not engine._ready
+        assert [(engine.models[op.model_id].op_head, engine.models[op.model_id].ops) for op in ops] == heads
+        assert all(g is None for op in ops for g in _grads(engine, op.model_id))
+        held = (27 + 30 + 11) * engine.token_bytes
+        assert engine.pass_budget == min(budget, held // 2) < budget
+        results = [engine.forward_backward(op) for op in ops]  # what the worker does next: each op alone
+        assert all(engine.models[op.model_id].ops == 1 for op in ops) and len(results) == 3
+        engine.forward_backward(_as(ops[0], "oom-a-alone"))
+        assert all(torch.equal(a, b) for a, b in zip(_grads(engine, "oom-a"), _grads(engine, "oom-a-alone")))
+    finally:
+        engine._worker.budget = budget
+
+
+def test_the_pass_budget_is_half_the_free_memory_and_a_tokens_estimate_covers_what_its_backward_keeps(
+        engine: Any) -> None:
+    """``token_bytes`` against what a packed pass really keeps for its backward (every tensor autograd saves that is
+    not a parameter, each storage once): never less, and not more than twice."""
+    import torch
+
+    from app.api import packed
+
+    assert packed.budget(None) == packed.PASS_BYTES and packed.budget(8 << 30) == 4 << 30
+    for i in range(4):
+        engine.create(f"kept{i}", LORA)
+    weights = {p.untyped_storage().data_ptr() for p in engine.model.parameters()}
+    kept: dict[int, int] = {}
+
+    def keep(t: Any) -> Any:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ops = [_op(f"kept{i}", [64, 32], 40 + i) for i in range(4)]
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        _run(engine, ops)
+    per_token = sum(kept.values()) / sum(op.n_tokens for op in ops)
+    assert per_token <= engine.token_bytes <= 2 * per_token, (per_token, engine.token_bytes)
+
+
 # --- the worker's queue ---------------------------------------------------------------------------------------------
 
 

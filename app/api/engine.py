@@ -25,6 +25,7 @@ from attestation.outputs.op_chain import GENESIS
 
 from app.api import dp as dpsgd
 from app.api import losses, packed, sampling, wire
+from app.api.admission import free_memory
 from app.api.errors import ApiError, BadRequest, NotFound
 from app.api.history import applied, check_adam, fresh_optimizer, link, opt_restore, opt_snapshot
 from app.api.worker import Job, Worker
@@ -81,8 +82,10 @@ class Engine:
         self._layers: list[Any] | None = None  # the LoRA layers (dropped when adapters change)
         self._state: tuple[str | None, bool | None] = (None, None)  # active adapter, train mode
         self.packed = backend == "hf" and packed.install(self.model)  # packed passes possible
+        self.token_bytes = packed.token_bytes(self.model) if self.packed else 0  # what a token of a pass holds
         self._ready: dict[int, Any] = {}  # id(op) -> its result (or refusal) from a packed pass
-        self._worker = Worker(self._batch, packed.PASS_BYTES, cfg.api.pack_wait_ms / 1000 if cfg is not None else 0.0)
+        self._worker = Worker(self._batch, packed.budget(free_memory(self.device)),
+                              cfg.api.pack_wait_ms / 1000 if cfg is not None else 0.0)
 
     def _load_hf(self, base_dir: Path, cfg: Any) -> None:
         import torch
@@ -110,8 +113,8 @@ class Engine:
         """Queue ``job`` (acting on ``model``); ``op``: the forward_backward it runs, which may join a packed pass;
         ``ahead``: an optimizer step, taken before waiting passes (app.api.worker)."""
         packable = op is not None and self.packed
-        self._worker.submit(Job(job, model, op if packable else None,
-                                packed.pack_bytes(op.n_tokens, self.vocab) if packable else 0, ahead))
+        self._worker.submit(Job(job, model, op if packable else None, op.n_tokens * self.token_bytes if packable else 0,
+                                ahead))
 
     def _batch(self, ops: list[wire.Op]) -> None:
         """The worker's packed pass: each op's result kept for its job (the ops that cannot join, run alone)."""
@@ -127,7 +130,16 @@ class Engine:
                 continue
             items.append((op, m))
         if len(items) > 1:
-            for (op, _m), result in zip(items, packed.forward_backward(self, items)):
+            try:
+                results = packed.forward_backward(self, items)
+            except BaseException as exc:
+                if packed.out_of_memory(exc, self.device):  # its ops run alone; later passes hold half as much
+                    held = sum(op.n_tokens for op, _m in items) * self.token_bytes
+                    self._worker.budget = min(self._worker.budget, held // 2)
+                    logger.warning("a packed pass of %d ops ran out of memory on %s; passes now hold at most %d MiB",
+                                   len(items), self.device, self._worker.budget >> 20)
+                raise
+            for (op, _m), result in zip(items, results):
                 self._ready[id(op)] = result
 
     def _packs(self, op: wire.Op, m: Model) -> bool:
@@ -138,6 +150,11 @@ class Engine:
     @property
     def batching(self) -> dict[str, int]:
         return dict(self._worker.stats)
+
+    @property
+    def pass_budget(self) -> int:
+        """Bytes a packed pass may hold (:func:`app.api.packed.budget`)."""
+        return self._worker.budget
 
     def stop(self) -> None:
         self._worker.stop()

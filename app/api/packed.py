@@ -120,6 +120,37 @@ def pack_bytes(tokens: int, vocab: int) -> int:
 PASS_BYTES = 1 << 30  # an op whose own logits would pass this runs one datum at a time, alone (so always alike)
 
 
+def token_bytes(model: Any) -> int:
+    """About what one token of a packed pass holds until its backward, for the pass budget (:func:`budget`): its
+    logits and their log-softmax in float32 (what the loss reads), and what each decoder layer keeps for the
+    backward, about ``10 * hidden_size + 4 * intermediate_size`` elements at the model's element size (the inputs of
+    its norms, projections and attention, and its MLP's gate, up, activation and product)."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(text.hidden_size)
+    inner = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    size = model.get_input_embeddings().weight.element_size()
+    return 8 * int(text.vocab_size) + int(text.num_hidden_layers) * size * (10 * hidden + 4 * inner)
+
+
+def budget(free: int | None) -> int:
+    """What one packed pass may hold (in :func:`token_bytes` terms): half the memory free once the base model is
+    loaded (the GPU's, or the system's available memory), or :data:`PASS_BYTES` when that is unknown. A pass that
+    runs out of memory all the same lowers it (:func:`out_of_memory`)."""
+    return free // 2 if free else PASS_BYTES
+
+
+def out_of_memory(exc: BaseException, device: str) -> bool:
+    """Whether ``exc`` is the allocator running out of memory (the device's cache is then emptied)."""
+    import torch
+
+    if not isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return False
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return True
+
+
 def forward_backward(engine: Any, items: list[tuple[Any, Any]]) -> list[Any]:
     """The ops ``items`` ((op, its model), at most one op a model, none with DP-SGD) in one packed pass: each op's
     ``(outputs, metrics)``, or the exception that refused it (a loss that is not finite, a custom loss that fails);
