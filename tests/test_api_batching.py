@@ -331,7 +331,8 @@ def test_tenants_ops_share_passes_and_each_bundle_replays_bit_identically(svc: A
         svc.engine.submit(lambda g=gate: g.wait(30))  # the worker busy: every op below waits in the queue together
         futures = []
         for i, (c, m) in enumerate(models):
-            record = fb_record([[(7 * k + i + step) % 600 + 3 for k in range(12 + 5 * i)], [1, 5, 9, 14]])
+            record = fb_record([[(7 * k + i + step) % 600 + 3 for k in range(12 + 5 * i)], [1, 5, 9, 14]] if i < 2
+                               else [[(3 * k + i + step) % 600 + 3 for k in range(i)]])  # 1 and 2 tokens: short ops
             futures.append((c, m, record, svc.forward_backward(c.owner, fb_body(m, record))))
         optims = [(c, m, svc.optim_step(c.owner, types.OptimStepRequest(
             model_id=m, optim_params=types.AdamParams(**ADAM)))) for c, m in models]

@@ -67,7 +67,8 @@ def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: b
         stack.callback(engine.stop)
         progress("packed passes: " + (f"forward_backward ops of different models waiting together share one "
                                       f"base-model pass, up to {engine.pass_budget >> 20} MiB of activations and "
-                                      f"logits (about {engine.pass_budget // engine.token_bytes} tokens) a pass"
+                                      f"logits (about {engine.pass_budget // engine.token_bytes} tokens) and at least "
+                                      f"{engine.pad_rows} rows a pass"
                                       if engine.packed else f"off (backend {backend})"))
         stack.callback(lambda: progress("engine batching: {passes} packed passes of {packed_ops} ops, at most "
                                         "{largest} ops a pass".format(**engine.batching)))

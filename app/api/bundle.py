@@ -124,11 +124,17 @@ class _Adapter:
 
 def _determinism() -> dict[str, int | str]:
     """What replaying the ops bit for bit needs besides the library versions (``backend``): the device the engine
-    computed on and torch's CPU threads (reductions are split by thread)."""
+    computed on, torch's CPU threads (reductions are split by thread), and on a CPU the rows every packed pass was
+    padded to (``pass_rows``, :func:`app.api.packed.rows_min`; 0: no packed passes, as this CPU cannot make them
+    exact)."""
     import torch
 
-    return {"device": "cuda" if torch.cuda.is_available() else "cpu", "torch_threads": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    from app.api.packed import pad_rows
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {"device": device, "torch_threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            **({"pass_rows": pad_rows(device) or 0} if device == "cpu" else {})}
 
 
 def _device() -> str:

@@ -82,6 +82,8 @@ class Engine:
         self._layers: list[Any] | None = None  # the LoRA layers (dropped when adapters change)
         self._state: tuple[str | None, bool | None] = (None, None)  # active adapter, train mode
         self.packed = backend == "hf" and packed.install(self.model)  # packed passes possible
+        rows = packed.pad_rows(self.device) if self.packed else 1  # the fewest rows a pass computes (exact replays)
+        self.packed, self.pad_rows = self.packed and rows is not None, rows or 1
         self.token_bytes = packed.token_bytes(self.model) if self.packed else 0  # what a token of a pass holds
         self._ready: dict[int, Any] = {}  # id(op) -> its result (or refusal) from a packed pass
         self._worker = Worker(self._batch, packed.budget(free_memory(self.device)),

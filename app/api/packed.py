@@ -8,6 +8,9 @@ rows (so an adapter's gradient sums the same products) and attention (a segment'
 earlier tokens, with sdpa at the segment's own length). A datum's logits and an op's gradient are therefore the
 same whether its op ran alone or packed with other models' ops, which is what lets ``verify --replay`` re-run one
 client's ops alone and reach the server's weights bit for bit on a CPU (tests/test_api_batching.py checks it).
+Row-wise means the same bits for a row whatever the other rows: a CPU's matrix kernels give that only from some
+number of rows on (:func:`rows_min`; fewer rows take other kernels), so a pass of fewer tokens, alone or packed, is
+padded to it with rows that no adapter, loss or other segment sees.
 
 Available with the transformers + PEFT backend when the base uses sdpa attention and every LoRA layer is a linear
 one (:func:`install`); elsewhere the engine runs one datum at a time, as before.
@@ -120,6 +123,37 @@ def pack_bytes(tokens: int, vocab: int) -> int:
 PASS_BYTES = 1 << 30  # an op whose own logits would pass this runs one datum at a time, alone (so always alike)
 
 
+@functools.lru_cache(maxsize=None)
+def rows_min(threads: int, width: int = 256, most: int = 128) -> int | None:
+    """The fewest rows from which this CPU's matrix kernels, with ``threads`` torch threads, give each row of a
+    linear map (forward, ``x @ W.T``, and backward, ``g @ W``) the same bits whatever the number of rows and the
+    row's place among them: every count from it to ``most`` is checked against one product of ``2 * most`` rows
+    (measured on x86-64: 4 rows with one thread, 12 with two). None: not even ``most`` rows (packed passes could
+    not be bit-identical to ops alone). ``threads`` is torch's thread count, already set: it keys the cache."""
+    import torch
+    from torch.nn.functional import linear
+
+    assert threads == torch.get_num_threads()
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(width, width, generator=g), torch.randn(2 * most, width, generator=g)
+    forward, backward = linear(x, w), x @ w
+    for rows in range(most, 0, -1):
+        for start in (0, 1, 5):
+            part = x[start:start + rows]
+            if not (torch.equal(linear(part, w), forward[start:start + rows])
+                    and torch.equal(part @ w, backward[start:start + rows])):
+                return None if rows == most else rows + 1
+    return 1
+
+
+def pad_rows(device: str) -> int | None:
+    """The rows a pass on ``device`` is padded to (:func:`rows_min` with torch's threads on a CPU; 1 elsewhere, where
+    no replay is bit-exact); None: packed passes could not be bit-identical to ops alone here."""
+    import torch
+
+    return rows_min(torch.get_num_threads()) if device == "cpu" else 1
+
+
 def token_bytes(model: Any) -> int:
     """About what one token of a packed pass holds until its backward, for the pass budget (:func:`budget`): its
     logits and their log-softmax in float32 (what the loss reads), and what each decoder layer keeps for the
@@ -185,6 +219,11 @@ def forward_backward(engine: Any, items: list[tuple[Any, Any]]) -> list[Any]:
             tokens += d.tokens
             positions += range(len(d.tokens))
         spans.append((first, len(segments)))
+    if len(tokens) < engine.pad_rows:  # filler rows: no adapter, loss or other segment sees them (rows_min)
+        pad = engine.pad_rows - len(tokens)
+        segments.append(("", len(tokens), engine.pad_rows))
+        tokens += [0] * pad
+        positions += range(pad)
     training = [(op, m) for op, m in items if not op.forward_only]
     snapshots = {id(op): engine._grad_snapshot(m) for op, m in training}
     engine._mode(bool(training))

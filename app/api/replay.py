@@ -31,6 +31,7 @@ WEIGHTS = "adapter/adapter_model.safetensors"
 TINY = "cvm-tune/tiny-llama"
 GPU_ATOL, GPU_RTOL = 1e-3, 1e-2  # a GPU-made bundle: |replayed - bundle| <= GPU_ATOL + GPU_RTOL * |bundle| per weight
 MODEL = "replay"
+PASS_ROWS_MAX = 128  # the most rows a server pads a pass to (app.api.packed.rows_min)
 
 
 class ReplayFailed(Exception):
@@ -72,10 +73,11 @@ def _replay(verdict: Verdict, bundle: Path, ops_file: Path, base_dir: Path | Non
                            "nobody, so its weights cannot be replayed (privacy.dp checks its accounting)")
     det = oc.determinism or {}
     exact = det.get("device") == "cpu"
+    rows = pass_rows(det)
     expected = _expected_hash(m)
     ops = op_chain.read_ops(ops_file)
     with _base(m, base_dir, progress) as base, _threads(det.get("torch_threads")):
-        got, tensors = _run(base, oc, ops, m.base_model.name, progress)
+        got, tensors = _run(base, oc, ops, m.base_model.name, progress, rows)
     digest = hashlib.sha256(got).hexdigest()
     libs = ", ".join(f"{k} {v}" for k, v in sorted(m.backend.libraries.items()))
     if exact:
@@ -93,6 +95,20 @@ def _replay(verdict: Verdict, bundle: Path, ops_file: Path, base_dir: Path | Non
     worst = _tolerance(bundle, m, tensors)
     return (f"{len(ops)} ops replayed on this CPU; the bundle was made on {det.get('device') or 'an unrecorded device'}: "
             f"weights agree within |Δ| <= {GPU_ATOL:g} + {GPU_RTOL:g}·|w| (largest |Δ| {worst:.3g}), not bit-exact")
+
+
+def pass_rows(det: dict[str, Any]) -> int | None:
+    """``determinism.pass_rows``: the rows the server padded its packed passes to (0: it made none; None: not
+    recorded, a bundle made before the server padded them).
+
+    Raises:
+        ReplayFailed: not a row count in [0, PASS_ROWS_MAX] (a replay would pad that far).
+    """
+    rows = det.get("pass_rows")
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= PASS_ROWS_MAX):
+        raise ReplayFailed(f"the manifest's op_chain.determinism.pass_rows {rows!r} is not a row count in [0, "
+                           f"{PASS_ROWS_MAX}]")
+    return rows
 
 
 def _expected_hash(m: B.Manifest) -> str:
@@ -144,8 +160,10 @@ def _threads(n: Any) -> Iterator[None]:
 
 
 def _run(base: Path, oc: B.OpChainInfo, ops: list[dict[str, Any]], base_name: str,
-         progress: Callable[[str], None]) -> tuple[bytes, dict[str, Any]]:
-    """Replay ``ops`` on a fresh engine: the adapter bytes and tensors they give."""
+         progress: Callable[[str], None], pass_rows: Any = None) -> tuple[bytes, dict[str, Any]]:
+    """Replay ``ops`` on a fresh engine: the adapter bytes and tensors they give. ``pass_rows``: what the server
+    padded its passes to (the manifest's; 0: it made none; None, a bundle made before it was recorded: no padding).
+    A pass here is padded at least as far (more rows than needed change no row's bits)."""
     import torch
 
     from app.api.engine import Engine
@@ -153,6 +171,8 @@ def _run(base: Path, oc: B.OpChainInfo, ops: list[dict[str, Any]], base_name: st
 
     engine = Engine(base, "hf")
     engine.base_name = base_name
+    engine.packed = engine.packed and pass_rows != 0
+    engine.pad_rows = max(pass_rows, engine.pad_rows) if pass_rows else 1
     try:
         model = engine.create(MODEL, dict(oc.lora))
         custom = _custom_losses(oc.custom_losses)

@@ -368,8 +368,9 @@ class OpChainInfo(_Closed):
     # DP-SGD (opt-in per model): noise_multiplier, max_grad_norm, dataset_size, batch_size, sample_rate, delta,
     # accountant, steps and the epsilon spent (each optim_step's is also in the chain). None: trained without DP.
     dp: dict[str, float | int | str] | None = None
-    # What a bit-exact replay needs (``cvm-tune verify --ops --replay``): device (cpu or cuda), torch's CPU threads
-    # and the CPU kernels torch chose (``cpu_capability``: DEFAULT, AVX2, AVX512, …).
+    # What a bit-exact replay needs (``cvm-tune verify --ops --replay``): device (cpu or cuda), torch's CPU threads,
+    # the CPU kernels torch chose (``cpu_capability``: DEFAULT, AVX2, AVX512, …) and on a CPU the rows every packed
+    # pass was padded to (``pass_rows``; 0: no packed passes).
     # None: a bundle made before replay existed.
     determinism: dict[str, int | str] | None = None
     # Server-side custom losses the ops used: loss id (the hash of the document) -> {name, inputs, graph} as sent.
