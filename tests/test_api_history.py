@@ -184,6 +184,20 @@ def test_a_model_loaded_from_a_state_continues_its_chain_and_replays(svc: Any, p
     _verified(svc, policy, c, a, f"reloaded-{optimizer}", tmp_path)
 
 
+def test_a_state_saved_with_a_gradient_pending_loads_and_replays(svc: Any, policy: Path, tmp_path: Path) -> None:
+    """A save keeps weights and optimizer, not a pending gradient: a model created from that state starts without
+    it, and the replay drops it at the load as the server did (it refused the load as one with a gradient pending)."""
+    c = Client(svc)
+    a = c.create(seed=2)
+    assert c.forward_backward(a, fb_record([list(t) for t in TOKENS]))[0] and c.optim_step(a)[0]
+    assert c.forward_backward(a, fb_record([list(TOKENS[0])]))[0]  # pending at the save
+    path, _bundle, _ops = c.save(a, "pending")
+    ok, body, b = c.load(path, optimizer=True)
+    assert ok, body
+    assert c.forward_backward(b, fb_record([list(TOKENS[1])]))[0] and c.optim_step(b)[0]
+    _verified(svc, policy, c, b, "after-pending", tmp_path)
+
+
 def test_replay_catches_weights_changed_outside_the_chain(svc: Any, policy: Path, tmp_path: Path) -> None:
     import torch
 

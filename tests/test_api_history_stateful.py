@@ -1,8 +1,9 @@
 """A Hypothesis state machine drives the training API's service with random sequences of valid and hostile ops
 (NaN, infinite and huge numbers, unknown loss settings, out-of-range Adam parameters, unknown models, loads of
 another key's state, of a DP-mismatched or other-rank state, loads with a gradient pending, restarts of the server on
-its volume) while the client keeps the record of what succeeded. Invariants: a refused op changes nothing (weights,
-pending gradient, DP sums, optimizer, chain); after every save the bundle verifies against the record and replays
+its volume, ops of several models waiting together: one packed pass, short ops padded) while the client keeps the
+record of what succeeded. Invariants: a refused op changes nothing (weights, pending gradient, DP sums, optimizer,
+chain); after every save the bundle verifies against the record and replays
 to the same weights, and a record with one op more, one less or one changed is rejected; after a restart the models
 are gone (404, nothing changes) and the saved states load, continuing their chains.
 
@@ -23,7 +24,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from tests.api_inproc import ADAM, OWNER, TOKENS, Client, fb_record, service, verify, write_ops
+from tests.api_inproc import ADAM, OWNER, TOKENS, Client, fb_body, fb_record, service, verify, wait, write_ops
 from tests.test_api_history import DP, _ppo, _same, _state
 
 NUMBERS = st.sampled_from([1.0, 0.5, -0.25, 0.0, 1e6, 3e38, math.nan, math.inf, -math.inf])
@@ -87,6 +88,38 @@ def _machine(tmp: Path) -> type[RuleBasedStateMachine]:
             ok = self._atomic(m, lambda: self.c.forward_backward(m, record))
             if ok is not None and not math.isfinite(weight):
                 assert not ok
+
+        @rule(m1=models, m2=models, m3=models, weights=st.lists(NUMBERS, min_size=3, max_size=3), short=st.booleans())
+        def shared_pass(self, m1: str, m2: str, m3: str, weights: list[float], short: bool) -> None:
+            """forward_backward ops of up to three models waiting together (one packed pass, short ops padded): each
+            ends as it would alone — the saves' replays check the bits."""
+            import threading
+
+            from app.api.errors import ApiError
+
+            alive = [m for m in dict.fromkeys((m1, m2, m3)) if self._alive(m)]
+            before = {m: _state(self.svc, m) for m in alive}
+            gate = threading.Event()
+            self.svc.engine.submit(lambda: gate.wait(30))  # the worker held: the ops below wait together
+            futures = []
+            try:
+                for i, (m, w) in enumerate(zip(alive, weights)):
+                    record = fb_record([list(TOKENS[i % 2][:2 if short else None])], weights=w)
+                    try:
+                        futures.append((m, w, record, self.svc.forward_backward(OWNER, fb_body(m, record))))
+                    except ApiError as exc:  # refused before it was queued (the route's 400)
+                        futures.append((m, w, record, exc))
+            finally:
+                gate.set()
+            for m, w, record, fut in futures:
+                ok, body = (False, json.dumps({"category": "user", "error": str(fut)}).encode()) \
+                    if isinstance(fut, ApiError) else wait(self.svc, fut)
+                if ok:
+                    self.c.ops[m].append(record)
+                else:
+                    assert json.loads(body)["category"] == "user", body
+                    assert _same(_state(self.svc, m), before[m]), "a refused op in a shared pass changed its model"
+                assert ok or not math.isfinite(w) or abs(w) > 1e30, body
 
         @rule(m=models, config=CONFIGS, loss=st.sampled_from(["ppo", "cispo"]))
         def policy_loss(self, m: str, config: dict[str, Any] | None, loss: str) -> None:
@@ -204,5 +237,5 @@ def _machine(tmp: Path) -> type[RuleBasedStateMachine]:
 @pytest.mark.parametrize("fixed", [True, False], ids=["fixed-seed", "random-seed"])
 def test_random_op_sequences_keep_every_proof_true(tmp_path: Path, fixed: bool) -> None:
     run_state_machine_as_test(_machine(tmp_path), settings=settings(
-        max_examples=3, stateful_step_count=14, deadline=None, database=None, derandomize=fixed,
+        max_examples=4, stateful_step_count=20, deadline=None, database=None, derandomize=fixed,
         suppress_health_check=list(HealthCheck), print_blob=True))

@@ -227,17 +227,18 @@ def _fb(op: dict[str, Any], custom: dict[str, Any]) -> Any:
 
 def _load(engine: Any, model: Any, op: dict[str, Any], i: int) -> None:
     """A ``load`` in the record: the state it loads is the replay's own state at that point (the chain says so);
-    its weights must be the ones the load names. The optimizer starts afresh unless the load kept it."""
+    its weights must be the ones the load names. A gradient the saved state's last ops left pending is dropped (a
+    save keeps none; the server refused a load into a model with one of its own, whose ops are not in this record).
+    The optimizer starts afresh unless the load kept it."""
     from app.api.history import fresh_optimizer
 
     if hashlib.sha256(engine.adapter_bytes(model)).hexdigest() != op["weights_sha256"]:
         raise ReplayFailed(f"op {i} (load) names weights {op['weights_sha256'][:16]}…, but the ops before it give "
                            "other weights")
-    if model.pending:
-        raise ReplayFailed(f"op {i} (load) comes with a gradient pending: the server refuses such a load")
     params = engine._params(model.adapter)
     for p in params:
         p.grad = None
+    model.pending, model.pending_loss = 0, 0.0
     if not op["optimizer"]:
         model.optimizer = fresh_optimizer(params)
     model.op_head, model.ops = op_chain.link(op["checkpoint_head"], op), int(op["checkpoint_ops"]) + 1
