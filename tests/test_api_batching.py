@@ -412,3 +412,32 @@ def test_a_long_poll_is_woken_with_the_result_itself_and_leaves_nothing_behind(s
     with pytest.raises(NotFound):  # another key's poll: refused, and no waiter of it left
         asyncio.run(svc.retrieve("b" * 64, fid))
     assert fid not in svc._waiters
+
+
+def test_a_server_stopping_commits_the_op_it_runs_and_runs_no_queued_one(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shutdown (SIGTERM: the service closed) while an op runs and another waits: the running op's result is
+    committed before the database closes (it was logged as a failed job and left pending); the waiting op never
+    runs, and the next start fails its future as interrupted."""
+    from app.api.store import RESTARTED
+
+    started, release = threading.Event(), threading.Event()
+    with service(tmp_path) as svc:
+        c = Client(svc)
+        m = c.create()
+        real = svc.engine.forward_backward
+
+        def slow(op: Any) -> Any:
+            started.set()
+            assert release.wait(30)
+            return real(op)
+
+        monkeypatch.setattr(svc.engine, "forward_backward", slow)
+        running = svc.forward_backward(OWNER, fb_body(m, fb_record([[1, 5, 9, 14]])))
+        assert started.wait(30)
+        queued = svc.forward_backward(OWNER, fb_body(m, fb_record([[2, 11, 4]])))
+        threading.Timer(0.5, release.set).start()  # the op finishes while the service is closing
+    with service(tmp_path) as svc:
+        done, interrupted = svc.store.future(running["request_id"]), svc.store.future(queued["request_id"])
+        assert done.status == "done" and done.result  # the op's output (protobuf), as a retrieve answers it
+        assert interrupted.status == "failed" and json.loads(interrupted.result)["error"] == RESTARTED

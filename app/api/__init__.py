@@ -19,6 +19,7 @@ from app.config import Config
 from app.errors import ConfigError
 
 Progress = Callable[[str], None]
+STOP_WAIT_S = 30.0  # at shutdown, how long the operation running may take to finish (compose: 60 s to stop)
 
 
 @contextlib.contextmanager
@@ -76,6 +77,7 @@ def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: b
         progress(f"training backend: {backend} ({', '.join(f'{k} {v}' for k, v in sorted(libraries.items()))})")
         store = Store(out)
         stack.callback(store.close)
+        stack.callback(engine.stop, STOP_WAIT_S)  # first: the op running commits before the database closes
         exporter = Exporter(cfg, out, ag, base, backend=backend) if export else None
         progress(saves_line(tuple(cfg.export.recipients), ag.agent.get_key))
 

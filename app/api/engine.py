@@ -158,8 +158,8 @@ class Engine:
         """Bytes a packed pass may hold (:func:`app.api.packed.budget`)."""
         return self._worker.budget
 
-    def stop(self) -> None:
-        self._worker.stop()
+    def stop(self, wait_s: float = 0.0) -> None:
+        self._worker.stop(wait_s)
 
     # --- models ------------------------------------------------------------------------------------
 

@@ -62,10 +62,14 @@ class Worker:
             self._jobs.append(job)
             self._cv.notify()
 
-    def stop(self) -> None:
+    def stop(self, wait_s: float = 0.0) -> None:
+        """Stop after the job running, if any (waiting up to ``wait_s`` for it); jobs still queued never run: their
+        futures stay pending, and the next start fails them, as after a kill."""
         with self._cv:
-            self._jobs.append(None)
+            self._jobs.appendleft(None)
             self._cv.notify()
+        if wait_s > 0 and threading.current_thread() is not self._thread:
+            self._thread.join(wait_s)
 
     def _take(self) -> list[Job] | None:
         """The next job, and the packed-pass companions it takes along (None: stop)."""
