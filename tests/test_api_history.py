@@ -198,6 +198,21 @@ def test_a_state_saved_with_a_gradient_pending_loads_and_replays(svc: Any, polic
     _verified(svc, policy, c, b, "after-pending", tmp_path)
 
 
+def test_a_state_loaded_into_a_model_of_another_seed_replays(svc: Any, policy: Path, tmp_path: Path) -> None:
+    """A load into an existing model of the same shape but another LoRA seed: the model's history is the saved
+    state's, which started from the saved model's seed, so its bundle records that seed and replays."""
+    c = Client(svc)
+    a, b = c.create(seed=1), c.create(seed=4)
+    for m in (a, b):
+        assert c.forward_backward(m, fb_record([list(t) for t in TOKENS]))[0] and c.optim_step(m)[0]
+    path, _bundle, _ops = c.save(a, "seed-1")
+    ok, body, _ = c.load(path, model_id=b, optimizer=False)
+    assert ok, body
+    assert c.forward_backward(b, fb_record([list(TOKENS[1])]))[0] and c.optim_step(b)[0]
+    bundle = _verified(svc, policy, c, b, "seed-4-loaded", tmp_path)
+    assert json.loads((bundle / "manifest.json").read_text())["op_chain"]["lora"]["seed"] == 1
+
+
 def test_replay_catches_weights_changed_outside_the_chain(svc: Any, policy: Path, tmp_path: Path) -> None:
     import torch
 

@@ -289,6 +289,7 @@ class Service:
                     record = load_record(c, sha256_file(src / "adapter_model.safetensors"), req.optimizer,
                                          op_chain.GENESIS if new else m.op_head)
                     self.engine.load(m, src, optimizer=req.optimizer, record=record)  # linked into its chain
+                    m.lora = dict(c.lora)  # the LoRA (seed) its history started from, which a replay starts from
             except BaseException:
                 if new:
                     self.engine.discard(model_id)  # refused or failed: no model, and no record of it, stays
