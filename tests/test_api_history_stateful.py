@@ -112,12 +112,14 @@ def _machine(tmp: Path) -> type[RuleBasedStateMachine]:
             finally:
                 gate.set()
             for m, w, record, fut in futures:
-                ok, body = (False, json.dumps({"category": "user", "error": str(fut)}).encode()) \
-                    if isinstance(fut, ApiError) else wait(self.svc, fut)
+                if isinstance(fut, ApiError):
+                    ok, body = False, str(fut)
+                else:
+                    ok, body = wait(self.svc, fut)
+                    assert ok or json.loads(body)["category"] == "user", body
                 if ok:
                     self.c.ops[m].append(record)
                 else:
-                    assert json.loads(body)["category"] == "user", body
                     assert _same(_state(self.svc, m), before[m]), "a refused op in a shared pass changed its model"
                 assert ok or not math.isfinite(w) or abs(w) > 1e30, body
 

@@ -115,8 +115,7 @@ class Engine:
         """Queue ``job`` (acting on ``model``); ``op``: the forward_backward it runs, which may join a packed pass;
         ``ahead``: an optimizer step, taken before waiting passes (app.api.worker)."""
         packable = op is not None and self.packed
-        self._worker.submit(Job(job, model, op if packable else None, op.n_tokens * self.token_bytes if packable else 0,
-                                ahead))
+        self._worker.submit(Job(job, model, op if packable else None, self._cost([op]) if packable else 0, ahead))
 
     def _batch(self, ops: list[wire.Op]) -> None:
         """The worker's packed pass: each op's result kept for its job (the ops that cannot join, run alone)."""
@@ -136,13 +135,16 @@ class Engine:
                 results = packed.forward_backward(self, items)
             except BaseException as exc:
                 if packed.out_of_memory(exc, self.device):  # its ops run alone; later passes hold half as much
-                    held = sum(op.n_tokens for op, _m in items) * self.token_bytes
-                    self._worker.budget = min(self._worker.budget, held // 2)
+                    self._worker.budget = min(self._worker.budget, self._cost([op for op, _m in items]) // 2)
                     logger.warning("a packed pass of %d ops ran out of memory on %s; passes now hold at most %d MiB",
                                    len(items), self.device, self._worker.budget >> 20)
                 raise
             for (op, _m), result in zip(items, results):
                 self._ready[id(op)] = result
+
+    def _cost(self, ops: list[wire.Op]) -> int:
+        """What ``ops`` hold in a packed pass, against its budget (:func:`app.api.packed.token_bytes`)."""
+        return sum(op.n_tokens for op in ops) * self.token_bytes
 
     def _packs(self, op: wire.Op, m: Model) -> bool:
         """Whether ``op`` runs as a packed pass: decided by the op and its model alone, so the op computes alike

@@ -160,7 +160,7 @@ def _threads(n: Any) -> Iterator[None]:
 
 
 def _run(base: Path, oc: B.OpChainInfo, ops: list[dict[str, Any]], base_name: str,
-         progress: Callable[[str], None], pass_rows: Any = None) -> tuple[bytes, dict[str, Any]]:
+         progress: Callable[[str], None], pass_rows: int | None = None) -> tuple[bytes, dict[str, Any]]:
     """Replay ``ops`` on a fresh engine: the adapter bytes and tensors they give. ``pass_rows``: what the server
     padded its passes to (the manifest's; 0: it made none; None, a bundle made before it was recorded: no padding).
     A pass here is padded at least as far (more rows than needed change no row's bits)."""
