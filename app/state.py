@@ -92,7 +92,7 @@ def run_lock(out: Path) -> Iterator[Path]:
     exactly like a second process. ``state/lock`` only records the holder's pid, for people.
 
     Raises:
-        Locked: somebody else holds it (the caller logs ``skipped: locked`` and exits 0).
+        Locked: somebody else holds it (``serve`` logs ``skipped: locked``; others use :func:`claim_volume`).
     """
     info = state_dir(out) / "lock"
     fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
@@ -111,7 +111,7 @@ def run_lock(out: Path) -> Iterator[Path]:
 def claim_volume(stack: contextlib.ExitStack, out: Path) -> None:
     """Hold ``out``'s run lock (:func:`run_lock`) until ``stack`` closes, for a process that writes the volume's audit
     chain and ``exports/`` outside the nightly scheduler (the training API, a federated client's round): one writer
-    per volume; a nightly ``serve`` or ``run`` on it meanwhile says ``skipped: locked``.
+    per volume; a nightly ``serve`` on it meanwhile says ``skipped: locked``, a ``run`` exits 7.
 
     Raises:
         StateError: another cvm-tune process holds it (its pid, from ``state/lock``).

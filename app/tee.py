@@ -11,11 +11,17 @@
 EmitEvent exists on dstack OS 0.5.x and is gone from the simulator >= 0.5.9 and from 0.6: the
 first emit detects support (HTTP 400 = unsupported; accepted but absent from the event log =
 no-op agent) and the result is recorded in the manifest.
+
+dstack-sdk 0.5.4 covers the v0 surface except GetKey's key-epoch selectors (guest 0.6.6 / 0.5.16) and knows
+nothing of ``/v1/``: :func:`agent_rpc` is the one raw call for those (:meth:`GuestAgent.get_key_at`,
+:meth:`GuestAgent.v1`), to be replaced by dstack-sdk 0.6's ``DstackClientV0`` / ``DstackClient`` when the package
+registry has it. (``DstackClient`` of 0.6 is the v1 client, other keys: switch to ``DstackClientV0`` then.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import stat
 import tempfile
@@ -30,6 +36,7 @@ from dstack_sdk import DstackClient
 
 from app.config import TeeSettings
 from app.errors import NoTeeError, TeeError
+from app.keys_epoch import KeyEpochError, KeyEpochs
 
 SOCKET_PATHS = ("/var/run/dstack.sock", "/run/dstack.sock", "/var/run/dstack/dstack.sock", "/run/dstack/dstack.sock")
 SIMULATOR_REV_PREFIX = "cvm-tune-simulator"
@@ -59,11 +66,13 @@ class EmitUnsupported(TeeError):
 class GuestAgent:
     """Thin adapter over ``DstackClient`` with retries and errors the CLI can print."""
 
-    def __init__(self, client: DstackClient, *, endpoint: str, mode: str, embedded: Any = None) -> None:
+    def __init__(self, client: DstackClient, *, endpoint: str, mode: str, embedded: Any = None,
+                 timeout_s: float = 30.0) -> None:
         self._client = client
         self.endpoint = endpoint
         self.mode = mode
         self._embedded = embedded  # the in-process simulator, when mode is embedded-simulator
+        self._timeout_s = timeout_s
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
         last: Exception | None = None
@@ -92,12 +101,67 @@ class GuestAgent:
         """GetKey: 32 bytes, deterministic per (app id, path)."""
         return self._call("GetKey", self._client.get_key, path, purpose).decode_key()
 
+    def get_key_at(self, path: str, purpose: str, epochs: KeyEpochs | None = None) -> tuple[bytes, KeyEpochs | None]:
+        """v0 GetKey, with the ``root_epoch``/``app_epoch`` selectors when ``epochs`` is given: ``(32 key bytes,
+        the epochs the agent reports)`` (``None``: it reports none, as every guest before 0.6.6/0.5.16).
+
+        Raises:
+            KeyEpochError: epochs were asked for and the agent answered others or none (it ignores the selectors).
+            TeeError: the agent refused or did not answer.
+        """
+        body: dict[str, Any] = {"path": path, "purpose": purpose, "algorithm": "secp256k1"}
+        if epochs is not None:
+            body.update(epochs.as_dict())
+        answer = agent_rpc(self.endpoint, "GetKey", body, timeout_s=self._timeout_s)
+        try:
+            key = bytes.fromhex(str(answer["key"]).removeprefix("0x"))
+        except (KeyError, ValueError) as exc:
+            raise TeeError("guest agent answered GetKey without a hex key") from exc
+        got = KeyEpochs.from_answer(answer)
+        if epochs is not None and got != epochs:
+            raise KeyEpochError(f"asked GetKey({path}) for {epochs}; the guest agent answered {got or 'no epochs'}: "
+                                "it ignores GetKey's epoch selectors (dstack guest 0.5.15 / 0.6.5 or older)")
+        return key, got
+
+    def v1(self, method: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A ``/v1/`` guest-API call (dstack 0.6: GetKey, Attest, AttestGpu, Info, Version).
+
+        Raises:
+            TeeError: the agent predates v1 (404), refused or did not answer.
+        """
+        return agent_rpc(self.endpoint, f"v1/{method}", body, timeout_s=self._timeout_s)
+
+    def attest(self, report_data: bytes) -> bytes:
+        """v0 ``Attest`` (dstack 0.6): the VersionedAttestation bytes (SCALE V0 or MessagePack V1).
+
+        Raises:
+            TeeError: the agent has no Attest (0.5) or refused.
+        """
+        answer = agent_rpc(self.endpoint, "Attest", {"report_data": report_data.hex()}, timeout_s=self._timeout_s)
+        try:
+            return bytes.fromhex(str(answer["attestation"]))
+        except (KeyError, ValueError) as exc:
+            raise TeeError("guest agent answered Attest without a hex attestation") from exc
+
     def quote(self, report_data: bytes) -> tuple[bytes, str]:
         """GetQuote -> (quote bytes, event log JSON text as returned)."""
         if len(report_data) != 64:
             raise TeeError("report_data must be exactly 64 bytes here (the manifest binding)")
         resp = self._call("GetQuote", self._client.get_quote, report_data)
         return resp.decode_quote(), resp.event_log
+
+    def mr_config_document(self, quote: bytes) -> bytes | None:
+        """The MrConfigV3 document a v3 MRCONFIGID (dstack 0.6 with ``key_provider_id``) is the hash of, as the
+        host gave it (``mr_config`` in Info's ``vm_config``: exact bytes, never re-serialised); ``None`` when the
+        ``quote``'s MRCONFIGID is not v3 or the agent gives none. The verifier checks it hashes to MRCONFIGID."""
+        if len(quote) < 280 or quote[232] != 3:  # MRCONFIGID: TD report offset 184, after the 48-byte header
+            return None
+        try:
+            vm = json.loads(self._call("Info", self._client.info).vm_config or "{}")
+        except ValueError:
+            return None
+        doc = vm.get("mr_config") if isinstance(vm, dict) else None
+        return doc.encode() if isinstance(doc, str) and doc else None
 
     def emit(self, name: str, payload: bytes) -> None:
         """EmitEvent; :class:`EmitUnsupported` when the agent answers 400 (no such RPC)."""
@@ -167,14 +231,40 @@ def _error_text(exc: httpx.HTTPStatusError) -> str:
 
 
 def _post(endpoint: str, method: str, timeout_s: float) -> dict[str, Any]:
+    return agent_rpc(endpoint, method, {}, timeout_s=timeout_s)
+
+
+def agent_rpc(endpoint: str, route: str, body: dict[str, Any], *, timeout_s: float) -> dict[str, Any]:
+    """``POST /<route>`` with a JSON body to the guest agent at ``endpoint`` (unix socket or http(s) URL): the one
+    raw call, for what dstack-sdk 0.5.4 cannot send (GetKey epoch selectors, ``/v1/``). Transport errors are
+    retried like the SDK calls.
+
+    Raises:
+        TeeError: an HTTP error (with the agent's ``error`` text), a non-JSON answer, or no answer.
+    """
     if endpoint.startswith(("http://", "https://")):
         client = httpx.Client(base_url=endpoint, timeout=timeout_s)
     else:
         client = httpx.Client(transport=httpx.HTTPTransport(uds=endpoint), base_url="http://localhost", timeout=timeout_s)
+    last: Exception | None = None
     with client:
-        resp = client.post(f"/{method}", json={})
-        resp.raise_for_status()
-        return dict(resp.json())
+        for attempt in range(_RETRIES):
+            try:
+                resp = client.post(f"/{route}", json=body)
+                resp.raise_for_status()
+                answer = resp.json()
+                if not isinstance(answer, dict):
+                    raise ValueError("not a JSON object")
+                return answer
+            except httpx.HTTPStatusError as exc:
+                raise TeeError(f"guest agent refused {route}: HTTP {exc.response.status_code} {_error_text(exc)}") from exc
+            except ValueError as exc:
+                raise TeeError(f"guest agent answered {route} with something other than a JSON object") from exc
+            except httpx.TransportError as exc:
+                last = exc
+                if attempt < _RETRIES - 1:
+                    time.sleep(0.2 * 2**attempt)
+    raise TeeError(f"guest agent at {endpoint} did not answer {route}: {type(last).__name__}") from last
 
 
 def resolve_endpoint(settings: TeeSettings) -> str:
@@ -203,86 +293,12 @@ def resolve_endpoint(settings: TeeSettings) -> str:
     return endpoint
 
 
-SIM_DIR_PREFIX = "cvm-tune-sim-"
-SIM_OWNER_LOCK = "owner.lock"  # flock'd by the process serving the simulator, for as long as it lives
+def simulator_settings(settings: TeeSettings) -> Any:
+    """The embedded simulator's settings from ``tee.simulator`` (dstack line and key epochs)."""
+    from app.simulator import SimulatorSettings
 
-
-@contextlib.contextmanager
-def hold_owner_lock(directory: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``directory/owner.lock`` for the block: the simulator's directory is live
-    for exactly as long as its owner process is (the kernel drops the lock when the process dies, even on kill -9).
-
-    The file is locked under a private name and then renamed to ``owner.lock``: another process's
-    :func:`remove_stale_simulator_dirs` never finds it unlocked (between a create and a flock it would have judged
-    the new directory stale and removed it under its owner).
-    """
-    import fcntl
-
-    private = directory / f".{SIM_OWNER_LOCK}.{os.getpid()}.{os.urandom(4).hex()}"
-    fd = os.open(private, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.rename(private, directory / SIM_OWNER_LOCK)
-        yield
-    finally:
-        os.close(fd)
-
-
-def _owner_alive(directory: Path) -> bool | None:
-    """True while another process holds the directory's owner lock, False once nobody does, None without a lock."""
-    import fcntl
-
-    try:
-        fd = os.open(directory / SIM_OWNER_LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
-def _answers(sock: Path) -> bool:
-    import socket
-
-    with socket.socket(socket.AF_UNIX) as probe:
-        probe.settimeout(0.5)
-        try:
-            probe.connect(str(sock))
-            return True
-        except OSError:
-            return False
-
-
-def remove_stale_simulator_dirs(parent: Path) -> list[str]:
-    """Delete embedded-simulator socket directories left by killed processes (kill -9 skips the cleanup).
-
-    A directory is stale when it is ours (same uid) and no process holds its owner lock (``owner.lock``): liveness
-    is what the kernel says, not whether the socket answers in time, so a simulator slowed by load is never removed.
-    A directory without a lock (being set up, or left by an older release) is kept while its socket answers or it is
-    less than a minute old. Returns the names removed.
-    """
-    import shutil
-
-    removed = []
-    for d in parent.glob(f"{SIM_DIR_PREFIX}*"):
-        try:
-            if not d.is_dir() or d.is_symlink() or d.stat().st_uid != os.getuid():
-                continue
-            alive = _owner_alive(d)
-            if alive is None:
-                sock = d / "dstack.sock"
-                alive = _answers(sock) if sock.exists() else time.time() - d.stat().st_mtime < 60
-            if alive:
-                continue
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d.name)
-        except OSError:
-            continue
-    return removed
+    sim = settings.simulator
+    return SimulatorSettings(dstack=sim.dstack, root_epoch=sim.root_epoch, app_epoch=sim.app_epoch)
 
 
 @contextlib.contextmanager
@@ -295,12 +311,16 @@ def open_guest_agent(settings: TeeSettings) -> Iterator[GuestAgent]:
     if settings.mode == "embedded-simulator":
         from app.simulator import GuestAgentSimulator, SimulatorServer
 
-        remove_stale_simulator_dirs(Path(tempfile.gettempdir()))
-        with tempfile.TemporaryDirectory(prefix=SIM_DIR_PREFIX) as tmp, hold_owner_lock(Path(tmp)):  # 0700
-            sim = GuestAgentSimulator()
+        from app.simulator.sockets import SIM_DIR_PREFIX, hold_owner_lock, remove_stale_simulator_dirs, socket_parent
+
+        parent = socket_parent()
+        remove_stale_simulator_dirs(parent)
+        with tempfile.TemporaryDirectory(prefix=SIM_DIR_PREFIX, dir=parent) as tmp, hold_owner_lock(Path(tmp)):  # 0700
+            sim = GuestAgentSimulator(simulator_settings(settings))
             with SimulatorServer(sim, socket_path=Path(tmp) / "dstack.sock") as server:
                 agent = GuestAgent(DstackClient(server.endpoint, timeout=settings.timeout_s),
-                                   endpoint=server.endpoint, mode=settings.mode, embedded=sim)
+                                   endpoint=server.endpoint, mode=settings.mode, embedded=sim,
+                                   timeout_s=settings.timeout_s)
                 agent.identity()
                 yield agent
         return
@@ -309,7 +329,7 @@ def open_guest_agent(settings: TeeSettings) -> Iterator[GuestAgent]:
         client = DstackClient(endpoint, timeout=settings.timeout_s)
     except FileNotFoundError as exc:
         raise NoTeeError(f"guest-agent socket {endpoint} does not exist") from exc
-    agent = GuestAgent(client, endpoint=endpoint, mode=settings.mode)
+    agent = GuestAgent(client, endpoint=endpoint, mode=settings.mode, timeout_s=settings.timeout_s)
     try:
         agent.identity()
     except TeeError as exc:

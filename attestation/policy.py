@@ -53,7 +53,11 @@ MAX_GRACE_PERIOD_S = 90 * 86400
 DSTACK_BOOT_EVENTS = (
     "system-preparing", "app-id", "compose-hash", "instance-id", "boot-mr-done", "mr-kms", "os-image-hash",
     "key-provider", "storage-fs", "system-ready", "init-script-hash", "gpu-policy-hash", "gpu-attestation",
+    "app-epoch",  # dstack 0.6.7+, KMS: the app key epoch, after key-provider
 )
+# The app-compose findings of dstack 0.6 fields a policy may accept by name (check compose.audit; attestation.compose.audit).
+COMPOSE_FINDINGS = ("init_script", "gpu_policy.attest_gpu", "gpu_policy.allow_devtools", "gpu_policy.allow_debug",
+                    "gpu_policy.allow_insecure_boot")
 CVM_TUNE_APP_EVENTS = tuple(EVENT_PREFIX + t for t in ENTRY_TYPES)
 
 
@@ -107,6 +111,15 @@ class Policy(_Closed):
     )
     max_delta: float | None = Field(None, gt=0, lt=1, description="Require differential privacy with a delta at most "
                                     "this (check privacy.policy). null = any.")
+    allowed_compose_findings: tuple[str, ...] = Field(
+        (), description="app-compose findings accepted by name (check compose.audit): init_script, "
+        "gpu_policy.attest_gpu (false), gpu_policy.allow_devtools / allow_debug / allow_insecure_boot (true). "
+        "Empty = every finding fails.",
+    )
+    expected_gpu_policy_hashes: tuple[str, ...] = Field(
+        (), description="Allowed gpu-policy-hash values (SHA-256 of the JCS of requirements.gpu_policy; "
+        "44136fa3...aff8a when there is none); empty = not checked (check gpu.policy).",
+    )
     allowed_boot_events: tuple[str, ...] = Field(
         DSTACK_BOOT_EVENTS, description="RTMR3 event names allowed before system-ready (dstack's own boot events)."
     )
@@ -127,7 +140,15 @@ class Policy(_Closed):
     def _hex96(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return _all_match(value, _HEX96, "96 lowercase hex characters (48 bytes)")
 
-    @field_validator("compose_hashes")
+    @field_validator("allowed_compose_findings")
+    @classmethod
+    def _findings(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [s for s in value if s not in COMPOSE_FINDINGS]
+        if unknown:
+            raise ValueError(f"unknown compose finding {unknown[0]!r}; known: {', '.join(COMPOSE_FINDINGS)}")
+        return value
+
+    @field_validator("compose_hashes", "expected_gpu_policy_hashes")
     @classmethod
     def _hex64(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return _all_match(value, _HEX64, "64 lowercase hex characters")

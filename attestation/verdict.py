@@ -42,6 +42,7 @@ class QuoteFindings:
     boot: BootInfo | None = None
     replayed: tuple[bytes, ...] | None = None
     bundle: dict[str, Any] | None = None  # run id, creation time, audit head (freshness: case 63)
+    gpu: tuple[str, str] | None = None  # bundles: (verified | not_verified | none, why) (attestation.tdx.gpu_dstack)
     checks: list[Check] = field(default_factory=list)
 
     def add(self, name: str, status: Status, detail: str) -> None:
@@ -72,6 +73,8 @@ class Verdict:
         line = f"{word} under policy '{self.policy_name}'"
         if self.test_root:
             line += " — quote signed by a TEST CA (the cvm-tune simulator): this is NOT evidence of a real TEE"
+        if self.findings.gpu is not None and self.findings.gpu[0] == "not_verified":
+            line += f" — {self.findings.gpu[1]}"
         return line
 
     def to_json(self) -> dict[str, Any]:
@@ -111,6 +114,7 @@ class Verdict:
                 "tcb_evaluation_data_number": f.tcb_evaluation_data_number,
             },
             "bundle": f.bundle,
+            "gpu": None if f.gpu is None else {"status": f.gpu[0], "reason": f.gpu[1]},
             "verifier": {"cvm_tune": _version("cvm-tune"), "dcap_qvl": dcap_qvl.__version__},
         }
 

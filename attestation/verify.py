@@ -26,21 +26,30 @@ Steps (quote level):
 14. ``event_log.names``    RTMR3 names in the policy's boot / app allow-lists, none with ':'
 15. ``policy.measurements`` MRTD/RTMR0-2 in the policy's allow-lists (skip when none listed)
 16. ``policy.compose_hash`` / ``policy.app_id`` from the event log in the policy's lists (skip when none); a pinned compose-hash
-    must also be the one a non-zero MRCONFIGID binds (v1 or v2)
+    must also be the one a non-zero MRCONFIGID binds (v1, v2, or v3 with its MrConfigV3 document)
+16b. ``gpu.policy``       the measured gpu-policy-hash in the policy's ``expected_gpu_policy_hashes`` (skip when none)
+
+An ``Attest`` answer (:func:`attest_verdict`, dstack's VersionedAttestation) adds two steps around these:
+ 0. ``attestation.parse``  the answer decodes (SCALE V0 or MessagePack V1, TDX); else the verdict is this one failure
+17. ``attestation.stack``  the answer's report_data is the quote's, and its runtime events are the log's RTMR3 events
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from attestation.compose.app_compose import check_mr_config_id
+from attestation.tdx.attest import AttestationFormatError, VersionedAttestation, answer_attestation
 from attestation.tdx.dcap import Collateral, DcapResult, collateral_chain_problems, dcap_verify, quote_chain_problems
 from attestation.errors import QuoteParseError
 from attestation.tdx.eventlog import Event, boot_info, name_problems, replay
+from attestation.tdx.gpu_dstack import policy_step
 from attestation.policy import Policy
 from attestation.tdx.quote import Quote, TdReport
 from attestation.tdx.roots import INTEL_SGX_ROOT_CA_DER
 from attestation.verdict import Check, QuoteFindings, Status, Verdict, iso_utc
 
-__all__ = ["Check", "QuoteFindings", "Status", "Verdict", "quote_verdict", "verify_quote"]
+__all__ = ["Check", "QuoteFindings", "Status", "Verdict", "attest_verdict", "quote_verdict", "verify_quote"]
 
 
 def quote_verdict(
@@ -51,6 +60,7 @@ def quote_verdict(
     collateral: Collateral | None,
     events: tuple[Event, ...] | None = None,
     expected_report_data: bytes | None = None,
+    mr_config: bytes | None = None,
 ) -> Verdict:
     """``cvm-tune verify-quote``: the quote-level steps as a :class:`Verdict`.
 
@@ -59,8 +69,60 @@ def quote_verdict(
     """
     Quote.from_bytes(raw)
     f = verify_quote(raw, policy=policy, now=now, collateral=collateral, events=events,
-                     expected_report_data=expected_report_data)
+                     expected_report_data=expected_report_data, mr_config=mr_config)
     return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
+
+
+def attest_verdict(
+    answer: dict[str, Any] | str,
+    *,
+    source: str,
+    policy: Policy,
+    now: int,
+    collateral: Collateral | None,
+    events: tuple[Event, ...] | None = None,
+    expected_report_data: bytes | None = None,
+    mr_config: bytes | None = None,
+) -> Verdict:
+    """``cvm-tune verify-quote`` on a guest agent's ``Attest`` answer (``{"attestation": hex}``).
+
+    An answer that does not decode is a rejection (``attestation.parse`` fails, saying why), not an input error:
+    the file was read, and what it holds is not evidence. ``events`` (``--event-log``) replaces the answer's log;
+    ``mr_config`` (``--mr-config``) the MrConfigV3 document of its ``vm_config``. A str ``answer`` is why the file
+    did not parse as JSON (:func:`attestation.tdx.inputs.attest_answer`).
+    """
+    f = QuoteFindings()
+    try:
+        if isinstance(answer, str):
+            raise AttestationFormatError(f"{source}: {answer}")
+        att = answer_attestation(answer, source)
+    except AttestationFormatError as exc:
+        f.add("attestation.parse", "fail", exc.message)
+        return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
+    f.add("attestation.parse", "pass", f"{'MessagePack V1' if att.encoding == 'msgpack-v1' else 'SCALE V0'} "
+          f"VersionedAttestation, platform {att.platform}: a {len(att.quote)}-byte quote, {len(att.events)} events")
+    use = events if events is not None else att.events
+    verify_quote(att.quote, policy=policy, now=now, collateral=collateral, events=use,
+                 expected_report_data=expected_report_data, findings=f,
+                 mr_config=mr_config if mr_config is not None else att.mr_config)
+    _stack_step(f, att)
+    return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
+
+
+def _stack_step(f: QuoteFindings, att: VersionedAttestation) -> None:
+    """(17) What the answer says beside the quote agrees with what the quote signs (nothing of it is used otherwise)."""
+    problems = []
+    td = f.quote.td if f.quote else None
+    if td is None:
+        problems.append("no TDX quote to compare the answer with")
+    elif td.report_data != att.report_data:
+        problems.append("stack report_data is not the quote's report_data")
+    rtmr3 = [(e.event, e.payload) for e in att.events if e.imr == 3 and e.is_runtime]
+    if list(att.runtime_events) != rtmr3:
+        problems.append(f"stack runtime_events ({len(att.runtime_events)}) are not the event log's RTMR3 events "
+                        f"({len(rtmr3)}) in order")
+    f.add("attestation.stack", "fail" if problems else "pass", "; ".join(problems) or
+          "report_data and runtime events agree with the quote and its event log")
 
 
 def verify_quote(
@@ -72,6 +134,7 @@ def verify_quote(
     events: tuple[Event, ...] | None = None,
     expected_report_data: bytes | None = None,
     findings: QuoteFindings | None = None,
+    mr_config: bytes | None = None,
 ) -> QuoteFindings:
     """Run steps 1-16 and return the findings (checks appended in order)."""
     f = findings or QuoteFindings()
@@ -116,7 +179,7 @@ def verify_quote(
     else:
         _event_log_steps(f, q.td, events, policy)
     # (15) + (16) policy pins
-    _policy_steps(f, q.td, policy)
+    _policy_steps(f, q.td, policy, mr_config)
     return f
 
 
@@ -197,7 +260,7 @@ def _event_log_steps(f: QuoteFindings, td: TdReport, events: tuple[Event, ...], 
     f.add("event_log.names", "fail" if bad else "pass", "; ".join(bad) or "every RTMR3 event name is allowed by the policy")
 
 
-def _policy_steps(f: QuoteFindings, td: TdReport, policy: Policy) -> None:
+def _policy_steps(f: QuoteFindings, td: TdReport, policy: Policy, mr_config: bytes | None = None) -> None:
     pins = {
         "MRTD": (policy.expected_mrtd, td.mr_td),
         "RTMR0": (policy.expected_rtmr0, td.rt_mr0),
@@ -219,6 +282,9 @@ def _policy_steps(f: QuoteFindings, td: TdReport, policy: Policy) -> None:
         ok = got is not None and got in allowed
         detail = f"{event} {got or '(absent)'} {'is' if ok else 'is not'} allowed"
         if ok and f.boot and event == "compose-hash":  # and the VMM's MRCONFIGID, when set, binds the same compose
-            ok, how = check_mr_config_id(td.mr_config_id, got, f.boot.hex("app-id"), f.boot.values.get("key-provider"))
+            ok, how = check_mr_config_id(td.mr_config_id, got, f.boot.hex("app-id"), f.boot.values.get("key-provider"),
+                                         boot=f.boot, mr_config=mr_config)
             detail += f"; {how}"
         f.add(name, "pass" if ok else "fail", detail)
+    # (16b) the GPU policy dstack 0.6 measured (gpu-policy-hash) is one the policy allows
+    f.add("gpu.policy", *policy_step(f.boot.hex("gpu-policy-hash") if f.boot else None, policy.expected_gpu_policy_hashes))

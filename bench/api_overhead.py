@@ -30,8 +30,9 @@ KEY = "tml-bench"
 BASE = "cvm-tune/tiny-llama"
 
 
-def _server(tmp: Path, config: str = "") -> tuple[subprocess.Popen[bytes], str]:
-    """``api serve --plain-http`` on a free loopback port, its output volume in ``tmp`` (``config``: more YAML)."""
+def _server(tmp: Path, config: str = "", keys: str = KEY) -> tuple[subprocess.Popen[bytes], str]:
+    """``api serve --plain-http`` on a free loopback port, its output volume in ``tmp`` (``config``: more YAML;
+    ``keys``: the API keys it accepts, comma-separated)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -40,7 +41,7 @@ def _server(tmp: Path, config: str = "") -> tuple[subprocess.Popen[bytes], str]:
     log = tmp / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "app", "api", "serve", "--plain-http", "--listen",
                              f"127.0.0.1:{port}", "--config", str(cfg)], stdout=open(log, "wb"),  # noqa: SIM115
-                            stderr=subprocess.STDOUT, env={**os.environ, "CVM_TUNE_API_KEYS": KEY,
+                            stderr=subprocess.STDOUT, env={**os.environ, "CVM_TUNE_API_KEYS": keys,
                                                            "HF_HUB_OFFLINE": "1",
                                                            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     while b"listening on" not in log.read_bytes():

@@ -12,13 +12,16 @@
 #     bash bench/gpu-checks.sh OUT padding                  # the padding-free test (two Unsloth runs): about 4 minutes
 #     bash bench/gpu-checks.sh OUT api                      # the API's GPU tests + its overhead: about 4 minutes
 #     bash bench/gpu-checks.sh OUT tenants                  # 8 tenants on one GPU (packed passes): about 3 minutes
+#     bash bench/gpu-checks.sh OUT quick                    # one short call, at most 8 minutes: the benchmark at 6
+#                                                           # steps, the GPU pipeline test, the API's GPU tests, the
+#                                                           # sampling benchmark (1B shape) and 8 tenants at 8 steps
 #     bash bench/gpu-checks.sh OUT all                      # all five (too long for one device call)
 # Measured on one H200 (2026-11-26): the benchmark 3.6 min at 20 steps; pytest -m gpu (without the API's) about 5 min.
 # 2026-11-28: the GPU pipeline test 79 s, the API's Unsloth test 79 s and its 4-bit HF test 27 s (+ 14 s to build the
 # model once); the padding-free test needed more than 150 s for its two runs.
 set -uo pipefail
 
-OUT=${1:?usage: bench/gpu-checks.sh OUT bench|tests|padding|api|tenants|all [STEPS] [WARMUP]}
+OUT=${1:?usage: bench/gpu-checks.sh OUT quick|bench|tests|padding|api|tenants|all [STEPS] [WARMUP]}
 PART=${2:-all}
 STEPS=${3:-20}
 WARMUP=${4:-6}
@@ -66,4 +69,19 @@ if [ "$PART" = tenants ] || [ "$PART" = all ]; then
     --base llama-1b \
     --out "$OUT/api-tenants-gpu.json" 2>&1 | tee "$OUT/api-tenants.log"
   say "tenants: rc ${PIPESTATUS[0]}"
+fi
+if [ "$PART" = quick ]; then  # each part's limit adds up to 480 s, so the call ends within 8 minutes
+  say "quick: training benchmark (6 steps, warmup 2)"
+  timeout 100 python3 bench/gpu_train.py --steps 6 --warmup 2 --timeout 45 --out "$OUT" 2>&1 | tee "$OUT/gpu-train.log"
+  say "quick: training benchmark: rc ${PIPESTATUS[0]}"
+  gpu_pytest pytest-gpu-pipeline 110 tests/test_gpu.py -k pipeline_on_gpu
+  gpu_pytest pytest-gpu-api 130 tests/test_gpu_api.py
+  say "quick: sampling (Llama-3.2-1B shape): the API's sampler against transformers' generate"
+  timeout 60 python3 bench/api_sampling.py --base llama-1b --rounds 3 --tenants 0 \
+    --out "$OUT/api-sampling-gpu.json" 2>&1 | tee "$OUT/api-sampling.log"
+  say "quick: sampling: rc ${PIPESTATUS[0]}"
+  say "quick: 8 tenants (Llama-3.2-1B shape, 8 steps)"
+  timeout 80 python3 bench/api_tenants.py --tenants 8 --steps 8 --batch 8 --tokens 128 --repeats 1 --backend hf \
+    --base llama-1b --out "$OUT/api-tenants-gpu.json" 2>&1 | tee "$OUT/api-tenants.log"
+  say "quick: tenants: rc ${PIPESTATUS[0]}"
 fi

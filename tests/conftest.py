@@ -70,24 +70,28 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def simulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatorServer]:
+def sock_dir(tmp_path: Path) -> Iterator[Path]:
+    """A private directory for unix sockets whose paths fit in ``sun_path`` (107 bytes) whatever ``$TMPDIR`` is:
+    the test's own temp directory when a socket name fits there, else a new directory under /tmp (removed after)."""
+    if len(os.fsencode(str(tmp_path / "0123456789abcdef.sock"))) <= MAX_SOCKET_PATH:
+        yield tmp_path
+        return
+    with tempfile.TemporaryDirectory(prefix="s-", dir="/tmp") as short:
+        yield Path(short)
+
+
+@pytest.fixture
+def simulator(sock_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatorServer]:
     """A dstack guest-agent simulator on a unix socket; ``DSTACK_SIMULATOR_ENDPOINT`` points at it.
 
     Yields the running :class:`SimulatorServer`; ``.agent`` is its :class:`GuestAgentSimulator`.
     """
-    sock = tmp_path / "dstack.sock"
-    short_dir = None
-    if len(os.fsencode(str(sock))) > MAX_SOCKET_PATH:  # a long TMPDIR (macOS) would not fit in sun_path
-        short_dir = tempfile.TemporaryDirectory(prefix="dstack-", dir="/tmp")
-        sock = Path(short_dir.name) / "dstack.sock"
-    server = SimulatorServer(GuestAgentSimulator(), socket_path=sock).start()
+    server = SimulatorServer(GuestAgentSimulator(), socket_path=sock_dir / "dstack.sock").start()
     monkeypatch.setenv("DSTACK_SIMULATOR_ENDPOINT", server.endpoint)
     try:
         yield server
     finally:
         server.stop()
-        if short_dir is not None:
-            short_dir.cleanup()
 
 
 @pytest.fixture(scope="session")

@@ -367,8 +367,8 @@ def test_dp_sgd_per_model_reports_epsilon_and_chains_it(server: Server, state: d
 
 def test_one_volume_one_writer_the_nightly_run_skips_and_a_second_server_is_refused(server: Server,
                                                                                     tmp_path: Path) -> None:
-    """The server holds the volume's run lock: a nightly ``cvm-tune run`` on it says ``skipped: locked`` and writes
-    nothing (two writers would fork the audit chain), and a second ``api serve`` on it exits 7 before it listens."""
+    """The server holds the volume's run lock: a ``cvm-tune run`` on it exits 7 saying who holds it and writes nothing
+    (two writers would fork the audit chain), and a second ``api serve`` on it exits 7 before it listens."""
     import subprocess
     import sys
 
@@ -377,7 +377,8 @@ def test_one_volume_one_writer_the_nightly_run_skips_and_a_second_server_is_refu
     exports = sorted(p.name for p in (server.out / "exports").iterdir())
     run = subprocess.run([sys.executable, "-m", "app", "run", "--config", str(server.cfg)], env=server.env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and "skipped: locked" in run.stdout, run.stdout + run.stderr
+    assert run.returncode == 7 and "is in use by another cvm-tune process (pid " in run.stderr, run.stdout + run.stderr
+    assert "Export bundle" not in run.stdout
     second = Server(tmp_path, keys=(ALICE,))
     second.cfg.write_text(server.cfg.read_text())  # the same output volume
     proc = subprocess.run(second.cmd, env=second.env, cwd=tmp_path, capture_output=True, text=True, timeout=300)

@@ -214,3 +214,83 @@ def test_the_server_says_when_a_client_refuses_its_certificate(tls_server: Serve
         time.sleep(0.1)
     line = next(x for x in tls_server.log.read_text().splitlines() if "refused this server's certificate" in x)
     assert "cvm-tune api attest https://127.0.0.1:" in line and "SSL_CERT_FILE" in line
+
+
+def test_attest_checks_a_v3_config_id_against_its_document(serve: Any, tmp_path: Path) -> None:
+    """dstack 0.6 sets MRCONFIGID v3 when the app-compose names a ``key_provider_id``: the document's ``vm_config``
+    carries the MrConfigV3 document it is the hash of, and attest checks it against the measured boot events as
+    ``verify-quote`` does; without the document (or with another one) nothing binds the compose-hash: rejected."""
+    import urllib.parse
+
+    from attestation.policy import policy_file_text, simulator_policy
+
+    from app.api.tls import SCHEMA, report_data
+    from app.simulator import SimulatorSettings
+    from app.simulator.agent import GuestAgentSimulator
+    from tests.loopback_http import send
+
+    compose = json.loads(GuestAgentSimulator().app_compose)
+    kms_id = json.loads(GuestAgentSimulator().key_provider_info)["id"]
+    sim = GuestAgentSimulator(SimulatorSettings(app_compose=json.dumps({**compose, "key_provider_id": kms_id})))
+    assert sim.mr_config is not None
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(policy_file_text(simulator_policy(sim.test_root_ca_der)))
+    vm_config: list[Any] = [None]
+
+    def answer(h: Any, _s: Any) -> None:
+        nonce = bytes.fromhex(urllib.parse.parse_qs(urllib.parse.urlsplit(h.path).query)["nonce"][0])
+        q = sim.get_quote(report_data(nonce, b""))
+        doc = {"schema": SCHEMA, "nonce": nonce.hex(), "tls_spki_sha256": None, "certificate_pem": None,
+               "quote": q["quote"], "event_log": q["event_log"], "app_compose": sim.app_compose,
+               "collateral": sim.collateral_json(), **({"vm_config": vm_config[0]} if vm_config[0] else {})}
+        send(h, 200, json.dumps(doc).encode(), Content_Type="application/json")
+
+    server = serve(answer)
+    trust = tmp_path / "trust.pem"
+    vm_config[0] = sim.vm_config
+    code, out = _attest(server.url, policy, trust)
+    assert code == 0 and "trusted (plain HTTP on loopback" in out, out
+    trust.unlink(missing_ok=True)
+    vm_config[0] = None
+    code, out = _attest(server.url, policy, trust)
+    assert code == 1 and "MRCONFIGID v3 binds a MrConfigV3 document and none was given" in out and not trust.exists(), out
+    vm_config[0] = json.dumps({**json.loads(sim.vm_config), "mr_config": sim.mr_config.replace('"kms"', '"none"')})
+    code, out = _attest(server.url, policy, trust)
+    assert code == 1 and "MRCONFIGID v3 is not SHA-256" in out and not trust.exists(), out
+
+
+def test_the_servers_own_document_carries_the_v3_config_and_attest_trusts_it(sock_dir: Path, tmp_path: Path) -> None:
+    """Under a dstack 0.6 agent whose app-compose names a key provider, the server's attestation document carries
+    the MrConfigV3 document (``mr_config``) its quote's MRCONFIGID v3 is the hash of: ``api attest``'s check binds
+    the compose-hash with it."""
+    from types import SimpleNamespace
+
+    from attestation.compose.app_compose import check_mr_config_id
+
+    from app.api.attest import _mr_config
+    from app.api.tls import attestation
+    from app.config import TeeSettings
+    from app.simulator import SimulatorServer, SimulatorSettings
+    from app.simulator.agent import GuestAgentSimulator
+    from app.tee import open_guest_agent
+    from attestation.policy import simulator_policy
+    from attestation.tdx.inputs import event_log_from_json
+    from attestation.verify import quote_verdict
+
+    compose = json.loads(GuestAgentSimulator().app_compose)
+    kms_id = json.loads(GuestAgentSimulator().key_provider_info)["id"]
+    sim = GuestAgentSimulator(SimulatorSettings(app_compose=json.dumps({**compose, "key_provider_id": kms_id})))
+    with SimulatorServer(sim, socket_path=sock_dir / "a.sock") as srv, \
+            open_guest_agent(TeeSettings(mode="dstack", endpoint=srv.endpoint)) as agent:
+        doc = attestation(SimpleNamespace(agent=agent, ident=agent.identity()), None, "ab" * 16, lambda _q: None)
+    assert doc["mr_config"] == sim.mr_config
+    events = event_log_from_json(doc["event_log"], source="attestation event_log")
+    found = quote_verdict(bytes.fromhex(doc["quote"]), policy=simulator_policy(sim.test_root_ca_der),
+                          now=int(time.time()), collateral=None, events=events).findings
+    assert found.quote is not None and found.boot is not None and found.quote.td.mr_config_id[0] == 3  # v3
+    boot = found.boot
+    bound, how = check_mr_config_id(found.quote.td.mr_config_id, boot.hex("compose-hash"), boot.hex("app-id"),
+                                    boot.values.get("key-provider"), boot=boot, mr_config=_mr_config(doc))
+    assert bound, how
+    assert not check_mr_config_id(found.quote.td.mr_config_id, boot.hex("compose-hash"), boot.hex("app-id"),
+                                  boot.values.get("key-provider"), boot=boot, mr_config=None)[0]  # it needs it

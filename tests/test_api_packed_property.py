@@ -194,6 +194,7 @@ def test_a_replay_pads_as_far_as_the_bundle_says_and_not_at_all_for_a_bundle_tha
     from attestation.bundle import manifest as B
 
     from app.api import replay, wire
+    from app.config.api import ApiSettings
     from tests.api_inproc import fb_record
 
     records = [fb_record([[5, 9]]), {"op": "optim_step", "adam_params": dict(ADAM)},
@@ -208,7 +209,7 @@ def test_a_replay_pads_as_far_as_the_bundle_says_and_not_at_all_for_a_bundle_tha
                 if r["op"] == "optim_step":
                     engine.optim_step(m.id, ADAM)
                 else:  # the op exactly as a replay parses it, for this model
-                    op = replay._fb(r, {})
+                    op = replay.server_op(r, {}, engine.vocab, ApiSettings())
                     engine.forward_backward(wire.Op(m.id, op.loss_fn, op.forward_only, op.data, op.loss_fn_config))
             made[rows] = (m.op_head, engine.adapter_bytes(m))
         finally:

@@ -1,6 +1,6 @@
 """The training API's benchmarks cannot rot: each runs end to end at its smallest size on the CPU and writes its JSON.
 
-bench/api_overhead.py, api_tenants.py, api_storage.py and api_custom_loss.py call the engine and the service
+bench/api_overhead.py, api_tenants.py, api_storage.py, api_custom_loss.py and api_sampling.py call the engine and the service
 directly, beside the SDK; a change of those signatures breaks a benchmark nobody runs until a GPU machine is lent
 (where `bench/gpu-checks.sh OUT api` runs api_overhead.py). Figures are not checked here (machines are noisy): only that
 each run finishes and reports what docs/performance.md reads from it.
@@ -27,6 +27,9 @@ CASES = {
                     {"one_tenant", "tenants_runs", "ratio_tenants_over_one", "server_batching"}),
     "api_storage": (["--steps", "3"], {"results", "ratios"}),
     "api_custom_loss": (["--steps", "2", "--datums", "1", "--tokens", "16"], {"builtin_ms", "custom_ms", "ratio"}),
+    "api_sampling": (["--samples", "2", "--tokens", "4", "--rounds", "1", "--tenants", "2", "--tenant-samples", "1",
+                      "--tenant-tokens", "4", "--tenant-rounds", "1"],
+                     {"ratio_in_process_over_generate", "ratio_api_over_generate", "ratio_many_over_one"}),
 }
 
 

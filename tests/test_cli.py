@@ -68,11 +68,11 @@ def test_simulator_write_policy(tmp_path: Path) -> None:
     assert policy.uses_test_root and policy.trusted_root.test_only
 
 
-def test_simulator_command_serves_the_protocol(tmp_path: Path) -> None:
+def test_simulator_command_serves_the_protocol(sock_dir: Path) -> None:
     """`cvm-tune simulator --socket` as a real process, reached with the dstack SDK."""
     from dstack_sdk import DstackClient
 
-    sock = tmp_path / "d.sock"
+    sock = sock_dir / "d.sock"
     proc = subprocess.Popen([sys.executable, "-m", "app", "simulator", "--socket", str(sock)],
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

@@ -21,7 +21,7 @@ from app.cli import main as cli_main
 from app.config import Config
 from app.dataset import encrypt_stream
 from app.dataset.format_header import read_header
-from app.errors import CiphertextRejected, ConfigError, DatasetFormatError
+from app.errors import CiphertextRejected, ConfigError, DatasetFormatError, NotARecipientError
 from app.run.inputs import scratch_dir
 from app.run.pipeline import RunHooks, run_once
 from attestation.outputs import confidential as C
@@ -323,15 +323,17 @@ def test_adapter_decrypt_refuses_and_writes_nothing(night: dict[str, Any], tmp_p
         (bundle / SEALED).write_bytes(bytes(data))
     code = cli_main(["adapter", "decrypt", str(bundle), "--identity", str(key), "-o", str(out), "--policy",
                      _policy_file(night)])
-    want = ConfigError if case == "non-empty" else CiphertextRejected  # the bundle does not verify with this identity
-    assert code == want.exit_code and code == (2 if case == "non-empty" else 1)
+    want = {"non-empty": ConfigError, "stranger": NotARecipientError}.get(case, CiphertextRejected)
+    assert code == want.exit_code and code == {"non-empty": 2, "stranger": 4}.get(case, 1)
     printed = capsys.readouterr()
     err = printed.err
-    assert err.startswith("error: ") and ("is not an empty directory" if case == "non-empty" else
-                                          "does not verify with this identity") in err, err
-    if case != "non-empty":
-        failed = "confidential.plaintext" if case == "stranger" else "manifest.files"
-        assert f"FAIL {failed}" in printed.out, printed.out
+    says = {"non-empty": "is not an empty directory", "stranger": "is not among the recipients"}
+    assert err.startswith("error: ") and says.get(case, "does not verify with this identity") in err, err
+    if case == "stranger":  # named, with every recipient the manifest lists; no --policy advice
+        info = json.loads((bundle / "manifest.json").read_bytes())["confidentiality"]
+        assert all(r in err for r in info["recipients"]) and "(the CVM's own)" in err and "--policy" not in err
+    elif case != "non-empty":
+        assert "FAIL manifest.files" in printed.out, printed.out
     if case == "non-empty":
         assert [p.name for p in out.iterdir()] == ["keep"]
     else:

@@ -1,7 +1,9 @@
 """The tinker-cookbook's recipes, unmodified, against ``cvm-tune api serve`` on the tiny model (docs/api.md, "The
 Tinker cookbook"): ``sl_loop`` and its resume from its own checkpoint, ``rl_loop`` (stop strings: the role-colon
-renderer stops on ``"\\n\\nUser:"``), the DPO recipe and ``prompt_distillation``. Every checkpoint any of them saved
-then verifies with ``cvm-tune verify``.
+renderer stops on ``"\\n\\nUser:"``), the DPO recipe and ``prompt_distillation``; and the cookbook's RL training code
+(``tinker_cookbook.rl.train``) on a task with a verifiable reward (tests/cookbook_rl_task.py), which it must learn,
+its final checkpoint replayed from the ops it sent. Every checkpoint any of them saved then verifies with
+``cvm-tune verify``.
 
 The recipes run in the cookbook's own venv (tests/cookbook_env.py: made on first use, a few minutes, then cached),
 offline: the tokenizer and renderer through the cookbook's registries, the Hub datasets from local stand-ins
@@ -103,6 +105,34 @@ def test_rl_loop_samples_with_its_renderers_stop_string(server: Server, venv_pyt
                  "group_size=4", "max_tokens=16", "lora_rank=8", "save_every=1", "learning_rate=0.001")
     assert [(r["name"], r["batch"]) for r in records(log)] == [("000001", 1), ("final", 2)]
     assert "Training completed" in out
+
+
+def test_the_cookbooks_rl_training_learns_a_verifiable_task_through_the_api(server: Server, venv_python: Path,
+                                                                          data: Path) -> None:
+    """tinker_cookbook.rl.train with a task of its own (tests/cookbook_rl_task.py): the reward is the share of low
+    token ids in a completion. Every batch has non-zero advantages and trains, and the policy learns it: the mean
+    reward of the last third of the batches is above that of the first third."""
+    from tests.api_inproc import verify
+
+    log, ops = data / "runs" / "rl-task", data / "rl-task-ops.jsonl"
+    recipe(server, venv_python, data, "tests.cookbook_rl_task", f"log_path={log}", f"ops_path={ops}", timeout=600)
+    rows = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["env/all/reward/total"] for r in rows]
+    third = len(rewards) // 3
+    assert len(rewards) == 12 and all(r["progress/batch"] == i for i, r in enumerate(rows))
+    assert sum(rewards[-third:]) / third > sum(rewards[:third]) / third, rewards
+    assert all(r["env/all/by_group/frac_mixed"] > 0 for r in rows[:third]), rows  # rewards differ in every group
+    sent = [json.loads(x) for x in ops.read_text().splitlines()]
+    assert [o["op"] for o in sent] == ["forward_backward", "optim_step"] * 12
+    advantages = [a for o in sent[:2 * third:2] for d in o["data"] for a in d["loss_fn_inputs"]["advantages"]]
+    assert {o["loss_fn"] for o in sent[::2]} == {"importance_sampling"} and any(a != 0 for a in advantages)
+    # the final checkpoint's bundle verifies with the ops the loop sent, and they replay to its weights
+    final = next(r for r in records(log) if r["name"] == "final")
+    with sqlite3.connect(f"file:{server.out / 'state' / 'runs.sqlite'}?mode=ro", uri=True) as db:
+        (bundle,), = db.execute("SELECT bundle FROM api_checkpoints WHERE path = ?", (final["state_path"],))
+    code, doc = verify(Path(bundle), server.out / "simulator-test-policy.yaml", ops, "--replay")
+    checks = {c["name"]: c["status"] for c in doc["checks"]}
+    assert code == 0 and checks["op_chain.ops"] == checks["op_chain.replay"] == "pass", doc
 
 
 def test_dpo_recipe_trains_against_a_reference_sampler(server: Server, venv_python: Path, data: Path) -> None:

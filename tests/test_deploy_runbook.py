@@ -192,7 +192,7 @@ def test_token_app_id_and_wrong_hash(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert f"app-id        {hashlib.sha256(raw).hexdigest()[:40]}\n" in capsys.readouterr().out
     assert main([*base, "--bundles-token", "t", "--key-provider-id", "ab" * 32, "--app-id", "ef" * 20, "--out-dir", "e"]) == 0
     out = capsys.readouterr().out
-    assert "app-id        " + "ef" * 20 + " (pinned by your KMS deployment)" in out and "mr_config_id  v2 02" in out
+    assert "app-id        " + "ef" * 20 + " (pinned by your KMS deployment)" in out and "mr_config_id  v3 03 || SHA-256 of the MrConfigV3" in out
 
 
 def test_compose_hash_from_info_takes_the_measured_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -100,6 +100,8 @@ def test_simulate_runs_verified_rounds_and_leaves_nothing_running(simulated: tup
         assert sorted(a["client"] for a in m["admitted"]) == ["owner-a", "owner-b", "owner-c"] and m["rejected"] == []
     policy = out / "simulator-test-policy.yaml"
     assert f"round 2: 3 admitted, 0 rejected: {rounds[1]}\n" in text and rounds[1].is_absolute()
+    live = [ln.split(":")[0] for ln in text.splitlines() if ln.startswith("round ")]  # each round as it happened
+    assert live == ["round 1/2", "round 1", "round 2/2", "round 2"], text
     assert "Verdict (simulator-test-policy.yaml): ACCEPTED" in text
     from app.cli.federated import round_summary
 
@@ -212,7 +214,7 @@ def test_a_round_bundle_that_fails_verification_fails_the_command(simulated: tup
     (rounds / "round-0002" / R.GLOBAL_ADAPTER).write_bytes(bytes(raw))
     prepared = simulate.Prepared(src / "aggregator" / "config.yaml", (), src / "simulator-test-policy.yaml", rounds)
     monkeypatch.setattr(simulate, "prepare", lambda plan: prepared)
-    monkeypatch.setattr(simulate, "run_rounds", lambda p: FederationResult(
+    monkeypatch.setattr(simulate, "run_rounds", lambda p, progress=None: FederationResult(
         [(1, rounds / "round-0001"), (2, rounds / "round-0002")], []))
     assert _main(["federated", "simulate", "--out", str(tmp_path / "fed")]) == 7
     err = capsys.readouterr().err

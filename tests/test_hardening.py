@@ -370,12 +370,12 @@ def test_a_policy_root_that_does_not_anchor_the_chains_is_rejected_without_calli
     assert "quote.signature: not checked" in out
 
 
-def test_stale_simulator_socket_dirs_are_removed_live_ones_kept(tmp_path: Path) -> None:
+def test_stale_simulator_socket_dirs_are_removed_live_ones_kept(sock_dir: Path) -> None:
     import socket
 
-    from app.tee import remove_stale_simulator_dirs
+    from app.simulator.sockets import remove_stale_simulator_dirs
 
-    stale, live, fresh = (tmp_path / f"cvm-tune-sim-{n}" for n in ("stale", "live", "fresh"))
+    stale, live, fresh = (sock_dir / f"cvm-tune-sim-{n}" for n in ("stale", "live", "fresh"))
     for d in (stale, live, fresh):
         d.mkdir()
     dead = socket.socket(socket.AF_UNIX)
@@ -385,28 +385,28 @@ def test_stale_simulator_socket_dirs_are_removed_live_ones_kept(tmp_path: Path) 
     alive.bind(str(live / "dstack.sock"))
     alive.listen()
     try:
-        assert remove_stale_simulator_dirs(tmp_path) == ["cvm-tune-sim-stale"]
+        assert remove_stale_simulator_dirs(sock_dir) == ["cvm-tune-sim-stale"]
         assert live.is_dir() and fresh.is_dir() and not stale.exists()
     finally:
         alive.close()
 
 
-def test_a_simulator_too_busy_to_answer_is_not_judged_stale(tmp_path: Path) -> None:
+def test_a_simulator_too_busy_to_answer_is_not_judged_stale(sock_dir: Path) -> None:
     """Liveness is the owner's lock: a socket that does not answer (a loaded machine) is kept while the lock is held,
     and removed once the owner is gone."""
     import socket
 
-    from app.tee import SIM_DIR_PREFIX, hold_owner_lock, remove_stale_simulator_dirs
+    from app.simulator.sockets import SIM_DIR_PREFIX, hold_owner_lock, remove_stale_simulator_dirs
 
-    busy = tmp_path / f"{SIM_DIR_PREFIX}busy"
+    busy = sock_dir / f"{SIM_DIR_PREFIX}busy"
     busy.mkdir()
     sock = socket.socket(socket.AF_UNIX)
     sock.bind(str(busy / "dstack.sock"))  # bound, not listening: a connect is refused, as under load it times out
     try:
         with hold_owner_lock(busy):
-            assert remove_stale_simulator_dirs(tmp_path) == []
+            assert remove_stale_simulator_dirs(sock_dir) == []
             assert (busy / "dstack.sock").exists()
-        assert remove_stale_simulator_dirs(tmp_path) == [busy.name]  # the owner let go: now it is stale
+        assert remove_stale_simulator_dirs(sock_dir) == [busy.name]  # the owner let go: now it is stale
         assert not busy.exists()
     finally:
         sock.close()
@@ -417,7 +417,7 @@ def test_a_simulator_directory_being_set_up_is_never_judged_stale(tmp_path: Path
     the directory: ``owner.lock`` never exists unlocked (an unlocked one reads as a dead owner)."""
     import fcntl
 
-    from app.tee import SIM_DIR_PREFIX, hold_owner_lock, remove_stale_simulator_dirs
+    from app.simulator.sockets import SIM_DIR_PREFIX, hold_owner_lock, remove_stale_simulator_dirs
 
     new = tmp_path / f"{SIM_DIR_PREFIX}new"
     new.mkdir()

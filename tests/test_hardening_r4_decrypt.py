@@ -87,11 +87,16 @@ def test_a_forged_bundle_is_refused_and_nothing_is_written(night: dict[str, Any]
     assert [x for x in capsys.readouterr().out.splitlines() if x.startswith("FAIL ")] == stdout.splitlines()[1:]
 
 
-def test_a_stranger_is_refused_by_the_verdict(night: dict[str, Any], tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_stranger_is_told_it_is_not_a_recipient(night: dict[str, Any], tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """An identity the manifest does not name is refused before anything is verified or written (exit 4, key error),
+    with the recipients listed; no advice to pass another --policy."""
+    from app.errors import NotARecipientError
+
     out = tmp_path / "out"
-    assert _decrypt(night, out, key=night["stranger_key"]) == 1 and not out.exists()
-    assert "FAIL confidential.plaintext" in capsys.readouterr().out
+    assert _decrypt(night, out, key=night["stranger_key"]) == NotARecipientError.exit_code == 4 and not out.exists()
+    printed = capsys.readouterr()
+    assert "is not among the recipients" in printed.err and "--policy" not in printed.err and "FAIL" not in printed.out
 
 
 @pytest.mark.timeout(30)

@@ -178,12 +178,12 @@ def test_case_08_rollback_refused_after_a_real_run(flow: SimpleNamespace, monkey
     assert trained == []
 
 
-def test_compose_hash_not_in_the_owners_policy_gets_no_key(tmp_path: Path, flow: SimpleNamespace,
+def test_compose_hash_not_in_the_owners_policy_gets_no_key(tmp_path: Path, sock_dir: Path, flow: SimpleNamespace,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     compose = json.loads(SIM.app_compose)
     compose["docker_compose_file"] = compose.get("docker_compose_file", "") + "\n# patched by the operator\n"
     other = SimulatorServer(GuestAgentSimulator(SimulatorSettings(app_compose=json.dumps(compose))),
-                            socket_path=tmp_path / "agent.sock").start()
+                            socket_path=sock_dir / "agent.sock").start()
     monkeypatch.setenv("DSTACK_SIMULATOR_ENDPOINT", other.endpoint)
     try:
         with pytest.raises(KeyReleasePendingError):

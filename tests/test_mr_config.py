@@ -56,15 +56,18 @@ def test_zero_is_not_bound_and_says_so_other_versions_fail() -> None:
     ok, how = C.check_mr_config_id(bytes(48), NEAR_EVENTS["compose-hash"], None, None)
     assert ok and "zero" in how and "RTMR3 alone" in how
     ok, how = C.check_mr_config_id(b"\x03" + bytes(47), NEAR_EVENTS["compose-hash"], None, None)
-    assert not ok and "version 3" in how
+    assert not ok and "v3" in how and "none was given" in how  # v3 needs its document (tests/test_dstack06_verify.py)
+    ok, how = C.check_mr_config_id(b"\x04" + bytes(47), NEAR_EVENTS["compose-hash"], None, None)
+    assert not ok and "version 4" in how
 
 
 def test_expected_form_follows_the_app_compose() -> None:
     h = "ab" * 32
     assert C.expected_mr_config_id({"kms_enabled": True}, h, None) == ("v1", "01" + h + "00" * 15)
     doc = {"kms_enabled": True, "key_provider_id": "0x" + "cd" * 8}
-    assert C.expected_mr_config_id(doc, h, None) == ("v2", None)
-    assert C.expected_mr_config_id(doc, h, "ef" * 20) == ("v2", _v2_by_hand(h, "ef" * 20, 2, "cd" * 8).hex())
+    assert C.expected_mr_config_id(doc, h, None, dstack="0.5") == ("v2", None)
+    assert C.expected_mr_config_id(doc, h, "ef" * 20, dstack="0.5") == ("v2", _v2_by_hand(h, "ef" * 20, 2, "cd" * 8).hex())
+    assert C.expected_mr_config_id(doc, h, "ef" * 20) == ("v3", None), "dstack 0.6's VMM makes v3 (not predictable)"
     assert C.key_provider_kind({}) == "none" and C.key_provider_kind({"local_key_provider_enabled": True}) == "local"
     assert C.key_provider_kind({"kms_enabled": True, "key_provider": "tpm"}) == "tpm"
     with pytest.raises(C.ComposeError):
@@ -80,11 +83,10 @@ def test_compose_hash_command_prints_the_form(tmp_path: Path, capsys: pytest.Cap
     path.write_text(json.dumps(doc))
     assert main(["compose-hash", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert (out["mr_config_id_form"], out["mr_config_id"]) == ("v2", None)
+    assert (out["mr_config_id_form"], out["mr_config_id"]) == ("v3", None), "a dstack 0.6 VMM makes v3"
     assert main(["compose-hash", str(path), "--app-id", "ef" * 20]) == 0
     text = capsys.readouterr().out
-    assert f"mr_config_id  v2 {_v2_by_hand(out['compose_hash'], 'ef' * 20, 2, 'cd' * 8).hex()}" in text
-    assert "use_mrconfigid" in text
+    assert f"mr_config_id  v3 {C.MR_CONFIG_V3}" in text and "use_mrconfigid" in text
 
 
 def test_verifier_checks_mrconfigid_when_the_policy_pins_the_compose_hash() -> None:
@@ -104,7 +106,7 @@ def test_simulator_binds_v2_like_dstack_and_the_verifier_accepts_it() -> None:
 
     kms_id = json.loads(GuestAgentSimulator().key_provider_info)["id"]
     text = json.dumps({"name": "v2", "runner": "docker-compose", "kms_enabled": True, "key_provider_id": kms_id})
-    agent = GuestAgentSimulator(SimulatorSettings(app_compose=text))
+    agent = GuestAgentSimulator(SimulatorSettings(app_compose=text, dstack="0.5"))
     quote = bytes.fromhex(agent.get_quote(b"x" * 64)["quote"])
     events = parse_event_log(agent.event_log)
     boot = {e.event: e.payload for e in events if e.imr == 3}
@@ -117,7 +119,7 @@ def test_simulator_binds_v2_like_dstack_and_the_verifier_accepts_it() -> None:
     assert check.status == "pass" and "MRCONFIGID v2 matches" in check.detail, check.detail
     for bad in (text.replace(kms_id, "ab" * 32), text.replace('"kms_enabled": true', '"kms_enabled": false')):
         with pytest.raises(ValueError, match="would refuse to boot"):
-            GuestAgentSimulator(SimulatorSettings(app_compose=bad))
+            GuestAgentSimulator(SimulatorSettings(app_compose=bad, dstack="0.5"))
 
 
 def test_simulator_cli_refuses_an_app_compose_it_cannot_boot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -104,7 +104,8 @@ def test_api_serve_help_says_tls_is_the_default() -> None:
 
 # ---- .gitignore ----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", ["fed-sim/simulator-test-policy.yaml", "ops.jsonl", "trust.pem",
+@pytest.mark.parametrize("path", ["fed-sim/simulator-test-policy.yaml", "fed-secure/simulator-test-policy.yaml",
+                                  "ops.jsonl", "trust.pem",
                                   "dpo-demo/out/exports/run-1/manifest.json"])
 def test_files_the_docs_create_are_ignored_by_git(path: str) -> None:
     proc = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", "-q", path], env={

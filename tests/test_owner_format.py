@@ -124,15 +124,15 @@ def test_v2_round_trip_hashes_cover_the_whole_file(n: int, cs: int) -> None:
     assert read_signed_file_bytes(data).file_sha256 == res.ciphertext_sha256
 
 
-def read_signed_file_bytes(data: bytes, tmp: list = []):  # noqa: B006 - a scratch dir per process
+def read_signed_file_bytes(data: bytes):
+    """``read_signed_file`` on bytes: written to a scratch file, removed again (also when the read raises)."""
     import tempfile
     from pathlib import Path
 
-    if not tmp:
-        tmp.append(tempfile.mkdtemp())
-    path = Path(tmp[0]) / "f.cvmds"
-    path.write_bytes(data)
-    return read_signed_file(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "f.cvmds"
+        path.write_bytes(data)
+        return read_signed_file(path)
 
 
 def test_v1_has_no_signature_and_is_refused_when_an_owner_is_pinned() -> None:

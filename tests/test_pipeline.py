@@ -60,10 +60,10 @@ def test_resume_after_crash_continues_the_run_and_its_audit(tmp_path: Path, monk
 
 
 @pytest.fixture
-def external_simulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def external_simulator(sock_dir: Path, monkeypatch: pytest.MonkeyPatch):
     """A `cvm-tune simulator` that rejects EmitEvent (like dstack simulator >= 0.5.9 / dstack 0.6)."""
     server = SimulatorServer(GuestAgentSimulator(SimulatorSettings(emit_event="reject")),
-                             socket_path=tmp_path / "agent.sock").start()
+                             socket_path=sock_dir / "agent.sock").start()
     monkeypatch.setenv("DSTACK_SIMULATOR_ENDPOINT", server.endpoint)
     yield server
     server.stop()
@@ -72,7 +72,7 @@ def external_simulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 def test_agent_without_emit_event_is_recorded_and_policy_can_require_it(tmp_path: Path, external_simulator,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--config", str(_cfg(tmp_path, tee={"mode": "dstack"}))]) == 0
-    assert "audit events NOT measured" in capsys.readouterr().out
+    assert "audit events not measured into RTMR3 (" in capsys.readouterr().out
     bundle = _bundle(tmp_path)
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert manifest["audit"]["rtmr3"] == "unsupported"
@@ -92,21 +92,23 @@ def test_emit_event_required_fails_closed(tmp_path: Path, external_simulator) ->
     assert not list((tmp_path / "out" / "exports").iterdir())
 
 
-@pytest.mark.parametrize("mode", ["accept", "noop", "reject"])
-def test_emit_support_detection(tmp_path: Path, mode: str) -> None:
-    """noop agents (dstack simulator 0.5.3-0.5.8) say OK but measure nothing: detected, not trusted."""
-    with SimulatorServer(GuestAgentSimulator(SimulatorSettings(emit_event=mode)), socket_path=tmp_path / "s.sock") as srv:
+@pytest.mark.parametrize(("dstack", "mode"), [("0.5", "accept"), ("0.5", "noop"), ("0.5", "reject"), ("0.6", "accept")])
+def test_emit_support_detection(tmp_path: Path, sock_dir: Path, dstack: str, mode: str) -> None:
+    """noop agents (dstack simulator 0.5.3-0.5.8) say OK but measure nothing: detected, not trusted. dstack 0.6
+    always answers EmitEvent with 400: unsupported, and the run goes on."""
+    settings = SimulatorSettings(emit_event=mode, dstack=dstack)  # type: ignore[arg-type]
+    with SimulatorServer(GuestAgentSimulator(settings), socket_path=sock_dir / "s.sock") as srv:
         with open_guest_agent(TeeSettings(mode="dstack", endpoint=srv.endpoint)) as agent:
             rec = AuditRecorder(AuditLog(tmp_path / "audit.jsonl"), agent, require_emit=False)
             rec.record("r1", "run.start", {})
             rec.record("r1", "train.done", {})
-    assert rec.rtmr3 == ("emit_event" if mode == "accept" else "unsupported")
+    assert rec.rtmr3 == ("emit_event" if (dstack, mode) == ("0.5", "accept") else "unsupported")
     assert len(rec.log.entries) == 2 and rec.log.entries[0].prev == GENESIS
 
 
-def test_audit_log_survives_a_torn_append_and_refuses_edits(tmp_path: Path) -> None:
+def test_audit_log_survives_a_torn_append_and_refuses_edits(tmp_path: Path, sock_dir: Path) -> None:
     path = tmp_path / "audit.jsonl"
-    with SimulatorServer(GuestAgentSimulator(), socket_path=tmp_path / "s.sock") as srv:
+    with SimulatorServer(GuestAgentSimulator(), socket_path=sock_dir / "s.sock") as srv:
         with open_guest_agent(TeeSettings(mode="dstack", endpoint=srv.endpoint)) as agent:
             rec = AuditRecorder(AuditLog(path), agent, require_emit=False)
             for t in ("run.start", "train.done", "export"):

@@ -319,7 +319,7 @@ def test_pipeline_resumes_records_verifies_and_budgets_dp(tmp_path: Path, capsys
     entries = [json.loads(line) for line in (bundle / "audit.jsonl").read_text().splitlines()]
     assert [e["data"] for e in entries if e["type"] == "privacy.spent"] == [dp]
     assert f"step 4/4  loss" in (progress := capsys.readouterr().out)  # the running spend, step by step
-    assert f"ε {dp['epsilon']:.4g}\n" in progress and f"spent (ε, δ) = ({dp['epsilon']:.4g}," in progress
+    assert f"ε {dp['epsilon']:.4g}  " in progress and f"spent (ε, δ) = ({dp['epsilon']:.4g}," in progress
 
     assert main(["verify", str(bundle), "--policy", str(_policy(tmp_path, max_epsilon=dp["epsilon"] + 0.01))]) == 0
     out = capsys.readouterr().out

@@ -158,7 +158,8 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_exits_0(tmp_path: Path, re
 
 
 def test_second_process_is_skipped_locked_and_a_killed_holders_lock_is_free(tmp_path: Path) -> None:
-    """Cases 42, 43: a second `serve --once` exits 0 with 'skipped: locked'; SIGKILL of the holder frees it."""
+    """Cases 42, 43: a second `serve --once` exits 0 with 'skipped: locked' (a `run` exits 7 naming the holder);
+    SIGKILL of the holder frees it."""
     cfg = faults.write_config(tmp_path, steps=STEPS, save_steps=SAVE)
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from pathlib import Path; from app.state import run_lock\n"
@@ -171,7 +172,8 @@ def test_second_process_is_skipped_locked_and_a_killed_holders_lock_is_free(tmp_
     assert not (tmp_path / "out" / "runs").exists()  # it did nothing
     manual = subprocess.run([sys.executable, "-m", "app", "run", "--config", str(cfg)], env=faults.env(),
                             capture_output=True, text=True, timeout=120)
-    assert manual.returncode == 0 and "skipped: locked" in manual.stdout
+    assert manual.returncode == 7 and f"in use by another cvm-tune process (pid {holder.pid})" in manual.stderr
+    assert not (tmp_path / "out" / "runs").exists()
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     with run_lock(tmp_path / "out"):  # no cleanup needed: the kernel released the flock

@@ -1,4 +1,5 @@
-"""The embedded dstack guest-agent simulator, exercised through the real ``dstack_sdk`` client.
+"""The embedded dstack guest-agent simulator in its 0.5 mode (dstack 0.5.11), exercised through the real ``dstack_sdk``
+client. The 0.6 mode (the default) is tested in ``test_dstack06_sim.py``.
 
 Everything a verifier relies on is recomputed here rather than trusted: RTMR replay recomputes
 v1 runtime digests from payloads, quotes go through dcap-qvl with the simulator's test root, and
@@ -27,6 +28,20 @@ from app.simulator.server import MAX_SOCKET_PATH
 
 RUNTIME = 0x08000001
 NOW = 1_800_000_000
+
+
+S05 = SimulatorSettings(dstack="0.5")
+
+
+@pytest.fixture
+def simulator(sock_dir, monkeypatch: pytest.MonkeyPatch) -> Iterator[SimulatorServer]:
+    """The conftest fixture's simulator, as dstack 0.5."""
+    server = SimulatorServer(GuestAgentSimulator(S05), socket_path=sock_dir / "dstack.sock").start()
+    monkeypatch.setenv("DSTACK_SIMULATOR_ENDPOINT", server.endpoint)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -208,7 +223,7 @@ def test_flipped_quote_byte_is_rejected(simulator: SimulatorServer) -> None:
 # ----------------------------------------------------------------------------- modes and errors
 @pytest.mark.parametrize("mode", ["noop", "reject"])
 def test_emit_event_modes(mode: str) -> None:
-    agent = GuestAgentSimulator(SimulatorSettings(emit_event=mode))
+    agent = GuestAgentSimulator(SimulatorSettings(dstack="0.5", emit_event=mode))
     with SimulatorServer(agent, port=0) as srv:
         c = dstack_sdk.DstackClient(srv.endpoint)
         rtmr3 = quote_rtmrs(c.get_quote(b"m").decode_quote())[3]
@@ -223,7 +238,7 @@ def test_emit_event_modes(mode: str) -> None:
 
 
 def test_unstripped_mode_keeps_digests() -> None:
-    agent = GuestAgentSimulator(SimulatorSettings(strip_event_log=False))
+    agent = GuestAgentSimulator(SimulatorSettings(dstack="0.5", strip_event_log=False))
     resp = agent.get_quote(b"u")
     assert json.loads(resp["event_log"]) == agent.event_log
 
@@ -261,7 +276,7 @@ def test_collateral_extension_route(server: SimulatorServer) -> None:
 
 
 def test_concurrent_emits_keep_replay_consistent() -> None:
-    agent = GuestAgentSimulator()
+    agent = GuestAgentSimulator(S05)
     threads = [threading.Thread(target=lambda i=i: [agent.emit_event(f"t{i}", bytes([j])) for j in range(10)])
                for i in range(8)]
     for t in threads:
@@ -274,29 +289,29 @@ def test_concurrent_emits_keep_replay_consistent() -> None:
 
 # ----------------------------------------------------------------------------- determinism
 def test_same_secret_same_bytes_different_secret_different_root() -> None:
-    a, b = GuestAgentSimulator(), GuestAgentSimulator(SimulatorSettings(secret=DEFAULT_TEST_SECRET))
+    a, b = GuestAgentSimulator(S05), GuestAgentSimulator(SimulatorSettings(dstack="0.5", secret=DEFAULT_TEST_SECRET))
     assert a.test_root_ca_der == b.test_root_ca_der
     assert a.get_quote(b"same") == b.get_quote(b"same")
     assert a.collateral_json() == b.collateral_json()
     assert a.get_key("k", "p", "") == b.get_key("k", "p", "")
-    other = GuestAgentSimulator(SimulatorSettings(secret=bytes(32)))
+    other = GuestAgentSimulator(SimulatorSettings(dstack="0.5", secret=bytes(32)))
     assert other.test_root_ca_der != a.test_root_ca_der
     assert b"TEST" in a.test_root_ca_der
 
 
 def test_custom_app_compose_changes_identity() -> None:
     text = '{"name":"other","runner":"docker-compose","storage_fs":"ext4"}'
-    agent = GuestAgentSimulator(SimulatorSettings(app_compose=text))
+    agent = GuestAgentSimulator(SimulatorSettings(dstack="0.5", app_compose=text))
     info = agent.info()
     assert info["compose_hash"] == hashlib.sha256(text.encode()).hexdigest() and info["app_name"] == "other"
     assert verify(agent, bytes.fromhex(agent.get_quote(b"x")["quote"])).status == "UpToDate"
     with pytest.raises(ValueError):
-        SimulatorSettings(secret=b"short")
+        SimulatorSettings(dstack="0.5", secret=b"short")
 
 
 # ----------------------------------------------------------------------------- server hygiene
 def test_server_address_checks(tmp_path) -> None:
-    agent = GuestAgentSimulator()
+    agent = GuestAgentSimulator(S05)
     with pytest.raises(ValueError, match="OS limit"):
         SimulatorServer(agent, socket_path=str(tmp_path / ("x" * (MAX_SOCKET_PATH + 1))))
     with pytest.raises(ValueError):
@@ -315,7 +330,7 @@ def test_stale_socket_is_replaced_and_removed_on_stop(tmp_path) -> None:
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(path))
     stale.close()  # the file stays, nobody listens: a crashed agent's leftover
-    with SimulatorServer(GuestAgentSimulator(), socket_path=path) as srv:
+    with SimulatorServer(GuestAgentSimulator(S05), socket_path=path) as srv:
         with pytest.raises(ValueError, match="live socket"):
             SimulatorServer(srv.agent, socket_path=path).start()
         assert dstack_sdk.DstackClient(srv.endpoint).version().version == "0.5.11"
@@ -324,7 +339,7 @@ def test_stale_socket_is_replaced_and_removed_on_stop(tmp_path) -> None:
 
 def test_serve_forever_after_start_returns_on_stop(tmp_path) -> None:
     # The CLI's sequence: start() (to print the endpoint), then serve_forever() until stopped.
-    srv = SimulatorServer(GuestAgentSimulator(), socket_path=tmp_path / "cli.sock").start()
+    srv = SimulatorServer(GuestAgentSimulator(S05), socket_path=tmp_path / "cli.sock").start()
     waiter = threading.Thread(target=srv.serve_forever)
     waiter.start()
     assert dstack_sdk.DstackClient(srv.endpoint).version().rev.startswith("cvm-tune-simulator/")

@@ -71,7 +71,7 @@ def test_bundle_layout(demo: dict) -> None:
     assert manifest["schema"] == "cvm-tune/manifest/v1"
     assert manifest["backend"]["name"] == "hf"
     assert manifest["tee"]["mode"] == "embedded-simulator"
-    assert manifest["audit"]["rtmr3"] == "emit_event"
+    assert manifest["audit"]["rtmr3"] == "unsupported"  # the default simulator is dstack 0.6: EmitEvent is gone
     adapter_cfg = json.loads((demo["bundle"] / "adapter/adapter_config.json").read_text())
     assert adapter_cfg["base_model_name_or_path"] == "cvm-tune/tiny-llama"  # no build path leaks
 

@@ -23,7 +23,7 @@ from attestation.policy import CVM_TUNE_APP_EVENTS, DEFAULT_POLICY
 from attestation.tdx.quote import Quote
 
 from app.cli import main
-from app.simulator import GuestAgentSimulator
+from app.simulator import GuestAgentSimulator, SimulatorSettings
 from app.simulator.agent import SimulatorRpcError
 
 from . import forge
@@ -208,11 +208,29 @@ def test_case_60_colon_names_and_unknown_names_are_rejected() -> None:
 
 def test_case_60_the_app_never_emits_such_names(bundle: dict, capsys: pytest.CaptureFixture[str]) -> None:
     assert all(":" not in name for name in CVM_TUNE_APP_EVENTS)
-    with pytest.raises(SimulatorRpcError):
-        GuestAgentSimulator().emit_event("cvm-tune.run:start", b"")
+    with pytest.raises(SimulatorRpcError, match="must not contain ':'"):  # a 0.5 agent's EmitEvent refuses it
+        GuestAgentSimulator(SimulatorSettings(dstack="0.5")).emit_event("cvm-tune.run:start", b"")
+    # dstack 0.5 (the committed sample bundle): every audit entry is an RTMR3 event named cvm-tune.<type>, none with
+    # ':', and the verifier replays them (audit.rtmr3 pass)
+    sample = TESTDATA.parent / "bundle"
+    rc, doc = verify_json(sample, TESTDATA.parent / "bundle-policy.yaml", capsys)
+    names = {c["name"]: c["status"] for c in doc["checks"]}
+    assert rc == 0 and names["event_log.names"] == "pass" and names["audit.rtmr3"] == "pass", doc["checks"]
+    app = _app_events(sample)
+    assert app and all(n.startswith("cvm-tune.") and ":" not in n and n in CVM_TUNE_APP_EVENTS for n in app)
+    # dstack 0.6 (the demo bundle: the simulator's default): EmitEvent is gone, so RTMR3 holds no event after
+    # system-ready at all (event_log.boot fails any), and the audit chain is bound by report_data alone
     rc, doc = verify_json(bundle["dir"], bundle["policy"], capsys)
     names = {c["name"]: c["status"] for c in doc["checks"]}
-    assert rc == 0 and names["event_log.names"] == "pass" and names["audit.rtmr3"] == "pass"
+    manifest = json.loads((bundle["dir"] / "manifest.json").read_text())
+    assert rc == 0 and names["event_log.names"] == "pass" and names["event_log.boot"] == "pass", doc["checks"]
+    assert manifest["audit"]["rtmr3"] == "unsupported" and names["audit.rtmr3"] == "skip" and _app_events(bundle["dir"]) == []
+
+
+def _app_events(bundle_dir: Path) -> list[str]:
+    """The names of the RTMR3 events after the first ``system-ready`` in a bundle's event log."""
+    rtmr3 = [e["event"] for e in json.loads((bundle_dir / "event_log.json").read_text()) if e["imr"] == 3]
+    return rtmr3[rtmr3.index("system-ready") + 1:]
 
 
 def test_case_61_changed_adapter_is_named(bundle: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -188,7 +188,9 @@ def test_training_run_loss_adapter_and_metrics(baseline: Baseline, tiny_model: P
 
     assert [m["step"] for m in baseline.logs] == list(range(1, 13))
     for m in baseline.logs:
-        assert set(m) == {"step", "loss", "learning_rate", "grad_norm", "epoch"}
+        assert set(m) == {"step", "loss", "learning_rate", "grad_norm", "epoch", "elapsed_s", "steps_this_run",
+                          "tokens_this_run"}
+        assert m["elapsed_s"] > 0 and m["steps_this_run"] == m["step"] and m["tokens_this_run"] > 0
         assert isinstance(m["step"], int) and all(isinstance(m[k], float) for k in ("loss", "learning_rate", "epoch"))
         assert m["grad_norm"] is None or isinstance(m["grad_norm"], float)
     assert [(m["step"], m["loss"]) for m in baseline.logs] == r.losses

@@ -87,7 +87,7 @@ def test_json_schema_has_every_documented_field(capsys: pytest.CaptureFixture[st
                      "--json")
     assert set(doc) == {"schema", "verdict", "policy", "test_root", "now", "checks", "tcb_status", "advisory_ids",
                         "measurements", "replayed_rtmrs", "compose_hash", "app_id", "quote_hex", "tcb_date",
-                        "collateral", "bundle", "verifier"}
+                        "collateral", "bundle", "gpu", "verifier"}
     assert doc["schema"] == "cvm-tune/verdict/v1" and doc["bundle"] is None
     assert set(doc["measurements"]) == {"mrtd", "rtmr0", "rtmr1", "rtmr2", "rtmr3", "mr_config_id", "report_data"}
     assert doc["collateral"] == {"not_before": "2026-08-13T10:45:38Z", "not_after": "2026-09-11T23:57:11Z",
@@ -111,7 +111,8 @@ def test_default_policy_accepts_a_real_dstack_quote_with_boot_events_only(capsys
                      "--event-log", str(TESTDATA / "dstack_simulator_event_log.json"), "--report-data", "00")
     assert rc == 0, [c for c in doc["checks"] if c["status"] != "pass"]
     skipped = {c["name"] for c in doc["checks"] if c["status"] == "skip"}
-    assert skipped == {"collateral.tcb_evaluation", "policy.measurements", "policy.compose_hash", "policy.app_id"}
+    assert skipped == {"collateral.tcb_evaluation", "policy.measurements", "policy.compose_hash", "policy.app_id",
+                       "gpu.policy"}
 
 
 def test_getquote_json_input_carries_its_event_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,9 +1,9 @@
 """The browser verifier (web/dist/verify.html) against ``cvm-tune verify --json``, check by check, in headless Chromium.
 
-The page is rebuilt from web/ in a scratch copy (``npm ci --offline``: the packages come from npm's cache, filled by
-``cd web && npm ci``) and must be byte-identical to the committed file; the committed page is then served from a
-loopback server with each bundle as a .tar.gz and driven by Debian's chromium through playwright-core
-(web/test/drive.mjs: one browser for the whole module).
+The page is rebuilt from web/ in a scratch copy (``npm ci --prefer-offline``: the packages come from npm's cache,
+which the README's test command fills through requirements/test-tools.sh) and must be byte-identical to the committed
+file; the committed page is then served from a loopback server with each bundle as a .tar.gz and driven by Debian's
+chromium through playwright-core (web/test/drive.mjs: one browser for the whole module).
 
 Corpus covered here: the demo bundle (a simulator run with a model signature and GPU evidence) and a tampered copy
 for every file the manifest binds, every attestation file and the bundle's layout, under the simulator's test
@@ -54,7 +54,7 @@ API_OPS_CASES: dict[str, Callable[[list[str]], list[str]]] = {
 }
 
 pytestmark = pytest.mark.skipif(shutil.which("node") is None or not Path(CHROMIUM).exists(),
-                                reason="needs node and Debian's chromium (.ci/run installs both)")
+                                reason="needs node and Debian's chromium (sh requirements/test-tools.sh installs both)")
 
 
 # --- the page, rebuilt ----------------------------------------------------------------------------------------------
@@ -68,9 +68,9 @@ def web_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for rel in filter(None, tracked.decode().split("\0")):
         (dst.parent / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(REPO / rel, dst.parent / rel)
-    npm = subprocess.run(["npm", "ci", "--offline", "--ignore-scripts", "--no-audit", "--no-fund"], cwd=dst,
+    npm = subprocess.run(["npm", "ci", "--prefer-offline", "--ignore-scripts", "--no-audit", "--no-fund"], cwd=dst,
                          capture_output=True, text=True)
-    assert npm.returncode == 0, f"npm ci --offline failed (fill npm's cache: cd web && npm ci)\n{npm.stderr[-2000:]}"
+    assert npm.returncode == 0, f"npm ci failed (fill npm's cache: sh requirements/test-tools.sh)\n{npm.stderr[-2000:]}"
     return dst
 
 
@@ -236,7 +236,9 @@ def _audit_edit(b: Path) -> None:
 
 def _event_payload(b: Path) -> None:
     log = json.loads((b / "event_log.json").read_text())
-    ev = next(e for e in reversed(log) if e["event"] == "cvm-tune.export")
+    # dstack 0.5 bundles: the cvm-tune.export audit event; dstack 0.6 (no EmitEvent): the last boot event with a payload
+    rtmr3 = [e for e in log if e["imr"] == 3 and e["event_payload"]]
+    ev = next((e for e in reversed(rtmr3) if e["event"] == "cvm-tune.export"), rtmr3[-1])
     ev["event_payload"] = ev["event_payload"][:-2] + ("00" if ev["event_payload"][-2:] != "00" else "01")
     (b / "event_log.json").write_text(json.dumps(log))
 
@@ -331,6 +333,10 @@ def corpus(demo_bundle: tuple[Path, Path], site: Site, tmp_path_factory: pytest.
     shutil.copytree(CUSTOM, other)
     _json_edit("manifest.json", lambda m: next(iter(m["op_chain"]["custom_losses"].values())).update(name="x"))(other)
     add("custom loss, its document changed in the manifest", other, "sample-policy.yaml", "custom-ops.jsonl")
+    sample_event = work / "sample-event" / SAMPLE.name  # a dstack 0.5 bundle: its cvm-tune.export event changed
+    shutil.copytree(SAMPLE, sample_event)
+    _event_payload(sample_event)
+    add("sample bundle, export event payload", sample_event, "sample-policy.yaml")
     for name, edit in TAMPERS.items():
         copy = work / name.replace(" ", "-") / bundle.name
         shutil.copytree(bundle, copy, symlinks=True)
@@ -370,6 +376,14 @@ def test_every_tamper_is_rejected_by_the_same_checks(shown: dict[str, dict[str, 
     page = shown[f"tampered: {case}"]
     same_checks(page, page["python"], case)
     assert page["verdict"]["verdict"] == "rejected"
+
+
+def test_a_changed_audit_event_of_a_05_bundle_is_rejected_by_the_same_checks(shown: dict[str, dict[str, Any]]) -> None:
+    """The demo bundle is dstack 0.6's (no app events in RTMR3); the sample bundle keeps 0.5's ``cvm-tune.export``."""
+    page = shown["sample bundle, export event payload"]
+    same_checks(page, page["python"], "sample bundle, export event payload")
+    assert page["verdict"]["verdict"] == "rejected"
+    assert {c["name"]: c["status"] for c in page["python"]["checks"]}["event_log.replay"] == "fail"
 
 
 def test_the_page_asks_for_nothing_but_the_named_files(shown: dict[str, dict[str, Any]]) -> None:
@@ -443,3 +457,23 @@ def test_a_round_bundle_without_its_files_is_rejected_as_cvm_tune_rejects_it(web
     same_checks(page, python_verdict(round_dir, SAMPLE_POLICY)[0], "round stub")
     assert page["verdict"]["verdict"] == "rejected"
     assert [c["name"] for c in page["verdict"]["checks"]][:1] == ["round.schema"]
+
+
+def test_a_url_load_names_the_policy_it_used_and_file_urls_say_what_to_do(web_copy: Path, corpus: list[dict[str, Any]],
+                                                                          tmp_path: Path) -> None:
+    """Loaded by URL, the inputs line names the policy the verdict was computed under (its file and its own name), not
+    the built-in default; the built-in default is named as such. Opened from file://, a ?bundle= load cannot fetch:
+    the page says to serve it over http(s) or drop the files, instead of the browser's bare "Failed to fetch"."""
+    by_name = {c["name"]: c for c in corpus}
+    shutil.copyfile(WEB / "dist" / "verify.html", tmp_path / "verify.html")
+    local = (tmp_path / "verify.html").as_uri() + "?bundle=bundle.tar.gz&policy=policy.yaml"
+    simulator, default, from_disk = drive(web_copy, [{"url": by_name["demo"]["url"], "text": "#in-policy"},
+                                                     {"url": by_name["demo, default policy"]["url"], "text": "#in-policy"},
+                                                     {"url": local}])
+    name = simulator["verdict"]["policy"]
+    assert name == by_name["demo"]["python"]["policy"] == "cvm-tune-simulator-test-ca"
+    assert simulator["text"] == f"simulator-policy.yaml ('{name}')" and "built-in" not in simulator["text"]
+    assert default["text"] == f"the built-in default (Intel's root only): '{default['verdict']['policy']}'"
+    assert from_disk["body_verdict"] == "error" and from_disk["requests"] == [local]
+    error = from_disk["verdict"]["error"]
+    assert "opened from a file (file://)" in error and "serve the page over http(s)" in error and "drop the bundle" in error

@@ -72,7 +72,8 @@ def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: b
                                       f"{engine.pad_rows} rows a pass"
                                       if engine.packed else f"off (backend {backend})"))
         stack.callback(lambda: progress("engine batching: {passes} packed passes of {packed_ops} ops, at most "
-                                        "{largest} ops a pass".format(**engine.batching)))
+                                        "{largest} ops a pass; {sample_batches} sample batches of {batched_samples} "
+                                        "requests, at most {largest_sample_batch} a batch".format(**engine.batching)))
         libraries = imported_versions(library_names(backend))
         progress(f"training backend: {backend} ({', '.join(f'{k} {v}' for k, v in sorted(libraries.items()))})")
         store = Store(out)

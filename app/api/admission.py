@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from app.api.errors import Unavailable
+from app.api.errors import BadRequest, Unavailable
 
 
 def admit(engine: Any, lora: dict[str, Any], limit: int, dp: bool = False) -> None:
@@ -14,8 +14,12 @@ def admit(engine: Any, lora: dict[str, Any], limit: int, dp: bool = False) -> No
     DP sums) would not fit in the free memory with a tenth of it to spare. Models are never evicted for room.
 
     Raises:
+        BadRequest: a LoRA seed torch does not take (its adapter could not be created: a 400, not a server error).
         Unavailable: at capacity (503), with what to do.
     """
+    seed = lora.get("seed")
+    if seed is not None and not (isinstance(seed, int) and -(1 << 63) <= seed < (1 << 64)):
+        raise BadRequest(f"LoRA seed {str(seed)[:40]} is not one torch takes (an integer in -2^63 .. 2^64 - 1)")
     if len(engine.models) >= limit:
         raise Unavailable(f"this server has {len(engine.models)} models loaded (api.max_models): unload_model one "
                           "you no longer train, or retry later")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import json
 import os
 import socket
 import ssl
@@ -31,7 +32,7 @@ from attestation import load_policy
 from attestation.compose.app_compose import check_mr_config_id
 from attestation.tdx.dcap import parse_collateral
 from attestation.io.http_edge import Watchdog, check_url
-from attestation.tdx.inputs import event_log_from_json
+from attestation.tdx.inputs import event_log_from_json, getquote_mr_config
 from attestation.io.safe_yaml import parse_json
 from attestation.verify import quote_verdict
 
@@ -90,6 +91,15 @@ def _fetch(url: urllib.parse.SplitResult, nonce: bytes, timeout: float) -> tuple
     return doc, der
 
 
+def _mr_config(doc: dict[str, Any]) -> bytes | None:
+    """The MrConfigV3 document a v3 MRCONFIGID is the hash of: the document's ``mr_config`` text, else the
+    ``mr_config`` inside its ``vm_config`` (GetQuote's answer; dstack 0.6). Never trusted: it must hash to MRCONFIGID."""
+    text = doc.get("mr_config")
+    if not isinstance(text, str) and isinstance(doc.get("vm_config"), str):
+        return getquote_mr_config(json.dumps({"vm_config": doc["vm_config"]}).encode())
+    return text.encode() if isinstance(text, str) and text else None
+
+
 def attest(url_text: str, *, policy_file: Path | None, out: Path, timeout: float = 60.0) -> int:
     """Check the server at ``url_text``; write its certificate to ``out`` when trusted. Returns the exit code.
 
@@ -135,7 +145,7 @@ def attest(url_text: str, *, policy_file: Path | None, out: Path, timeout: float
     elif verdict.findings.quote is not None and verdict.findings.boot is not None:
         boot = verdict.findings.boot
         bound, how = check_mr_config_id(verdict.findings.quote.td.mr_config_id, measured[-1], boot.hex("app-id"),
-                                        boot.values.get("key-provider"))
+                                        boot.values.get("key-provider"), boot=boot, mr_config=_mr_config(doc))
         if not bound:
             problems.append(how)
     print(verdict.summary())

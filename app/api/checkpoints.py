@@ -148,6 +148,7 @@ class Checkpoints:
         if c.kind == "external":
             withdraw_dir(c.dir)
             svc.store.forget(c.path)
+            self.external.deleted(c)  # its URLs answer 410
             done = {"deleted": c.path, "detail": f"the export {c.path} and its files were removed"}
         else:
             svc.vault.expire(c, _deleted(c, now))  # an operation queued since that names it is told why

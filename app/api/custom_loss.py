@@ -7,6 +7,13 @@ name must be one of :data:`FUNCTIONS` / :data:`METHODS` (anything else is refuse
 is decoded from the SDK's encoding (``{"ref": node}``, ``{"tuple": …}``, ``{"float": "inf"}``, …), the graph is
 bounded in size (:data:`MAX_NODES`) and nesting (:data:`MAX_DEPTH`), and it is run node by node on tensors only.
 
+**Bounded work** (:mod:`app.api.loss_bounds`). A loss computes on tensors of one value per token; the Python
+numbers, strings and sequences a graph may also pass around, and the size of every tensor a node makes, are bounded
+before the node computes, so that no node of any graph takes more than a bounded time or memory.
+
+A node that fails at run time (a shape mismatch, a wrong type, a bound above) fails its op with the reason (category
+``user``, a 400), never as a server error.
+
 The loss's **canonical hash** is the hex SHA-256 of the JSON of ``{"name", "inputs", "graph"}`` as the SDK sent them
 (keys sorted, no spaces): it is the ``loss_id`` the server answers, the ``loss_fn_config.loss_id`` of every
 ``forward_backward`` op that uses it (so the op chain commits to it), and the key of the loss's document in the
@@ -19,16 +26,17 @@ from __future__ import annotations
 import math
 import operator
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
 from attestation.outputs.op_chain import custom_loss_id
 
-from app.api.errors import BadRequest
+from app.api.errors import ApiError, BadRequest
+from app.api.loss_bounds import ELEMENTS_PER_TOKEN, MAX_LIST, MIN_ELEMENTS, after, before, check_scalar, short
 
 MAX_NODES = 256
 MAX_DEPTH = 8
-MAX_LIST = 64
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 METRIC = re.compile(r"custom/[a-z0-9_./-]{1,64}:(sum|mean)")
 _TORCH_FUNCTIONS = ("abs", "clamp", "clip", "exp", "expm1", "log", "log1p", "sqrt", "square", "sigmoid", "tanh",
@@ -83,8 +91,11 @@ class Loss:
             BadRequest: a node the allow-list does not hold (named), a malformed or oversized graph, inputs that do
                 not match its placeholders, or an output that is not (loss, {metric: tensor}).
         """
-        self.name = str(doc.get("name", ""))
-        inputs, nodes = doc.get("inputs"), (doc.get("graph") or {}).get("nodes")
+        graph = doc.get("graph") if isinstance(doc, dict) else None
+        if not isinstance(graph, dict) or not isinstance(doc.get("name", ""), str):
+            raise BadRequest("custom loss: a document is {\"name\", \"inputs\", \"graph\": {\"format\", \"nodes\"}}")
+        self.name = doc.get("name", "")
+        inputs, nodes = doc.get("inputs"), graph.get("nodes")
         if not isinstance(inputs, list) or not inputs or not isinstance(nodes, list) or not nodes:
             raise BadRequest("custom loss: inputs and graph.nodes must be non-empty lists")
         if len(nodes) > MAX_NODES:
@@ -95,6 +106,7 @@ class Loss:
             raise BadRequest("custom loss: inputs are logprobs then loss_fn_inputs, each of rank 1 ([T], one value "
                              "per token; scalars and [T, K] are not served)")
         self.id, self.doc = "", doc
+        self.deadline: float | None = None  # time.monotonic() past which a node is refused (verify --replay's budget)
         self.fns = functions()
         self.nodes: list[tuple[str, str, str, Any, Any]] = []
         seen: set[str] = set()
@@ -106,21 +118,23 @@ class Loss:
             if not NAME.fullmatch(name) or name in seen:
                 raise BadRequest(f"custom loss: node {i} has no unique name")
             args, kwargs = node.get("args", []), node.get("kwargs", {})
-            if not isinstance(args, list) or not isinstance(kwargs, dict):
-                raise BadRequest(f"custom loss: node {name}: args must be a list and kwargs an object")
+            if not isinstance(args, list) or not isinstance(kwargs, dict) or "out" in kwargs:
+                raise BadRequest(f"custom loss: node {name}: args must be a list and kwargs an object (without out=: "
+                                 "a node makes a new value)")
             for a in [*args, *kwargs.values()]:
                 _check_arg(a, seen, name, 0)
             if op == "placeholder":
                 placeholders.append(target)
             elif op == "call_function" and target not in self.fns:
-                raise BadRequest(f"custom loss: node {name} calls {target!r}, which is not an allowed operation")
+                raise BadRequest(f"custom loss: node {name} calls {short(repr(target))}, which is not an allowed "
+                                 "operation")
             elif op == "call_method" and target not in METHODS:
-                raise BadRequest(f"custom loss: node {name} calls method {target!r}, which is not allowed")
+                raise BadRequest(f"custom loss: node {name} calls method {short(repr(target))}, which is not allowed")
             elif op in ("get_attr", "call_module"):
-                raise BadRequest(f"custom loss: node {name} is a {op} ({target!r}): a custom loss reads only its "
-                                 "inputs and calls allowed functions")
+                raise BadRequest(f"custom loss: node {name} is a {op} ({short(repr(target))}): a custom loss reads "
+                                 "only its inputs and calls allowed functions")
             elif op not in ("placeholder", "call_function", "call_method", "output"):
-                raise BadRequest(f"custom loss: node {name} has op {op!r}")
+                raise BadRequest(f"custom loss: node {name} has op {short(op)}")
             if op == "output" and i != len(nodes) - 1:
                 raise BadRequest(f"custom loss: node {name} is an output before the last node")
             seen.add(name)
@@ -133,10 +147,17 @@ class Loss:
         self.metric_names = _check_output(self.nodes[-1][3])
 
     def __call__(self, logprobs: Any, *inputs: Any) -> tuple[Any, dict[str, Any]]:
+        """The loss of one datum, node by node, each node's work bounded before it runs (module docstring).
+
+        Raises:
+            BadRequest: a node would pass a bound, or fails (its reason), or the output is not (a scalar loss that
+                depends on ``logprobs`` when it trains, {metric: scalar}).
+        """
         import torch
 
         env: dict[str, Any] = {}
         values = iter([logprobs, *inputs])
+        budget = [max(MIN_ELEMENTS, ELEMENTS_PER_TOKEN * int(logprobs.numel()))]  # elements the loss may still make
         for op, name, target, args, kwargs in self.nodes:
             if op == "placeholder":
                 env[name] = next(values)
@@ -144,18 +165,44 @@ class Loss:
             a = [_decode(x, env) for x in args]
             kw = {k: _decode(v, env) for k, v in kwargs.items()}
             if op == "output":
-                loss, metrics = a[0]
-                if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-                    raise BadRequest(f"custom loss {self.name}: the loss must be a scalar tensor")
-                return loss, metrics
-            if op == "call_function":
-                env[name] = self.fns[target](*a, **kw)
-            else:
-                obj, *rest = a
-                if not isinstance(obj, torch.Tensor):
-                    raise BadRequest(f"custom loss: node {name} calls {target}() on something that is not a tensor")
-                env[name] = getattr(obj, target)(*rest, **kw)
+                return self._output(a[0], logprobs)
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                raise BadRequest(f"custom loss {self.name}: node {name} comes past the op's time budget")
+            try:
+                if op == "call_function":
+                    before(target, a, kw, budget, name)
+                    env[name] = self.fns[target](*a, **kw)
+                else:
+                    obj, *rest = a
+                    if not isinstance(obj, torch.Tensor):
+                        raise BadRequest(f"node {name} calls {target}() on something that is not a tensor")
+                    before(target, a, kw, budget, name)
+                    env[name] = getattr(obj, target)(*rest, **kw)
+                after(env[name], budget, name)
+            except ApiError as exc:
+                raise BadRequest(f"custom loss {self.name}: {str(exc).removeprefix('custom loss: ')}") from None
+            except torch.OutOfMemoryError:  # the device's allocator: the pass's, not this loss's (app.api.packed)
+                raise
+            except Exception as exc:  # an allowed operation that fails on these values: the loss's own mistake
+                raise BadRequest(f"custom loss {self.name}: node {name} ({target}) failed: {type(exc).__name__}: "
+                                 f"{short(str(exc), 300)}") from None
         raise BadRequest("custom loss: the graph has no output node")
+
+    def _output(self, out: Any, logprobs: Any) -> tuple[Any, dict[str, Any]]:
+        import torch
+
+        loss, metrics = out
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise BadRequest(f"custom loss {self.name}: the loss must be a scalar tensor")
+        if logprobs.requires_grad and not loss.requires_grad:
+            raise BadRequest(f"custom loss {self.name}: the loss does not depend on logprobs (it has no gradient to "
+                             "train with)")
+        for k, v in metrics.items():
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not (number or isinstance(v, torch.Tensor) and v.numel() == 1):
+                raise BadRequest(f"custom loss {self.name}: metric {k} must be a scalar (a number or a one-element "
+                                 "tensor)")
+        return loss, metrics
 
 
 def _check_arg(a: Any, seen: set[str], node: str, depth: int) -> None:
@@ -164,6 +211,7 @@ def _check_arg(a: Any, seen: set[str], node: str, depth: int) -> None:
     if a is None or isinstance(a, (bool, int, float, str)):
         if isinstance(a, float) and not math.isfinite(a):
             raise BadRequest(f"custom loss: node {node}: a non-finite number must be encoded as {{\"float\": …}}")
+        check_scalar(a, f"node {node}: a constant")
         return
     if isinstance(a, list):
         if len(a) > MAX_LIST:
@@ -175,27 +223,27 @@ def _check_arg(a: Any, seen: set[str], node: str, depth: int) -> None:
         raise BadRequest(f"custom loss: node {node}: an argument is not in the SDK's encoding")
     (kind, value), = a.items()
     if kind == "ref":
-        if value not in seen:
-            raise BadRequest(f"custom loss: node {node} refers to {value!r}, not an earlier node")
+        if not isinstance(value, str) or value not in seen:
+            raise BadRequest(f"custom loss: node {node} refers to {short(value)}, not an earlier node")
     elif kind in ("tuple", "slice"):
         if not isinstance(value, list):
             raise BadRequest(f"custom loss: node {node}: {kind} must be a list")
         _check_arg(value, seen, node, depth + 1)
     elif kind == "dict":
-        if not isinstance(value, dict):
-            raise BadRequest(f"custom loss: node {node}: dict must be an object")
+        if not isinstance(value, dict) or len(value) > MAX_LIST:
+            raise BadRequest(f"custom loss: node {node}: dict must be an object of at most {MAX_LIST} members")
         _check_arg(list(value.values()), seen, node, depth + 1)
     elif kind == "float":
         if value not in ("inf", "-inf", "nan"):
-            raise BadRequest(f"custom loss: node {node}: float {value!r}")
+            raise BadRequest(f"custom loss: node {node}: float {short(value)}")
     elif kind == "dtype":
         if value not in _DTYPES:
-            raise BadRequest(f"custom loss: node {node}: dtype {value!r} is not allowed")
+            raise BadRequest(f"custom loss: node {node}: dtype {short(value)} is not allowed")
     elif kind == "device":
-        if value != "cpu" and not str(value).startswith("cuda"):
-            raise BadRequest(f"custom loss: node {node}: device {value!r}")
+        if not isinstance(value, str) or value != "cpu" and not re.fullmatch(r"cuda(:[0-9]{1,2})?", value):
+            raise BadRequest(f"custom loss: node {node}: device {short(value)}")
     elif kind not in ("ellipsis", "layout", "memory_format"):
-        raise BadRequest(f"custom loss: node {node}: argument kind {kind!r} is not in the SDK's encoding")
+        raise BadRequest(f"custom loss: node {node}: argument kind {short(kind)} is not in the SDK's encoding")
 
 
 def _decode(a: Any, env: dict[str, Any]) -> Any:

@@ -24,10 +24,11 @@ import numpy as np
 from attestation.outputs.op_chain import GENESIS
 
 from app.api import dp as dpsgd
-from app.api import losses, packed, sampling, wire
+from app.api import losses, packed, sample_batch, wire
 from app.api.admission import free_memory
 from app.api.errors import ApiError, BadRequest, NotFound
 from app.api.history import applied, check_adam, fresh_optimizer, link, opt_restore, opt_snapshot
+from app.api.sample_batch import SampleItem
 from app.api.worker import Job, Worker
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,6 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = ("lm_head",)
 LORA_ALPHA = 32
 LORA_DROPOUT = 0.0
-MAX_SAMPLERS = 8  # sampler checkpoints kept loaded as adapters
 
 
 @dataclass
@@ -85,9 +85,9 @@ class Engine:
         rows = packed.pad_rows(self.device) if self.packed else 1  # the fewest rows a pass computes (exact replays)
         self.packed, self.pad_rows = self.packed and rows is not None, rows or 1
         self.token_bytes = packed.token_bytes(self.model) if self.packed else 0  # what a token of a pass holds
-        self._ready: dict[int, Any] = {}  # id(op) -> its result (or refusal) from a packed pass
+        self._ready: dict[int, Any] = {}  # id(op or sample request) -> its result from a packed pass or a batch
         self._worker = Worker(self._batch, packed.budget(free_memory(self.device)),
-                              cfg.api.pack_wait_ms / 1000 if cfg is not None else 0.0)
+                              cfg.api.pack_wait_ms / 1000 if cfg is not None else 0.0, decode=self._decode)
 
     def _load_hf(self, base_dir: Path, cfg: Any) -> None:
         import torch
@@ -111,11 +111,14 @@ class Engine:
     # --- the worker --------------------------------------------------------------------------------
 
     def submit(self, job: Callable[[], None], model: str | None = None, op: wire.Op | None = None,
-               ahead: bool = False) -> None:
+               ahead: bool = False, sample: SampleItem | None = None) -> None:
         """Queue ``job`` (acting on ``model``); ``op``: the forward_backward it runs, which may join a packed pass;
-        ``ahead``: an optimizer step, taken before waiting passes (app.api.worker)."""
+        ``ahead``: an optimizer step, taken before waiting passes; ``sample``: the sample request it decodes, which
+        may join a batch of waiting ones (app.api.worker, app.api.sample_batch)."""
         packable = op is not None and self.packed
-        self._worker.submit(Job(job, model, op if packable else None, self._cost([op]) if packable else 0, ahead))
+        joins = sample is not None and sample.joins and self.backend == "hf"  # PEFT's mixed-adapter batches
+        self._worker.submit(Job(job, model, op if packable else None, self._cost([op]) if packable else 0, ahead,
+                                sample if joins else None))
 
     def _batch(self, ops: list[wire.Op]) -> None:
         """The worker's packed pass: each op's result kept for its job (the ops that cannot join, run alone)."""
@@ -133,12 +136,11 @@ class Engine:
         if len(items) > 1:
             try:
                 results = packed.forward_backward(self, items)
-            except BaseException as exc:
+            except BaseException as exc:  # the pass's own failure (an op's, a loss's, fails that op inside it)
                 if packed.out_of_memory(exc, self.device):  # its ops run alone; later passes hold half as much
-                    self._worker.budget = min(self._worker.budget, self._cost([op for op, _m in items]) // 2)
-                    logger.warning("a packed pass of %d ops ran out of memory on %s; passes now hold at most %d MiB",
-                                   len(items), self.device, self._worker.budget >> 20)
+                    self._worker.lower(self._cost([op for op, _m in items]), len(items), self.device)
                 raise
+            self._worker.recover()  # a pass that fit: the budget climbs back (after an out-of-memory pass)
             for (op, _m), result in zip(items, results):
                 self._ready[id(op)] = result
 
@@ -390,27 +392,19 @@ class Engine:
     base_name = "base"
 
     def sample(self, src: Path | None, prompt: list[int], **params: Any) -> bytes:
-        """:func:`app.api.sampling.run` on the base, or on the sampler checkpoint at ``src`` (loaded once)."""
-        adapter = None
-        if src is not None:
-            adapter = self.samplers.get(str(src))
-            if adapter is None:
-                if len(self.samplers) >= MAX_SAMPLERS:  # evict the oldest sampler adapter
-                    self.model.delete_adapter(self.samplers.pop(next(iter(self.samplers))))
-                    self._changed()
-                adapter = f"s{next(self._names)}"
-                from peft import LoraConfig
-                from safetensors.torch import load_file
-                from peft import set_peft_model_state_dict
+        """One sample request decoded alone, on the base or through the sampler checkpoint at ``src`` (loaded
+        once): :func:`app.api.sample_batch.decode_alone`."""
+        return sample_batch.decode_alone(self, src, prompt, params)
 
-                self.model.add_adapter(adapter, LoraConfig.from_pretrained(str(src)))
-                self._changed()
-                set_peft_model_state_dict(self.model, load_file(str(src / "adapter_model.safetensors")),
-                                          adapter_name=adapter)
-                self.samplers[str(src)] = adapter
-        self._activate(adapter or self.placeholder, False)
-        decode = sampling.tokenizer_of(str(self.base_dir)).decode if params["stop"].strings else str  # checked
-        return sampling.run(self.net, prompt, decode=decode, device=self.device, **params)
+    def sample_request(self, item: SampleItem) -> bytes:
+        """A sample request's response: decoded in the batch its job joined, else alone."""
+        if id(item) in self._ready:
+            return _outcome(self._ready.pop(id(item)))
+        with item.checkpoint() as src:
+            return self.sample(src, item.prompt, **item.params)
+
+    def _decode(self, items: list[SampleItem]) -> None:
+        sample_batch.decode_together(self, items)
 
 
 def _outcome(done: Any) -> Any:

@@ -12,9 +12,11 @@ them.
   :data:`URL_TTL_S` seconds: ``ROUTE?checkpoint=…&file=…&expires=…&signature=…``. The signature is an HMAC-SHA256,
   under a key drawn when the server starts and held in its memory only (a restarted server signs new URLs), over the
   checkpoint, its bundle, its owner, the file and the expiry. The URL is the capability: no API key. A URL changed in
-  any part, signed by another server, or naming a checkpoint that does not exist is refused alike (403) before
-  anything is read; a genuine one past its expiry, or whose export was deleted or expired since, answers 410. The
-  file is read from the bundle's directory, never through a link, and streamed.
+  any part (``expires`` with a leading zero too: each value has one spelling), signed by another server, or naming
+  a checkpoint that does not exist is refused alike (403) before anything is read; a genuine one past its expiry, or
+  whose export was deleted or expired since, answers 410. A deleted export leaves no record, so the server keeps,
+  in memory as long as its signing key, who owned each export it deleted and its bundle's name: a genuine URL of
+  one is told 410. The file is read from the bundle's directory, never through a link, and streamed.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,63}")  # a checkpoint's name
 ROUTE = "/api/v1/cvm_tune/external_weights"  # the signed URLs' route: served without an API key
 URL_TTL_S = 900  # the CLI signs again when 5 minutes are left
 QUERY = ("checkpoint", "expires", "file", "signature")
+MAX_DELETED = 4096  # deleted exports remembered (their URLs answer 410)
 REFUSED = "this download URL is not valid: it was changed, or signed for another file or by another server"
 
 
@@ -73,6 +76,14 @@ class External:
     def __init__(self, svc: Any) -> None:
         self.svc = svc
         self._key = secrets.token_bytes(32)  # in memory only: never on the volume
+        self._deleted: dict[str, list[tuple[str, str]]] = {}  # path -> (owner, bundle name) of each export deleted
+
+    def deleted(self, c: Checkpoint) -> None:
+        """Remember that the export ``c`` was deleted (its record goes): its genuine URLs answer 410, not 403."""
+        if c.bundle is not None:
+            if len(self._deleted) >= MAX_DELETED:  # the oldest first: their URLs have expired long since
+                del self._deleted[next(iter(self._deleted))]
+            self._deleted.setdefault(c.path, []).append((c.owner, Path(c.bundle).name))
 
     def save(self, owner: str, req: types.SaveWeightsExternalRequest) -> dict[str, Any]:
         """Queue the export of the model's state as ``tinker://<model>/external_weights/<req.path>``; refused (400,
@@ -139,7 +150,8 @@ class External:
             Expired: a genuine URL past its expiry, or its export deleted or expired since.
         """
         got = dict(query)
-        if len(query) != len(QUERY) or sorted(got) != list(QUERY) or not re.fullmatch(r"[0-9]{1,12}", got["expires"]):
+        if len(query) != len(QUERY) or sorted(got) != list(QUERY) \
+                or not re.fullmatch(r"0|[1-9][0-9]{0,11}", got["expires"]):  # one spelling: as signed
             raise Forbidden(REFUSED)
         expires = int(got["expires"])
         c = self.svc.store.checkpoint(got["checkpoint"])
@@ -147,6 +159,10 @@ class External:
         want = self._mac(got["checkpoint"], c.owner if real else "", Path(c.bundle).name if real else "",
                          got["file"], expires)  # computed either way: a missing checkpoint is refused alike
         if not hmac.compare_digest(want.encode(), got["signature"].encode()) or not real:
+            for owner, bundle in self._deleted.get(got["checkpoint"], []):
+                if hmac.compare_digest(self._mac(got["checkpoint"], owner, bundle, got["file"], expires).encode(),
+                                       got["signature"].encode()):
+                    raise Expired(f"the export {got['checkpoint']} was deleted: its files are gone; save it again")
             raise Forbidden(REFUSED)
         bundle, name = self.present(c), got["file"]  # gone: new URLs would not help either
         if expires <= self.svc.storage.clock():

@@ -67,11 +67,13 @@ def _mask(*args: Any, **kwargs: Any) -> Any:
     return sdpa_mask(*args, **kwargs)
 
 
-def _routed_forward(layer: Any, segments: list[tuple[str, int, int]], x: Any, *args: Any, **kwargs: Any) -> Any:
+def _routed_forward(layer: Any, segments: list[tuple[str, int, int]], x: Any, *args: Any, dim: int = 1,
+                    **kwargs: Any) -> Any:
     """A LoRA linear layer's forward in a packed pass: the base layer on every row, each segment's adapter on its
     own rows (a segment whose adapter does not target this layer gets the base alone). The adapter's two linear
     maps are called as ``F.linear`` on their weights, which is what their modules' forward does, without the
-    module call's overhead (a packed pass makes a few of these a segment and layer)."""
+    module call's overhead (a packed pass makes a few of these a segment and layer). Segments run along ``dim``:
+    the packed row's tokens (1), or a decode batch's sequences (0)."""
     import torch
     from torch.nn import Identity
     from torch.nn.functional import linear
@@ -80,7 +82,7 @@ def _routed_forward(layer: Any, segments: list[tuple[str, int, int]], x: Any, *a
     dtype = result.dtype
     sizes = [b - a for _adapter, a, b in segments]  # split, not sliced: one backward node for all segments
     out = []
-    for (adapter, _a, _b), rows, base in zip(segments, x.split(sizes, dim=1), result.split(sizes, dim=1)):
+    for (adapter, _a, _b), rows, base in zip(segments, x.split(sizes, dim=dim), result.split(sizes, dim=dim)):
         if adapter not in layer.lora_A:
             out.append(base)
             continue
@@ -90,16 +92,17 @@ def _routed_forward(layer: Any, segments: list[tuple[str, int, int]], x: Any, *a
             rows = dropout(rows)
         delta = linear(linear(rows, lora_a.weight, lora_a.bias), lora_b.weight, lora_b.bias)
         out.append(base + (delta * layer.scaling[adapter]).to(dtype))
-    return torch.cat(out, dim=1)
+    return torch.cat(out, dim=dim)
 
 
 @contextlib.contextmanager
-def routed(layers: list[Any], segments: list[tuple[str, int, int]]) -> Iterator[None]:
+def routed(layers: list[Any], segments: list[tuple[str, int, int]], dim: int = 1) -> Iterator[None]:
     """Within: the LoRA ``layers`` (every one of the model's) and attention follow ``segments`` ((adapter, first
-    row, end row), covering the packed row in order)."""
+    row, end row), covering the packed row in order). ``dim`` 0: the segments are a decode batch's sequences
+    (their rows of the batch), each through its adapter; attention is the batch's own."""
     for layer in layers:
-        layer.forward = functools.partial(_routed_forward, layer, segments)
-    _pass.bounds = [(a, b) for _adapter, a, b in segments]
+        layer.forward = functools.partial(_routed_forward, layer, segments, dim=dim)
+    _pass.bounds = [(a, b) for _adapter, a, b in segments] if dim == 1 else None
     try:
         yield
     finally:
@@ -175,10 +178,14 @@ def budget(free: int | None) -> int:
 
 
 def out_of_memory(exc: BaseException, device: str) -> bool:
-    """Whether ``exc`` is the allocator running out of memory (the device's cache is then emptied)."""
+    """Whether ``exc``, raised by a packed pass itself (its base-model forward or its backward: an operation's own
+    failure, a custom loss's included, fails that operation alone inside :func:`forward_backward`), is the allocator
+    running out of memory: the device's (``torch.OutOfMemoryError``), the CPU allocator's (a ``RuntimeError`` that
+    says it cannot allocate) or Python's. The device's cache is then emptied."""
     import torch
 
-    if not isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+    cpu = isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+    if not (cpu or isinstance(exc, (MemoryError, torch.OutOfMemoryError))):
         return False
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -253,7 +260,11 @@ def forward_backward(engine: Any, items: list[tuple[Any, Any]]) -> list[Any]:
                 total = sum(float(x.detach()) for x in parts)
                 if not op.forward_only and not math.isfinite(total):
                     raise BadRequest(f"the loss is not finite ({total}); nothing was applied")
-            except (ApiError, ArithmeticError, ValueError, TypeError, RuntimeError) as exc:
+            except torch.OutOfMemoryError:  # the device's allocator: the pass's memory, not this op's mistake
+                raise
+            except Exception as exc:  # this op's own failure (its loss, its inputs): it alone fails, nothing applied
+                if out_of_memory(exc, "cpu") and not isinstance(exc, MemoryError):
+                    raise  # the CPU allocator: the pass's memory
                 results.append(exc)
                 continue
             results.append((outputs, losses.op_metrics(total, weight, extra, len(op.data))))

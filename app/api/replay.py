@@ -8,6 +8,14 @@ seeded by the model's LoRA seed. A bundle made on a GPU is compared within :data
 weight, and the check says so. A model trained with DP-SGD cannot be replayed: its noise came from the CVM's CSPRNG,
 by design known to nobody. What replay proves: the weights are what exactly these ops give from the base model, so
 no op outside the record changed them.
+
+A replay runs the bundle's own computation (its custom losses, its ops) on the verifier's machine, so it runs only
+for a bundle that verified: every other check of the verdict passed (an unsigned or tampered bundle is not
+re-executed). It then runs under the limits the server enforced (the bundle's ``config.json`` ``api`` block:
+tokens per request and per datum, LoRA rank; the token ids, losses, lengths and custom-loss bounds of the server's
+own checks) and within a budget: :data:`OP_S` seconds an op, :data:`TOTAL_S` in all, a LoRA whose state fits in the
+free memory and ops whose pass holds at most half of it (:func:`app.api.packed.budget`). Anything the server would
+refuse, or that fails or passes the budget, fails the check with the reason (exit 1), never the verifier.
 """
 
 from __future__ import annotations
@@ -26,16 +34,15 @@ from attestation.io.safe_yaml import parse_json
 from attestation.outputs import op_chain
 from attestation.verdict import Check
 
+from app.api.replay_limits import MODEL, ReplayFailed, check_lora, server_limits, server_op, short, torch_threads
+
 CHECK = "op_chain.replay"
 WEIGHTS = "adapter/adapter_model.safetensors"
 TINY = "cvm-tune/tiny-llama"
 GPU_ATOL, GPU_RTOL = 1e-3, 1e-2  # a GPU-made bundle: |replayed - bundle| <= GPU_ATOL + GPU_RTOL * |bundle| per weight
-MODEL = "replay"
 PASS_ROWS_MAX = 128  # the most rows a server pads a pass to (app.api.packed.rows_min)
-
-
-class ReplayFailed(Exception):
-    """The replay could not reproduce the bundle's weights (the reason is the check's)."""
+OP_S = 300.0  # wall-clock budget of one op (a custom loss checks it node by node, every op once it ran)
+TOTAL_S = 3600.0  # wall-clock budget of the whole replay
 
 
 def replay_check(verdict: Verdict, bundle: Path, ops_file: Path, *, base_model_dir: Path | None,
@@ -49,11 +56,19 @@ def replay_check(verdict: Verdict, bundle: Path, ops_file: Path, *, base_model_d
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    try:
-        detail = _replay(verdict, Path(bundle), Path(ops_file), base_model_dir, progress)
-        check = Check(CHECK, "pass", detail)
-    except ReplayFailed as exc:
-        check = Check(CHECK, "fail", str(exc))
+    failed = [c.name for c in verdict.checks if c.status == "fail"]
+    if failed:  # the bundle's computation runs here only once the bundle verified
+        names = ", ".join(failed[:4]) + (f" and {len(failed) - 4} more" if len(failed) > 4 else "")
+        check = Check(CHECK, "fail", f"not replayed: the bundle failed {names}; only a bundle that verified is "
+                                     "re-executed")
+    else:
+        try:
+            detail = _replay(verdict, Path(bundle), Path(ops_file), base_model_dir, progress)
+            check = Check(CHECK, "pass", detail)
+        except ReplayFailed as exc:
+            check = Check(CHECK, "fail", str(exc))
+        except Exception as exc:  # what a verified bundle holds that the replay cannot use: not reproduced, exit 1
+            check = Check(CHECK, "fail", f"the replay failed: {type(exc).__name__}: {str(exc)[:300]}")
     return dataclasses.replace(verdict, checks=(*verdict.checks, check))
 
 
@@ -74,10 +89,16 @@ def _replay(verdict: Verdict, bundle: Path, ops_file: Path, base_dir: Path | Non
     det = oc.determinism or {}
     exact = det.get("device") == "cpu"
     rows = pass_rows(det)
+    threads = torch_threads(det)
+    limits = server_limits(bundle)
+    lora = check_lora(oc.lora, limits.max_lora_rank)
     expected = _expected_hash(m)
-    ops = op_chain.read_ops(ops_file)
-    with _base(m, base_dir, progress) as base, _threads(det.get("torch_threads")):
-        got, tensors = _run(base, oc, ops, m.base_model.name, progress, rows)
+    try:
+        ops = op_chain.read_ops(ops_file)
+    except (OSError, ValueError) as exc:  # read once already by op_chain.ops, which passed
+        raise ReplayFailed(f"the ops cannot be read again: {exc}") from None
+    with _base(m, base_dir, progress) as base, _threads(threads):
+        got, tensors = _run(base, oc, ops, m.base_model.name, progress, rows, lora=lora, limits=limits)
     digest = hashlib.sha256(got).hexdigest()
     libs = ", ".join(f"{k} {v}" for k, v in sorted(m.backend.libraries.items()))
     if exact:
@@ -160,33 +181,69 @@ def _threads(n: Any) -> Iterator[None]:
 
 
 def _run(base: Path, oc: B.OpChainInfo, ops: list[dict[str, Any]], base_name: str,
-         progress: Callable[[str], None], pass_rows: int | None = None) -> tuple[bytes, dict[str, Any]]:
+         progress: Callable[[str], None], pass_rows: int | None = None, *, lora: dict[str, Any] | None = None,
+         limits: Any = None) -> tuple[bytes, dict[str, Any]]:
     """Replay ``ops`` on a fresh engine: the adapter bytes and tensors they give. ``pass_rows``: what the server
     padded its passes to (the manifest's; 0: it made none; None, a bundle made before it was recorded: no padding).
-    A pass here is padded at least as far (more rows than needed change no row's bits)."""
+    A pass here is padded at least as far (more rows than needed change no row's bits). ``lora``: the checked
+    ``oc.lora``; ``limits``: the server's (:func:`server_limits`; None: the defaults).
+
+    Raises:
+        ReplayFailed: an op the server would refuse, one that fails, or past the time or memory budget.
+    """
+    import time
+
     import torch
 
+    from app.api.admission import admit, free_memory
     from app.api.engine import Engine
     from app.api.errors import ApiError
+    from app.config.api import ApiSettings
 
+    limits = limits if limits is not None else ApiSettings()  # what a bundle without config.json's limits had
+    lora = lora if lora is not None else check_lora(oc.lora, limits.max_lora_rank)
     engine = Engine(base, "hf")
     engine.base_name = base_name
     engine.packed = engine.packed and pass_rows != 0
     engine.pad_rows = max(pass_rows, engine.pad_rows) if pass_rows else 1
+    start = time.monotonic()
     try:
-        model = engine.create(MODEL, dict(oc.lora))
+        try:
+            admit(engine, lora, 1)  # its adapter, gradient and Adam state fit in the free memory
+            model = engine.create(MODEL, lora)
+        except ApiError as exc:
+            raise ReplayFailed(f"the bundle's LoRA {short(lora)} would be refused by the server: {exc}") from None
         custom = _custom_losses(oc.custom_losses)
+        budget = _pass_budget(engine, free_memory(engine.device))
         progress(f"replay: {len(ops)} ops")
         for i, op in enumerate(ops, start=1):
+            began = time.monotonic()
+            if began - start > TOTAL_S:
+                raise ReplayFailed(f"the replay passed its time budget ({TOTAL_S:g} s) before op {i} of {len(ops)}")
             try:
                 if op["op"] == "forward_backward":
-                    engine.forward_backward(_fb(op, custom))
+                    fb = server_op(op, custom, engine.vocab, limits)
+                    need = fb.n_tokens * budget[1]
+                    if need > budget[0]:
+                        raise ReplayFailed(f"op {i} (forward_backward) needs about {need >> 20} MiB, past this "
+                                           f"machine's budget of {budget[0] >> 20} MiB a pass")
+                    for loss in custom.values():
+                        loss.deadline = began + OP_S
+                    engine.forward_backward(fb)
                 elif op["op"] == "optim_step":
                     engine.optim_step(MODEL, dict(op["adam_params"]))
                 else:
                     _load(engine, model, op, i)
             except ApiError as exc:
                 raise ReplayFailed(f"op {i} ({op['op']}) would be refused by the server: {exc}") from None
+            except (ReplayFailed, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # the ops of a verified bundle the engine cannot run: its own failure
+                raise ReplayFailed(f"op {i} ({op['op']}) fails: {type(exc).__name__}: "
+                                   f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from None
+            if time.monotonic() - began > OP_S:
+                raise ReplayFailed(f"op {i} ({op['op']}) took {time.monotonic() - began:.0f} s, past the replay's "
+                                   f"budget of {OP_S:g} s an op")
         if model.op_head != oc.head:  # the record hashed to it; the engine must have linked the same ops
             raise ReplayFailed(f"the replayed chain ends at {model.op_head[:16]}…, not the bundle's {oc.head[:16]}…")
         from peft import get_peft_model_state_dict
@@ -198,30 +255,32 @@ def _run(base: Path, oc: B.OpChainInfo, ops: list[dict[str, Any]], base_name: st
         engine.stop()
 
 
+def _pass_budget(engine: Any, free: int | None) -> tuple[int, int]:
+    """(bytes a replayed op's pass may hold, bytes a token of it holds): the server's pass budget on this machine
+    (:func:`app.api.packed.budget`, half the free memory) and :func:`app.api.packed.token_bytes`."""
+    from app.api import packed
+
+    return packed.budget(free), packed.token_bytes(engine.model)
+
+
 def _custom_losses(docs: dict[str, Any] | None) -> dict[str, Any]:
-    """The custom losses of the manifest, rebuilt as the server rebuilt them (their ids were checked by op_chain.ops)."""
+    """The custom losses of the manifest, rebuilt as the server rebuilt them (their ids were checked by
+    op_chain.ops), with the server's bounds.
+
+    Raises:
+        ReplayFailed: a loss the server would refuse.
+    """
     from app.api.custom_loss import Loss
+    from app.api.errors import ApiError
 
     out = {}
     for key, doc in (docs or {}).items():
-        loss = Loss(doc)
+        try:
+            loss = Loss(doc)
+        except ApiError as exc:
+            raise ReplayFailed(f"custom loss {key[:16]}… would be refused by the server: {exc}") from None
         loss.id = key
         out[key] = loss
-    return out
-
-
-def _fb(op: dict[str, Any], custom: dict[str, Any]) -> Any:
-    import numpy as np
-
-    from app.api import wire
-
-    data = [wire.Datum(list(d["model_input"]), {k: np.asarray(v, dtype=np.int64 if k in op_chain.INT64_FIELDS
-                                                                else np.float32)
-                                                 for k, v in d.get("loss_fn_inputs", {}).items()})
-            for d in op["data"]]
-    out = wire.Op(MODEL, op["loss_fn"], False, data, op.get("loss_fn_config"))
-    if op["loss_fn"] == "custom":
-        out.extra["custom"] = custom[(op.get("loss_fn_config") or {})["loss_id"]]
     return out
 
 

@@ -11,6 +11,7 @@ finds the stop sequence in what it decodes. Reaching ``max_tokens`` first gives 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import secrets
 from collections.abc import Callable
@@ -94,49 +95,138 @@ def check_request(req: Any, base_dir: str, config: Any, vocab: int) -> Stop:
     return stop
 
 
-def generate(model: Any, prompt: list[int], *, max_tokens: int, temperature: float, top_k: int, top_p: float,
-             stop: Stop, decode: Callable[[list[int]], str], generator: Any,
-             device: str) -> tuple[list[int], list[float], bool]:
-    """(tokens, logprobs, stopped): up to ``max_tokens`` tokens after ``prompt`` (KV cache); ``decode`` turns the
-    sampled tokens into the text stop strings are looked for in."""
+Sequence = tuple[list[int], list[float], bool]  # tokens, their logprobs, stopped (else: max_tokens reached)
+
+
+@dataclass
+class Draw:
+    """One sample request, as :func:`generate_many` decodes it: ``num_samples`` sequences of up to ``max_tokens``
+    tokens after ``prompt``, sampled with its own settings from its own ``generator``; ``adapter``: the LoRA adapter
+    its rows run through in a batch of several draws (None: the base model's, ``generate_many``'s ``base``)."""
+
+    prompt: list[int]
+    num_samples: int
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    stop: Stop
+    decode: Callable[[list[int]], str]  # a sequence's tokens -> the text stop strings are looked for in
+    generator: Any
+    adapter: str | None = None
+
+
+Route = Callable[[list[tuple[str, int, int]]], Any]  # (adapter, first row, end row) segments -> a context manager
+
+
+def generate_many(model: Any, draws: list[Draw], device: str, base: str = "__base__",
+                  route: Route | None = None) -> list[list[Sequence]]:
+    """Every draw's sequences, decoded as one batch, a row a sequence: each step samples one token for every row
+    still going (its draw's temperature and transformers' top-k and top-p warpers; its draw's generator, one draw a
+    row in row order), and a row that stops (a stop token or string, or its draw's ``max_tokens``) leaves the batch.
+
+    One draw: its prompt runs once and its KV cache is shared by its rows, through the active adapter. Several: the
+    prompts are left-padded to one length (masked), and each row runs through its draw's adapter: ``route(segments)``
+    (each draw's rows, a contiguous run, with its adapter) is entered around every forward when given, else PEFT's
+    mixed-adapter batches (``adapter_names``); ``base``: the name that stands for no adapter. A draw's tokens depend
+    only on its own settings and generator, but its logits on the batch it shares (padding, other rows), so a draw
+    that must reproduce exactly is decoded alone.
+    """
     import torch
 
-    out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    for _ in range(max_tokens):
-        logits = out.logits[0, -1].float()
-        logits = logits / temperature if temperature > 0 else logits
-        lp = torch.log_softmax(logits, dim=-1)
-        if temperature <= 0:
-            tok = int(torch.argmax(lp))
-        else:
-            probs = _filtered(lp.exp(), top_k, top_p)
-            tok = int(torch.multinomial(probs.cpu(), 1, generator=generator))
-        tokens.append(tok)
-        logprobs.append(float(lp[tok]))
-        if tok in stop.tokens or (stop.strings and any(x in decode(tokens) for x in stop.strings)):
-            return tokens, logprobs, True  # the first occurrence: the text before this token held none
-        # the position named: Unsloth's one-token decode step needs it (transformers derives the same from the cache)
-        out = model(input_ids=torch.tensor([[tok]], device=device), past_key_values=out.past_key_values,
-                    position_ids=torch.tensor([[len(prompt) + len(tokens) - 1]], device=device), use_cache=True)
-    return tokens, logprobs, False
+    owner = [(d, i) for d, draw in enumerate(draws) for i in range(draw.num_samples)]  # each row's draw and sample
+    seqs: list[list[Sequence]] = [[([], [], False) for _ in range(draw.num_samples)] for draw in draws]
+    live = [True] * len(owner)  # a row that stopped stays in a batch whose cache cannot drop rows, unread
+    mixed = len(draws) > 1
+
+    def forward(**kw: Any) -> Any:  # each row through its draw's adapter (several draws)
+        if not mixed:
+            return model(**kw)
+        if route is None:
+            return model(**kw, adapter_names=[draws[d].adapter or base for d, _ in owner])
+        segments, start = [], 0
+        for d, rows in itertools.groupby(owner, key=lambda row: row[0]):
+            end = start + len(list(rows))
+            segments.append((draws[d].adapter or base, start, end))
+            start = end
+        with route(segments):
+            return model(**kw)
+
+    if not mixed:
+        prompt, n = draws[0].prompt, draws[0].num_samples
+        out = model(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+        cache, logits, mask = out.past_key_values, out.logits[:, -1].float(), None
+        if n > 1 and hasattr(cache, "batch_repeat_interleave"):  # transformers' caches: one prefill, copied per row
+            cache.batch_repeat_interleave(n)
+            logits = logits.expand(n, -1)
+        elif n > 1:  # a backend's own cache: the prompt run for every row
+            out = model(input_ids=torch.tensor([prompt] * n, device=device), use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1].float()
+        pos = torch.full((n,), len(prompt) - 1, device=device)
+    else:
+        width = max(len(draw.prompt) for draw in draws)
+        pads = [width - len(draws[d].prompt) for d, _ in owner]
+        ids = torch.tensor([[0] * pad + draws[d].prompt for pad, (d, _) in zip(pads, owner, strict=True)],
+                           device=device)
+        mask = torch.tensor([[0] * pad + [1] * (width - pad) for pad in pads], device=device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        cache, logits, pos = out.past_key_values, out.logits[:, -1].float(), positions[:, -1]
+    warps = [_warpers(draw.temperature, draw.top_k, draw.top_p) for draw in draws]
+    while True:
+        tok = torch.empty(len(owner), dtype=torch.long, device=logits.device)
+        chosen: list[float] = []
+        start = 0
+        for d, rows in itertools.groupby(owner, key=lambda row: row[0]):  # a draw's rows are contiguous
+            draw, end = draws[d], start + len(list(rows))
+            lp = torch.log_softmax(logits[start:end] / draw.temperature if draw.temperature > 0
+                                   else logits[start:end], dim=-1)  # the distribution sampled from
+            if draw.temperature <= 0:
+                t = lp.argmax(dim=-1)
+            else:
+                t = torch.multinomial(torch.softmax(warps[d](None, lp), dim=-1).cpu(), 1,
+                                      generator=draw.generator)[:, 0].to(lp.device)
+            tok[start:end] = t
+            chosen += lp.gather(1, t[:, None])[:, 0].tolist()
+            start = end
+        for row, ((d, i), t) in enumerate(zip(owner, tok.tolist(), strict=True)):
+            if not live[row]:
+                continue
+            draw, (tokens, logprobs, _) = draws[d], seqs[d][i]
+            tokens.append(t)
+            logprobs.append(chosen[row])
+            if t in draw.stop.tokens or (draw.stop.strings and any(x in draw.decode(tokens) for x in draw.stop.strings)):
+                seqs[d][i], live[row] = (tokens, logprobs, True), False  # the text before this token held none
+            elif len(tokens) == draw.max_tokens:
+                live[row] = False
+        going = [row for row, alive in enumerate(live) if alive]
+        if not going:
+            return seqs
+        if len(going) < len(owner) and hasattr(cache, "batch_select_indices"):  # stopped rows leave the batch
+            keep = torch.tensor(going, device=tok.device)
+            cache.batch_select_indices(keep)
+            tok, pos = tok[keep], pos[keep]
+            mask = mask[keep] if mask is not None else None
+            owner, live = [owner[row] for row in going], [True] * len(going)
+        pos = pos + 1
+        if mask is not None:
+            mask = torch.cat([mask, mask.new_ones((len(owner), 1))], dim=-1)
+        # each row names its position: Unsloth's one-token decode step needs it (transformers derives the same)
+        out = forward(input_ids=tok[:, None], past_key_values=cache, use_cache=True, position_ids=pos[:, None],
+                      **({"attention_mask": mask} if mask is not None else {}))
+        cache, logits = out.past_key_values, out.logits[:, -1].float()
 
 
-def _filtered(probs: Any, top_k: int, top_p: float) -> Any:
-    import torch
+def _warpers(temperature: float, top_k: int, top_p: float) -> Any:
+    """transformers' top-k then top-p warpers (over log-probabilities already divided by the temperature)."""
+    from transformers import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
 
-    if 0 < top_k < probs.numel():
-        kth = torch.topk(probs, top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    warpers = LogitsProcessorList()
+    if top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p * sorted_p.sum()
-        keep[0] = True  # the most probable token always stays (top_p 0: nothing else)
-        mask = torch.zeros_like(probs, dtype=torch.bool)
-        mask[idx[keep]] = True
-        probs = torch.where(mask, probs, torch.zeros_like(probs))
-    return probs / probs.sum()
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers
 
 
 def score_prompt(model: Any, prompt: list[int], device: str, topk: int = 0) -> tuple[list[float], Any]:
@@ -161,17 +251,36 @@ def score_prompt(model: Any, prompt: list[int], device: str, topk: int = 0) -> t
 def run(model: Any, prompt: list[int], *, num_samples: int, max_tokens: int, temperature: float, top_k: int,
         top_p: float, seed: int | None, stop: Stop, prompt_logprobs: bool, topk_prompt_logprobs: int = 0,
         decode: Callable[[list[int]], str], device: str) -> bytes:
-    """The ``SampleResponse`` protobuf of ``num_samples`` sequences drawn one after another from one generator
-    seeded with ``seed`` (None: a random seed), so the same request with the same seed to the same server gets the
-    same tokens; with the prompt's logprobs and their top ``topk_prompt_logprobs`` when asked."""
+    """The ``SampleResponse`` protobuf of one request decoded alone (:func:`draw_of`, :func:`generate_many`,
+    :func:`respond`): the same request with the same seed to the same server gets the same tokens."""
+    import torch
+
+    draw = draw_of(prompt, num_samples=num_samples, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+                   top_p=top_p, seed=seed, stop=stop, decode=decode)
+    with torch.no_grad():
+        seqs = generate_many(model, [draw], device)[0]
+    return respond(model, prompt, seqs, prompt_logprobs=prompt_logprobs, topk_prompt_logprobs=topk_prompt_logprobs,
+                   device=device)
+
+
+def draw_of(prompt: list[int], *, num_samples: int, max_tokens: int, temperature: float, top_k: int, top_p: float,
+            seed: int | None, stop: Stop, decode: Callable[[list[int]], str], adapter: str | None = None) -> Draw:
+    """A request's :class:`Draw`, its generator seeded with ``seed`` (None: a random seed)."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(seed if seed is not None else secrets.randbelow(MAX_SEED))
+    return Draw(prompt, num_samples, max_tokens, temperature, top_k, top_p, stop, decode, gen, adapter)
+
+
+def respond(model: Any, prompt: list[int], seqs: list[Sequence], *, prompt_logprobs: bool, topk_prompt_logprobs: int,
+            device: str) -> bytes:
+    """The ``SampleResponse`` protobuf of a request's sequences, with the prompt's logprobs and their top
+    ``topk_prompt_logprobs`` when asked (scored through ``model`` as it is: its adapter active)."""
     import torch
 
     from app.api import wire
 
-    gen = torch.Generator(device="cpu").manual_seed(seed if seed is not None else secrets.randbelow(MAX_SEED))
     with torch.no_grad():
-        seqs = [generate(model, prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                         stop=stop, decode=decode, generator=gen, device=device) for _ in range(num_samples)]
         plp, top = score_prompt(model, prompt, device, topk_prompt_logprobs) \
             if prompt_logprobs or topk_prompt_logprobs else (None, None)
     return wire.sample_response(seqs, plp if prompt_logprobs else None, top)

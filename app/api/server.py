@@ -1,10 +1,11 @@
 """The Tinker REST API as SDK 0.38 speaks it (FastAPI), over :class:`app.api.service.Service`.
 
 Bodies are parsed with the SDK's own pydantic types (``tinker.types``) and protobuf module; a malformed body, an
-unknown model or a request over the limits is a 4xx whose body says why (the SDK surfaces it). Routes not served
-answer 400 with the reason (``NotServed``: a 5xx would have the SDK retry for minutes). Every route needs an API key
-but health, attestation and the signed download URLs of external weights (:mod:`app.api.external`: the URL is the
-capability).
+unknown model or a request over the limits is a 4xx whose body says why (the SDK surfaces it). A ``forward_backward``
+or ``optim_step`` the SDK sends again (same ``seq_id``, its answer lost) answers its first future: applied once.
+Routes not served answer 400 with the reason (``NotServed``: a 5xx would have the SDK retry for minutes). Every route
+needs an API key but health, attestation and the signed download URLs of external weights (:mod:`app.api.external`:
+the URL is the capability).
 """
 
 from __future__ import annotations
@@ -131,7 +132,9 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
     async def forward_backward(request: Request) -> Any:
         if "protobuf" not in request.headers.get("content-type", ""):
             raise BadRequest("forward_backward takes a protobuf body (Content-Type: application/x-protobuf)")
-        return _json(svc.forward_backward(request.state.owner, await _read(request)))
+        raw, owner = await _read(request), request.state.owner
+        model_id, seq_id, kind = _numbered(raw)  # a request sent again answers its first future (Store.once)
+        return _json(svc.store.once(owner, model_id, seq_id, kind, raw, lambda: svc.forward_backward(owner, raw)))
 
     @app.post("/api/v1/cvm_tune/export")
     async def export_checkpoint(request: Request) -> Any:  # a saved state's export bundle, made when asked
@@ -143,7 +146,9 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> Any:
-        return _json(svc.optim_step(request.state.owner, await body(request, types.OptimStepRequest)))
+        req, owner = await body(request, types.OptimStepRequest), request.state.owner
+        return _json(svc.store.once(owner, req.model_id, req.seq_id, "optim_step", req.model_dump_json().encode(),
+                                    lambda: svc.optim_step(owner, req)))  # applied once, whatever the retries
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request) -> Any:
@@ -321,6 +326,20 @@ async def _read(request: Request) -> bytes:
             raise TooLarge(f"request body over {MAX_BODY} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _numbered(raw: bytes) -> tuple[str, int, str]:
+    """(model id, seq id, kind) of a forward_backward body, for :meth:`app.api.store.Store.once` (seq id 0: none,
+    or a body that does not parse, which the service then refuses with the reason)."""
+    from google.protobuf.message import DecodeError
+    from tinker.proto import tinker_public_pb2 as pb
+
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(raw)
+    except DecodeError:
+        return "", 0, ""
+    return msg.model_id, msg.seq_id, "forward" if msg.forward_only else "forward_backward"
 
 
 def _first(exc: ValidationError) -> str:

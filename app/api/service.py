@@ -26,13 +26,14 @@ from attestation.io.hashing import sha256_file
 from attestation.outputs import op_chain
 
 from app.api import dp as dpsgd
-from app.api import sampling, wire
+from app.api import wire
 from app.api.admission import admit
 from app.api.bundle import Exporter
 from app.api.checkpoints import Checkpoints, live
 from app.api.completions import Completions
 from app.api.engine import Engine, Model
 from app.api.loading import saved_dp
+from app.api.sample_batch import request_item
 from app.api.worker import run_job
 from app.api.errors import BadRequest, NotFound, NotServed, TooMany
 from app.api.external import check_name
@@ -100,7 +101,8 @@ class Service:
         return live(self.storage, c)  # an external export, or deleted or expired: refused
 
     def _enqueue(self, owner: str, session: str, model_id: str | None, kind: str, fn: Any,
-                 samples: int = 0, sampler: tuple[str, int | None] | None = None, op: Any = None) -> dict[str, Any]:
+                 samples: int = 0, sampler: tuple[str, int | None] | None = None, op: Any = None,
+                 sample: Any = None) -> dict[str, Any]:
         if self.store.pending(session) >= self.limits.max_queued_futures:
             raise TooMany(f"session has {self.limits.max_queued_futures} operations queued; wait for results")
         fid = uuid.uuid4().hex
@@ -118,7 +120,7 @@ class Service:
                 self.completions.finished(sampler[0], sampler[1], fid, ok)
 
         self.engine.submit(run_job(fn, finish), model_id, op,  # op: a forward_backward that may share a pass
-                           ahead=kind == "optim_step")
+                           ahead=kind == "optim_step", sample=sample)  # sample: a request that may share a batch
         ids = [f"{fid}:{i}" for i in range(samples)] if samples else None
         return types.UntypedAPIFuture(request_id=fid, model_id=model_id, sample_sequence_ids=ids).model_dump(
             mode="json", exclude_none=True)
@@ -342,28 +344,14 @@ class Service:
             if path is None and req.base_model != self.base_name:
                 raise BadRequest(f"base model {req.base_model!r} is not served")
         c = self._checkpoint(owner, path) if path else None
-        prompt = [t for chunk in req.prompt.chunks for t in getattr(chunk, "tokens", None) or _no_image()]
-        p = req.sampling_params
-        max_tokens = p.max_tokens if p.max_tokens is not None else 16
-        if not 1 <= max_tokens <= self.limits.max_sample_tokens:
-            raise BadRequest(f"max_tokens {max_tokens} is outside 1..{self.limits.max_sample_tokens}")
-        if not 1 <= len(prompt) <= self.limits.max_seq_len - max_tokens:
-            raise BadRequest(f"prompt of {len(prompt)} tokens (+ max_tokens) exceeds {self.limits.max_seq_len}")
-        if any(not 0 <= t < self.engine.vocab for t in prompt):
-            raise BadRequest(f"a prompt token id is outside the vocabulary (0..{self.engine.vocab - 1})")
-        if not 1 <= req.num_samples <= 16:
-            raise BadRequest("num_samples must be 1..16")
-        stop = sampling.check_request(req, str(self.engine.base_dir), self.engine.model.config, self.engine.vocab)
+        item = request_item(req, self.engine, self.limits, lambda: self._sampler(c))  # checked before queueing
 
         def run() -> tuple[bool, str, bytes]:
-            with self._sampler(c) as src:
-                return True, PROTO, self.engine.sample(
-                    src, prompt, num_samples=req.num_samples, max_tokens=max_tokens, temperature=p.temperature,
-                    top_k=p.top_k, top_p=p.top_p, seed=p.seed, stop=stop, prompt_logprobs=bool(req.prompt_logprobs),
-                    topk_prompt_logprobs=req.topk_prompt_logprobs)
+            return True, PROTO, self.engine.sample_request(item)
 
         return self._enqueue(owner, session, None, "sample", run, samples=req.num_samples,
-                             sampler=(session, req.seq_id) if req.sampling_session_id is not None else None)
+                             sampler=(session, req.seq_id) if req.sampling_session_id is not None else None,
+                             sample=item)
 
     def _sampler(self, c: Checkpoint | None) -> Any:
         """The checkpoint's RAM path for Engine.sample (its sampler cache is keyed by that path), or None (base)."""
@@ -414,7 +402,3 @@ class Service:
         if self.agent is None:
             raise NotServed("this server has no guest agent to quote with")
         return attestation(self.agent, self.tls, nonce, self.collateral or (lambda _q: None))
-
-
-def _no_image() -> list[int]:
-    raise BadRequest("only token (encoded_text) prompt chunks are served")

@@ -14,9 +14,10 @@ sends them again. Checkpoint records are committed with ``synchronous=FULL``, as
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 from app.audit import utc_now
 from app.state import RunDB
 
+RETRY_WINDOW = 1024  # requests per model whose answer a retry gets again (Store.once)
 RESTARTED = "the server restarted before this operation ran; load the model's last saved state and send it again"
 
 
@@ -65,6 +67,38 @@ class Store:
         self.lock = threading.Lock()
         self.conn.execute("PRAGMA synchronous=NORMAL")  # futures; see the module docstring
         self._owners: dict[str, str] = {}  # model id -> owner: asked on every operation, and never changes
+        self._requests: dict[tuple[str, str], dict[int, tuple[str, str, dict[str, Any]]]] = {}  # (owner, model) -> seq
+
+    # --- retries -----------------------------------------------------------------------------------
+
+    def once(self, owner: str, model_id: str, seq_id: int | None, kind: str, body: bytes,
+             accept: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The future of a training client's request ``seq_id`` (the SDK numbers each request of a client from 1 and
+        keeps the number when it sends the request again after a lost answer): ``accept()``'s, or, for the same
+        request sent again, the one it answered then, so that it is applied once. Kept in memory for the last
+        :data:`RETRY_WINDOW` requests of each model: a model's training state is in memory too (after a restart a
+        retry finds no model either).
+
+        Raises:
+            BadRequest: the model's ``seq_id`` was taken by another request (another body or kind: not a retry).
+        """
+        if not seq_id or seq_id <= 0:  # not numbered (0: the field left out)
+            return accept()
+        digest, seen = hashlib.sha256(body).hexdigest(), self._requests.get((owner, model_id), {})
+        if seq_id in seen:
+            if seen[seq_id][:2] != (kind, digest):
+                from app.api.errors import BadRequest
+
+                raise BadRequest(f"seq_id {seq_id} of model {model_id} was taken by another request "
+                                 f"({seen[seq_id][0]}): each request of a training client has its own seq_id; a "
+                                 "retry sends the same request again")
+            return seen[seq_id][2]
+        future = accept()  # refused (a 4xx, an unknown model): nothing kept, a retry is judged afresh
+        seen = self._requests.setdefault((owner, model_id), seen)
+        if len(seen) >= RETRY_WINDOW:  # the oldest first: the SDK sends a request again within minutes
+            del seen[next(iter(seen))]
+        seen[seq_id] = (kind, digest, future)
+        return future
 
     def _tx(self, sql: str, args: tuple[Any, ...] = (), *more: tuple[str, tuple[Any, ...]]) -> None:
         with self.lock:

@@ -109,9 +109,11 @@ def attestation(ag: Any, tls: TlsIdentity | None, nonce_hex: str, collateral: An
         raise BadRequest("nonce must be 32 to 128 hex digits (16 to 64 random bytes)")
     spki = tls.spki_sha256 if tls else b""
     quote, event_log = ag.agent.quote(report_data(nonce, spki))
+    mr_config = ag.agent.mr_config_document(quote)  # dstack 0.6 with a key provider: what MRCONFIGID v3 hashes
     return {"schema": SCHEMA, "nonce": nonce.hex(), "tls_spki_sha256": spki.hex() or None,
             "certificate_pem": tls.cert_pem.decode() if tls else None, "quote": quote.hex(), "event_log": event_log,
-            "app_compose": ag.ident.app_compose, "collateral": collateral(quote)}
+            "app_compose": ag.ident.app_compose, "collateral": collateral(quote),
+            **({"mr_config": mr_config.decode()} if mr_config else {})}
 
 
 # What OpenSSL reports on the server when the client ends the handshake because it does not trust the certificate.

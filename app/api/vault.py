@@ -8,6 +8,9 @@ sample decrypts it into RAM, hands it to the engine and removes it again.
 - **Key**: HKDF of dstack ``GetKey("cvm-tune/api-checkpoints/v1")``: derived in the CVM, bound to the app id, never
   on disk, and not the nightly checkpoints' key (``cvm-tune/checkpoints/v1``). A restarted server of the same app
   derives it again and opens its states; another app, or anyone holding the volume alone, cannot.
+- **Key epochs**: each state records the dstack KMS key epochs its key was derived under (``key-epochs.json``,
+  ``app.keys_epoch``); after a KMS key rotation a load opens it with the old epoch's key and re-seals it under the
+  current one (atomically); an agent that ignores GetKey's epoch selectors is refused with nothing changed.
 - **Binding**: each state's fingerprint is the hash of its record in ``state/runs.sqlite`` (``tinker://`` path,
   owner, kind, directory, op-chain head and count, LoRA): a state copied under another record, or a record edited
   to hand a state to another key or another chain head, does not open.
@@ -15,7 +18,7 @@ sample decrypts it into RAM, hands it to the engine and removes it again.
   configured ``output.scratch_dir``, else ``/dev/shm``; refused unless a RAM file system, as for a nightly run).
   It exists only while one operation runs (the engine runs one at a time), with the one copy that operation needs,
   and is removed when it ends (and at start, after a kill). A sampler checkpoint is decrypted to a path stable per
-  checkpoint, so the engine's cache of sampler adapters (keyed by that path, at most ``MAX_SAMPLERS``) loads it once;
+  checkpoint, so the engine's cache of sampler adapters (keyed by that path, at most ``app.api.sample_batch.MAX_SAMPLERS``) loads it once;
   it is decrypted again only after the engine evicted it.
 - **Storage** (:class:`Storage`): a training save, and a sampler save that asks for it, is also an export bundle; a
   sampler save's bundle can be made later, from the progress sealed with it (``export.json``), as its save would
@@ -46,10 +49,13 @@ from app.api.store import Checkpoint
 from app.config import Config
 from app.config.api import ApiSettings
 from app.dataset import DerivedKeySource
+from app.dataset.keys import derive_key
 from app.errors import ConfigError
+from app.keys_epoch import EpochKeys, FixedKey, KeyEpochError, read_epochs
+from app.tee import GuestAgent
 from app.fsutil import remove_stale_temps, staged_dir, withdraw_dir
 from app.run.inputs import scratch_dir
-from app.training.sealed import MANIFEST, Unusable, open_sealed, seal_files
+from app.training.sealed import MANIFEST, Unusable, open_sealed, recover_swaps, reseal, seal_files
 
 GETKEY_PATH = "cvm-tune/api-checkpoints/v1"
 KEY_PURPOSE = "cvm-tune-api-checkpoint-key"
@@ -97,16 +103,22 @@ def open_vault(cfg: Config, out: Path, agent: Any) -> Vault:
     if agent is None:
         raise ConfigError("the training API has no guest agent to derive the key of its saved states with",
                           fix="run it in a CVM, or with tee.mode: embedded-simulator")
-    key = DerivedKeySource(agent.agent.get_key, GETKEY_PATH, KEY_PURPOSE).dataset_key()
-    return Vault(Path(out) / "api" / "checkpoints", ram.with_name(ram.name + RAM_SUFFIX), key)
+    if isinstance(agent.agent, GuestAgent):
+        keys: EpochKeys | FixedKey = EpochKeys(agent.agent, GETKEY_PATH, KEY_PURPOSE, derive_key)
+    else:  # a stand-in agent (tests): one key, no epochs
+        keys = FixedKey(DerivedKeySource(agent.agent.get_key, GETKEY_PATH, KEY_PURPOSE).dataset_key())
+    return Vault(Path(out) / "api" / "checkpoints", ram.with_name(ram.name + RAM_SUFFIX), keys)
 
 
 class Vault:
-    def __init__(self, root: Path, ram: Path, key: bytes) -> None:
-        self.root, self.ram, self._key = Path(root), Path(ram), key
+    def __init__(self, root: Path, ram: Path, keys: EpochKeys | FixedKey | bytes) -> None:
+        self.root, self.ram = Path(root), Path(ram)
+        self._keys = FixedKey(keys) if isinstance(keys, bytes) else keys
+        self._key = self._keys.current
         self.expired: dict[str, str] = {}  # sealed directory -> why it was removed, for operations queued before
         self.root.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(self.root)  # a save killed mid-seal
+        recover_swaps(self.root)  # a re-seal after a key rotation killed mid-swap
         shutil.rmtree(self.ram, ignore_errors=True)  # plaintext a server killed mid-operation left
 
     @contextlib.contextmanager
@@ -126,7 +138,8 @@ class Vault:
     def seal(self, src: Path, c: Checkpoint) -> None:
         """Seal the plaintext directory ``src`` as ``c.dir`` (atomically: complete or absent)."""
         with staged_dir(Path(c.dir)) as stage:
-            seal_files(src, stage, key=self._key, step=c.ops, fingerprint=_fingerprint(c), inputs=_inputs(c))
+            seal_files(src, stage, key=self._key, step=c.ops, fingerprint=_fingerprint(c), inputs=_inputs(c),
+                       epochs=self._keys.current_epochs)
 
     @staticmethod
     def remove(c: Checkpoint) -> None:
@@ -169,10 +182,14 @@ class Vault:
             raise BadRequest(f"saved state {c.path} is refused: {LEGACY}")
         required = (*ADAPTER, "optimizer.pt") if c.kind == "training" else ADAPTER
         try:
+            reseal(sealed, self.ram, self._keys, recorded=read_epochs(sealed), required=required)  # after a rotation
             open_sealed(sealed, target, key=self._key, step=c.ops, fingerprint=_fingerprint(c), inputs=_inputs(c),
                         required=required)
         except Unusable as exc:
             raise BadRequest(f"saved state {c.path} cannot be opened: {exc}; {SEALED}") from None
+        except KeyEpochError as exc:
+            raise BadRequest(f"saved state {c.path} cannot be opened after a KMS key rotation: {exc.message}; "
+                             f"fix: {exc.fix}") from None
 
 
 def _inputs(c: Checkpoint) -> dict[str, str]:

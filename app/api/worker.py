@@ -11,6 +11,10 @@ A job marked ``ahead`` (an optimizer step: quick, and its model's barrier) that 
 taken before a waiting pass: while it runs, other models' forward_backward jobs gather for that pass, which then
 serves more models at once (tenants stepping together fall into step with each other).
 
+A sample job that may decode with others (``sample`` set: the engine decides which) takes along every other such
+job waiting anywhere in the queue, up to :data:`SAMPLE_JOBS` (samples act on no model, so nothing they pass can
+depend on them), and hands their requests to ``decode`` at once: one batch whose rows are all their sequences.
+
 With a gather window (``wait_s`` > 0), a pass also waits for the next forward_backward of every model whose last
 pass ended in the last :data:`ACTIVE_S` and that has no job waiting (its client is between two steps): until they
 all came, a stop is queued, the window passed, or as long as the previous pass took, whichever comes first. A lone
@@ -39,23 +43,44 @@ class Job:
     op: Any = None  # a forward_backward op (app.api.wire.Op) that may join a packed pass; None: runs alone
     cost: int = 0  # what the op's pass takes (bytes), against the budget
     ahead: bool = False  # taken before a waiting pass, once it is its model's first waiting job
+    sample: Any = None  # a sample request that may decode in one batch with other waiting ones; None: runs alone
 
 
 ACTIVE_S = 0.1  # a model whose pass ended this recently is waited for by the next pass (gather window)
+FLOOR_FRACTION = 16  # the pass budget never drops under 1/16 of its start, and climbs back by as much a pass
+SAMPLE_JOBS = 8  # sample requests decoded in one batch at most (each its own adapter: the engine keeps 8 loaded)
 
 
 class Worker:
-    def __init__(self, batch: Callable[[list[Any]], None], budget: int, wait_s: float = 0.0) -> None:
+    def __init__(self, batch: Callable[[list[Any]], None], budget: int, wait_s: float = 0.0,
+                 decode: Callable[[list[Any]], None] | None = None) -> None:
         """``batch(ops)``: run the ops as one pass and keep each op's result for its job; ``wait_s``: the gather
-        window (0: a pass takes what is waiting, never waits)."""
-        self.batch, self.budget, self.wait_s = batch, budget, wait_s
+        window (0: a pass takes what is waiting, never waits); ``decode(requests)``: decode sample requests as one
+        batch and keep each one's result for its job."""
+        self.batch, self.budget, self.wait_s, self.decode = batch, budget, wait_s, decode
+        self.initial = budget  # what a pass may hold at start; out-of-memory lowers ``budget`` for a while
         self._active: dict[str, float] = {}  # model -> when its last pass ended (time.monotonic)
         self._last_pass = 0.0  # how long the last pass took (s)
-        self.stats = {"passes": 0, "packed_ops": 0, "largest": 0}  # packed passes of more than one op
+        self.stats = {"passes": 0, "packed_ops": 0, "largest": 0,  # packed passes of more than one op
+                      "sample_batches": 0, "batched_samples": 0, "largest_sample_batch": 0}  # and sample batches
         self._jobs: collections.deque[Job | None] = collections.deque()
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._work, name="api-engine", daemon=True)
         self._thread.start()
+
+    def lower(self, tried: int, ops: int, device: str) -> None:
+        """A packed pass of ``ops`` ops that held ``tried`` bytes ran out of memory (the allocator's error, in the
+        pass itself: an op's own failure fails that op alone): later passes hold half of it, never more than before,
+        and never under :data:`FLOOR_FRACTION` of the start budget (one pass, however small, must not turn packing
+        off)."""
+        self.budget = max(self.initial // FLOOR_FRACTION, min(self.budget, tried // 2))
+        logger.warning("a packed pass of %d ops ran out of memory on %s; passes now hold at most %d MiB", ops, device,
+                       self.budget >> 20)
+
+    def recover(self) -> None:
+        """A packed pass fit: the budget climbs back by a :data:`FLOOR_FRACTION` of the start, up to the start (a
+        device whose memory was short for a while packs as before some passes later)."""
+        self.budget = min(self.initial, self.budget + max(self.initial // FLOOR_FRACTION, 1))
 
     def submit(self, job: Job) -> None:
         with self._cv:
@@ -80,6 +105,11 @@ class Worker:
             if first is None:
                 return None
             taken = [first]
+            if first.sample is not None:
+                taken += [j for j in self._jobs if j is not None and j.sample is not None][:SAMPLE_JOBS - 1]
+                for job in taken[1:]:
+                    self._jobs.remove(job)
+                return taken
             if first.op is None or first.cost > self.budget:
                 return taken
             now = time.monotonic()
@@ -128,10 +158,14 @@ class Worker:
     def _work(self) -> None:
         while (taken := self._take()) is not None:
             start = time.monotonic()
-            if len(taken) > 1:
-                self.stats["passes"] += 1
-                self.stats["packed_ops"] += len(taken)
-                self.stats["largest"] = max(self.stats["largest"], len(taken))
+            if len(taken) > 1 and taken[0].sample is not None and self.decode is not None:
+                self._count("sample_batches", "batched_samples", "largest_sample_batch", len(taken))
+                try:
+                    self.decode([job.sample for job in taken])
+                except Exception:  # each job then decodes alone and reports its own failure
+                    logger.exception("a batch of %d sample requests failed; they decode one at a time", len(taken))
+            elif len(taken) > 1:
+                self._count("passes", "packed_ops", "largest", len(taken))
                 try:
                     self.batch([job.op for job in taken])
                 except Exception:  # each job then runs its op alone and reports its own failure
@@ -145,6 +179,11 @@ class Worker:
                 end = time.monotonic()
                 self._last_pass = end - start
                 self._active.update((j.model, end) for j in taken if j.model is not None)
+
+    def _count(self, batches: str, jobs: str, largest: str, n: int) -> None:
+        self.stats[batches] += 1
+        self.stats[jobs] += n
+        self.stats[largest] = max(self.stats[largest], n)
 
 
 def run_job(fn: Callable[[], tuple[bool, str, bytes]], finish: Callable[[bool, str, bytes], None]) -> Callable[[], None]:

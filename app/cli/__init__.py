@@ -8,7 +8,8 @@ Exit codes (also in docs/exit-codes.md):
   3  dataset error   4  key error   5  guest agent / attestation error
   6  training error  7  state / export error   70  internal error (bug: rerun with --debug)
   130 interrupted     141 stdout closed by its reader (verify/verify-quote keep the verdict's code)
-``--debug`` adds the traceback and keeps the code. ``run``/``serve`` when another process holds the output volume's lock: "skipped: locked", exit 0.
+``--debug`` adds the traceback and keeps the code. ``run`` when another process holds the output volume's lock: exit 7
+(the holder's pid; nothing written); ``serve``: "service: skipped: locked", exit 0 (the service already runs).
 A SIGTERM during ``run``/``serve`` checkpoints at the next step boundary and exits 0.
 ``status --health``: 0 healthy, 1 unhealthy (one line saying why).
 """
@@ -60,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--config", type=Path, metavar="FILE", help="YAML configuration (see `cvm-tune schema`)")
     r.add_argument("--run-id", metavar="ID", help="name the run (resumes it if unfinished); default: a new timestamped id "
                    "or the newest unfinished run with the same inputs")
+    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one configuration value (a dotted key, a YAML value), e.g. --set "
+                   "training.learning_rate=1e-4; repeatable; recorded in the manifest like the file's own values")
+    r.add_argument("--max-steps", type=bounded_int(1, 10**9), metavar="N",
+                   help="train at most N optimizer steps (= --set training.max_steps=N)")
 
     sv = sub.add_parser("serve", help="the nightly service: run each scheduled slot once (what the container runs)",
                         description="Run one attested training per calendar day at schedule.time in schedule.timezone: "
@@ -125,11 +131,14 @@ def _parser() -> argparse.ArgumentParser:
                        "report_data (when given), RTMR0-3 replayed from the event log, boot events and event names, and the "
                        "policy's measurement pins. Offline: pass collateral fetched with `cvm-tune collateral`. "
                        "Exit 0 accepted, 1 rejected, 2 input error.")
-    q.add_argument("quote", type=Path, metavar="QUOTE", help="raw quote bytes, hex text (0x/whitespace ok) or a dstack "
-                   "GetQuote JSON response (its event_log is used unless --event-log is given)")
+    q.add_argument("quote", type=Path, metavar="QUOTE", help="raw quote bytes, hex text (0x/whitespace ok), a dstack "
+                   "GetQuote JSON response or an Attest answer ({\"attestation\": hex}, SCALE V0 or MessagePack V1); "
+                   "the event log it carries is used unless --event-log is given")
     q.add_argument("--collateral", type=Path, metavar="FILE", help="collateral JSON (dcap-qvl QuoteCollateralV3)")
     q.add_argument("--event-log", type=Path, metavar="FILE", help="dstack event log: a JSON list, or JSON with an event_log member")
     q.add_argument("--report-data", metavar="HEX", help="expected report_data (at most 64 bytes; shorter is zero-padded)")
+    q.add_argument("--mr-config", type=Path, metavar="FILE", help="the MrConfigV3 document a v3 MRCONFIGID was computed "
+                   "from (exact bytes; default: the mr_config of the vm_config an Attest or GetQuote answer carries)")
     q.add_argument("--policy", type=Path, metavar="FILE", help="YAML policy (default: built-in, Intel root, UpToDate only)")
     q.add_argument("--now", type=bounded_int(0, MAX_UNIX_SECONDS), metavar="UNIX_SECONDS", help="verification time (default: now); pins time for tests")
     q.add_argument("--json", action="store_true", help="print the machine-readable verdict (schema cvm-tune/verdict/v1)")
@@ -151,8 +160,17 @@ def _parser() -> argparse.ArgumentParser:
     where = s.add_mutually_exclusive_group()
     where.add_argument("--socket", type=Path, metavar="PATH", help="unix socket path (default: ./dstack.sock)")
     where.add_argument("--port", type=int, metavar="N", help="serve on 127.0.0.1:N instead of a socket")
+    s.add_argument("--dstack", choices=("0.5", "0.6"), default="0.6",
+                   help="agent line to imitate: 0.6 (dstack 0.6.7: /v0 and /v1 routes, Attest, EmitEvent refused, "
+                   "KMS key epochs; default) or 0.5 (dstack 0.5.11)")
+    s.add_argument("--root-epoch", type=int, default=0, metavar="N",
+                   help="KMS root key epoch of the simulated CVM (default 0; restart with a higher one to simulate a "
+                   "KMS root-key rotation)")
+    s.add_argument("--app-epoch", type=int, default=0, metavar="N",
+                   help="app key epoch of the simulated CVM (default 0; a higher one simulates an app-key rotation)")
     s.add_argument("--emit-event", choices=("accept", "noop", "reject"), default="accept",
-                   help="EmitEvent behaviour: accept (dstack OS 0.5.x), noop (simulator 0.5.3-0.5.8), reject (>= 0.5.9)")
+                   help="--dstack 0.5 only: EmitEvent behaviour: accept (dstack OS 0.5.x), noop (simulator "
+                   "0.5.3-0.5.8), reject (>= 0.5.9). A 0.6 agent always refuses EmitEvent")
     out_option(s, "--write-policy", dest="write_policy", metavar="FILE",
                help="write a policy trusting this simulator's TEST CA to FILE and exit (serves nothing)")
 
@@ -242,7 +260,7 @@ def _deploy_parsers(sub: argparse._SubParsersAction) -> None:
                       "CVM_TUNE_BUNDLES_TOKEN_SHA256, which the measured compose sets; given both, they must agree.")
     bs.add_argument("--output", type=Path, default=Path("/data/output"), metavar="DIR", help="output volume (default: %(default)s)")
     bs.add_argument("--token-file", type=Path, metavar="FILE", help="the token file `cvm-tune bundles token FILE` wrote")
-    bs.add_argument("--port", type=int, default=8000)
+    bs.add_argument("--port", type=bounded_int(0, 65535), default=8000, help="port to listen on (default: %(default)s)")
     bs.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s; 127.0.0.1: this "
                     "machine only)")
     for name, what in (("list", "list the server's runs and API saves"),

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from app.errors import CiphertextRejected, ConfigError
+from app.errors import CiphertextRejected, ConfigError, NotARecipientError
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -37,7 +37,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "does (every check: quote, manifest, file hashes, the weights' plaintext hashes and the model "
                         "signature over the plaintext), then decrypt adapter/ (or merged/) with your age identity and "
                         "write DIR atomically, each NAME.age as NAME. Exit 0 written, 1 the bundle does not verify "
-                        "with this identity under the policy (nothing written), 2 usage.")
+                        "with this identity under the policy (nothing written), 2 usage, 4 the identity is not a "
+                        "recipient (the manifest's recipients listed).")
     d.add_argument("bundle", type=Path, metavar="BUNDLE", help="the exports/<run_id> directory")
     d.add_argument("--identity", type=Path, required=True, metavar="KEY", help="your age identity file (age-keygen)")
     d.add_argument("-o", "--out", type=Path, required=True, metavar="DIR", help="directory to create (absent or empty)")
@@ -96,6 +97,11 @@ def _decrypt(args: argparse.Namespace) -> int:
     if not src.is_dir() or not any(rel.startswith(f"{args.dir}/") for rel in info.plaintext_sha256):
         raise ConfigError(f"{args.bundle.name} has no encrypted {args.dir}/", fix="pick --dir adapter")
     ids = identities(args.identity)
+    mine = sorted({str(i.to_public()) for i in ids or []})
+    if ids is not None and not set(mine) & set(info.recipients):  # no --policy makes this identity read the weights
+        named = ", ".join(r + (" (the CVM's own)" if r == info.cvm_recipient else "") for r in info.recipients)
+        raise NotARecipientError(f"the identity in {args.identity} ({', '.join(mine) or 'no identity'}) is not among "
+                                 f"the recipients {args.bundle.name}'s manifest names: {named}")
     verdict = verify_bundle(args.bundle, policy=load_policy(args.policy), now=args.now or int(time.time()),
                             collateral=read_collateral_file(args.collateral) if args.collateral else None,
                             identities=ids)

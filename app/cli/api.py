@@ -44,10 +44,14 @@ def _api(args: argparse.Namespace) -> int:
         from app.api.attest import attest
 
         return attest(args.url, policy_file=args.policy, out=args.out)
-    from app.api import serve
+    from app.api import check_listen, serve
     from app.config import load_config
+    from app.netaddr import require_free_address
 
-    serve(load_config(args.config), args.listen, progress=lambda m: print(m, flush=True), plain_http=args.plain_http)
+    cfg = load_config(args.config)
+    host, port, _loopback = check_listen(args.listen)
+    require_free_address(host, port, "--listen")  # before the base model loads
+    serve(cfg, args.listen, progress=lambda m: print(m, flush=True), plain_http=args.plain_http)
     return 0
 
 

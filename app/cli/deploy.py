@@ -14,6 +14,7 @@ from app.errors import ConfigError
 def _compose_hash(args: argparse.Namespace) -> int:
     from attestation.compose import app_compose as C
     from attestation.compose.audit import audit as compose_audit
+    from attestation.compose.dstack06 import audit06, gpu_policy_hash
     from attestation.tdx.inputs import read_bounded
     from attestation.io.safe_yaml import MAX_JSON_BYTES
 
@@ -29,7 +30,8 @@ def _compose_hash(args: argparse.Namespace) -> int:
     form, mr_config_id = C.expected_mr_config_id(doc, digest, app_id)
     out = {"compose_hash": digest, "app_id": app_id, "mr_config_id": mr_config_id, "mr_config_id_form": form,
            "kms_enabled": bool(doc.get("kms_enabled")),
-           "images": C.images(doc) if doc.get("runner") == "docker-compose" else {}, "problems": compose_audit(doc)}
+           "images": C.images(doc) if doc.get("runner") == "docker-compose" else {}, "problems": compose_audit(doc),
+           "notes": audit06(doc)[2], "gpu_policy_hash": gpu_policy_hash(doc)}
     if args.save is not None:  # only an app-compose.json that could be read and audited is saved
         from app.fsutil import atomic_write_bytes
 
@@ -39,10 +41,13 @@ def _compose_hash(args: argparse.Namespace) -> int:
     else:
         print(f"compose-hash  {digest}")
         print(f"app-id        {out['app_id'] or 'assigned by the KMS deployment (pass --app-id): not derivable from the file'}")
-        print(f"mr_config_id  {form} {mr_config_id or '(needs the app id: pass --app-id)'}")
+        print(f"mr_config_id  {form} {C.MR_CONFIG_V3 if form == 'v3' else mr_config_id or '(needs the app id: pass --app-id)'}")
         print(f"              ({C.MR_CONFIG_WHEN})")
+        print(f"gpu-policy    {out['gpu_policy_hash']} (dstack 0.6 measures it as gpu-policy-hash)")
         for svc, ref in out["images"].items():
             print(f"image         {svc}: {ref}")
+        for note in out["notes"]:
+            print(f"NOTE          {note}")
         for problem in out["problems"]:
             print(f"PROBLEM       {problem}")
     return EXIT_REJECTED if out["problems"] else 0

@@ -45,7 +45,6 @@ def _federated(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from app.federated.quiet import round_line
     from app.federated.simulate import Plan, check_plan, prepare, run_rounds, verify_last
 
     plan = Plan(args.out, clients=args.clients, rounds=args.rounds, strategy=args.strategy, max_steps=args.max_steps,
@@ -58,11 +57,9 @@ def _simulate(args: argparse.Namespace) -> int:
     secure = " with secure aggregation" if plan.secure_aggregation else ""
     print(f"running {plan.rounds} round(s) of {plan.strategy}{secure} with {plan.clients} simulated CVMs on Flower's "
           "simulation engine …", flush=True)
-    result = run_rounds(prepared)
+    result = run_rounds(prepared, progress=lambda line: print(line, flush=True))  # each round as it goes
     for n, client, reason in result.rejections:
         print(f"round {n}: rejected {client or '?'}: {reason}")
-    for n, path in result.rounds:
-        print(round_line(n, path))
     verdict, _ = verify_last(prepared, result.rounds)
     last = result.rounds[-1][1]
     print(f"Verdict ({prepared.policy_file.name}): {verdict.summary()}")

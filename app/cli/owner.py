@@ -89,8 +89,9 @@ def _keys(args: argparse.Namespace) -> int:
 
     key_path, pub_path, pub = new_owner_key(args.out)
     print(f"owner key: {key_path} (private, 0600: keep it offline)")
-    print(f"public key: {pub_path}; owner key id {owner_key_id(pub)}")
-    print(f"pin it in the CVM config: dataset: {{owner_public_key: {pub.hex()}}}")
+    print(f"public key: {pub_path}")
+    print(f"pin the public key in the CVM config: dataset: {{owner_public_key: {pub.hex()}}}")
+    print(f"its owner key id (a name that manifests show, not a key to pin): {owner_key_id(pub)}")
     return 0
 
 
@@ -151,7 +152,7 @@ def _encrypt(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     from app.dataset import read_header, tabular
-    from app.dataset.owner import load_public_key
+    from app.dataset.owner import load_public_key, signer_mismatch
     from app.errors import DatasetSignatureError, DataError
     from app.fsutil import open_regular
     from attestation.bundle.dataset_sig import TrailerError, read_signed_file
@@ -178,7 +179,7 @@ def _inspect(args: argparse.Namespace) -> int:
                      "plaintext_sha256": sig.plaintext_sha256, "file_sha256": signed.file_sha256,
                      "signature": "valid; the file's content is what the owner signed"})
         if args.owner_public_key is not None and sig.owner_public_key != load_public_key(args.owner_public_key):
-            raise DatasetSignatureError(f"{args.file.name} is signed by owner key {sig.owner_key_id[:16]}…, not the given key")
+            raise signer_mismatch(args.file.name, sig.owner_public_key, load_public_key(args.owner_public_key))
     elif args.owner_public_key is not None:
         from app.errors import UnsignedDatasetError
 

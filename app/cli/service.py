@@ -22,21 +22,31 @@ def _stop_on_sigterm() -> list[str]:
     return flag
 
 
+def _exit_0_on_sigterm() -> None:
+    """A server in the foreground (``bundles serve``, ``simulator``): SIGTERM stops it like Ctrl-C would, through
+    every ``finally`` (the socket closed, the command's private cache directory removed), and exits 0."""
+    import signal
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(0))
+
+
 def _run(args: argparse.Namespace) -> int:
+    import contextlib
+
     from app.config import load_config
     from app.run.pipeline import RunHooks, run_once
-    from app.state import Locked, run_lock
+    from app.state import claim_volume
     from app.training import TrainingStopped
 
-    cfg = load_config(args.config)
+    overrides = [*args.overrides, *([f"training.max_steps={args.max_steps}"] if args.max_steps is not None else [])]
+    cfg = load_config(args.config, overrides)
     flag = _stop_on_sigterm()
     hooks = RunHooks(should_stop=lambda: f"{flag[0]} received" if flag else None)
     try:
-        with run_lock(cfg.output.dir):
+        with contextlib.ExitStack() as volume:
+            claim_volume(volume, cfg.output.dir)  # another process on the volume: StateError, exit 7, nothing written
             res = run_once(cfg, progress=lambda m: print(m, flush=True), run_id=args.run_id, hooks=hooks)
-    except Locked as exc:
-        print(f"skipped: locked ({exc} is held by another cvm-tune process)", flush=True)
-        return 0
     except TrainingStopped as exc:
         print(f"stopped: {exc.message}; run again to resume", flush=True)
         return 0
@@ -90,10 +100,19 @@ def _bundles(args: argparse.Namespace) -> int:
         print(f"pin it in the measured compose: cvm-tune app-compose --image IMAGE@sha256:DIGEST --bundles-token {args.file}")
         return 0
     if args.bundles_command == "serve":
+        from app.netaddr import require_free_address
+
         digest = bundles.serve_token_sha256(args.token_file, os.environ.get(bundles.TOKEN_ENV))
+        if not args.output.is_dir():
+            raise ConfigError(f"the output volume {args.output} is not a directory",
+                              fix="pass the directory `cvm-tune run` / `serve` write to: --output DIR")
+        require_free_address(args.host, args.port, "--host/--port")
         server = bundles.BundleServer(args.output, digest, host=args.host, port=args.port)
-        print(f"cvm-tune bundle server (read-only) on {server.url} for {args.output}; verify its bundles in a browser "
-              f"at {server.url}/verify/runs (the token as the password)", flush=True)
+        _exit_0_on_sigterm()  # before the line that says it serves
+        where = " (every interface of this machine: --host 127.0.0.1 for this machine only)" if args.host in (
+            "0.0.0.0", "::", "") else ""
+        print(f"cvm-tune bundle server (read-only) on {server.url}{where} for {args.output}; verify its bundles in a "
+              f"browser at {server.url}/verify/runs (the token as the password)", flush=True)
         try:
             server.serve_forever()
         finally:
@@ -133,7 +152,12 @@ def _simulator(args: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read {args.app_compose}: {exc}") from exc
     try:
-        sim = GuestAgentSimulator(SimulatorSettings(emit_event=args.emit_event, app_compose=app_compose))
+        settings = SimulatorSettings(emit_event=args.emit_event, app_compose=app_compose, dstack=args.dstack,
+                                     root_epoch=args.root_epoch, app_epoch=args.app_epoch)
+    except ValueError as exc:
+        raise ConfigError(str(exc), fix="--root-epoch and --app-epoch take integers from 0 to 2^32-1") from exc
+    try:
+        sim = GuestAgentSimulator(settings)
     except ValueError as exc:  # an app-compose the simulator (like dstack's guest) cannot boot with
         raise ConfigError(f"{args.app_compose}: {exc}", fix="pass an app-compose.json dstack would boot") from exc
     if args.write_policy:
@@ -144,8 +168,10 @@ def _simulator(args: argparse.Namespace) -> int:
         server = SimulatorServer(sim, port=args.port)
     else:
         server = SimulatorServer(sim, socket_path=args.socket or Path("dstack.sock"))
+    _exit_0_on_sigterm()  # before the lines that say where it listens
     server.start()
-    print(f"cvm-tune dstack simulator (TEST CA — NOT a TEE) listening on {server.endpoint}", flush=True)
+    print(f"cvm-tune dstack {args.dstack} simulator (TEST CA — NOT a TEE) listening on {server.endpoint}"
+          + (f" (key epochs: root {args.root_epoch}, app {args.app_epoch})" if args.dstack == "0.6" else ""), flush=True)
     print(f"use it with: export DSTACK_SIMULATOR_ENDPOINT={os.path.abspath(server.endpoint) if args.port is None else server.endpoint}", flush=True)
     try:
         server.serve_forever()

@@ -283,23 +283,39 @@ def _write_verdict(verdict: Verdict, *, as_json: bool) -> None:
 
 
 def _verify_quote(args: argparse.Namespace) -> int:
-    from attestation import load_policy, parse_report_data_hex, read_collateral_file, read_event_log_file, read_quote_input
-    from attestation.tdx.inputs import event_log_from_json
-    from attestation.verify import quote_verdict
+    from attestation import load_policy, parse_report_data_hex, read_collateral_file, read_event_log_file
+    from attestation.errors import QuoteParseError
+    from attestation.tdx.inputs import (MAX_QUOTE_INPUT_BYTES, attest_answer, decode_quote_input_with_log, event_log_from_json,
+                                        getquote_mr_config, read_bounded)
+    from attestation.verify import attest_verdict, quote_verdict
 
     policy = load_policy(args.policy)
-    raw, embedded_log = read_quote_input(args.quote)
+    data = read_bounded(args.quote, MAX_QUOTE_INPUT_BYTES, QuoteParseError, "quote")
     coll = read_collateral_file(args.collateral) if args.collateral is not None else None
-    if args.event_log is not None:
-        events = read_event_log_file(args.event_log)
-    elif embedded_log is not None:
-        events = event_log_from_json({"event_log": embedded_log}, source=f"{args.quote} event_log")
-    else:
-        events = None
+    events = read_event_log_file(args.event_log) if args.event_log is not None else None
     expected = parse_report_data_hex(args.report_data) if args.report_data is not None else None
+    mr_config = _mr_config_file(args.mr_config) if args.mr_config is not None else None
     now = args.now if args.now is not None else int(time.time())
-    verdict = quote_verdict(raw, policy=policy, now=now, collateral=coll, events=events, expected_report_data=expected)
+    answer = attest_answer(data)
+    if answer is not None:  # an Attest answer: {"attestation": hex(VersionedAttestation)}
+        verdict = attest_verdict(answer, source=str(args.quote), policy=policy, now=now, collateral=coll, events=events,
+                                 expected_report_data=expected, mr_config=mr_config)
+        return _print_verdict(verdict, as_json=args.json)
+    raw, embedded_log = decode_quote_input_with_log(data, source=str(args.quote))
+    if events is None and embedded_log is not None:
+        events = event_log_from_json({"event_log": embedded_log}, source=f"{args.quote} event_log")
+    verdict = quote_verdict(raw, policy=policy, now=now, collateral=coll, events=events, expected_report_data=expected,
+                            mr_config=mr_config if mr_config is not None else getquote_mr_config(data))
     return _print_verdict(verdict, as_json=args.json)
+
+
+def _mr_config_file(path: Path) -> bytes:
+    """The exact bytes of a MrConfigV3 document file (hashed as they are; at most 64 KiB)."""
+    from attestation.compose.app_compose import ComposeError
+    from attestation.compose.mr_config import MAX_DOCUMENT
+    from attestation.tdx.inputs import read_bounded
+
+    return read_bounded(path, MAX_DOCUMENT, ComposeError, "MrConfigV3 document")
 
 
 def _collateral(args: argparse.Namespace) -> int:

@@ -28,14 +28,15 @@ from app.config.training import (
 from app.errors import ConfigError
 from app.config.federation import FederationSettings
 from app.config.api import ApiSettings
+from app.config.simulator import TeeSimulatorSettings
 from attestation.io.http_edge import check_url as _edge_check_url
 from attestation.io.safe_yaml import parse_yaml
 
 __all__ = [  # with the training and evaluation sections of app.config.training
     "AlertSettings", "BaseModelSettings", "Config", "DatasetSettings", "DownloadSettings", "EvaluationSettings",
     "ExportSettings", "FederationSettings", "GpuTrainingSettings", "KeySettings", "LoraSettings", "LossWatchdogSettings",
-    "OutputSettings", "PrivacySettings", "ScheduleSettings", "StateSettings", "TeeSettings", "TrainingSettings",
-    "load_config",
+    "OutputSettings", "PrivacySettings", "ScheduleSettings", "StateSettings", "TeeSettings", "TeeSimulatorSettings",
+    "TrainingSettings", "load_config",
 ]
 
 MAX_CONFIG_BYTES = 1 << 20  # a config is a few KB; refuse anything that is not one before parsing it
@@ -75,6 +76,7 @@ class TeeSettings(_Closed):
         "attested: required, and NVIDIA's nvattest report for this run must exist and pass (the published image does "
         "not install nvattest).",
     )
+    simulator: TeeSimulatorSettings = Field(default_factory=TeeSimulatorSettings, description="embedded-simulator only.")
 
 
 class KeySettings(_Closed):
@@ -352,31 +354,66 @@ class Config(_Closed):
         return json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
 
 
-def load_config(path: Path | None) -> Config:
-    """Read and validate a YAML config; ``None`` gives the embedded defaults.
+def load_config(path: Path | None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
+    """Read and validate a YAML config; ``None`` gives the embedded defaults. ``overrides`` are ``KEY=VALUE``
+    settings (``training.max_steps=5``: a dotted key, a YAML value) applied over the file before it is validated.
 
     Raises:
-        ConfigError: unreadable file, bad YAML, or a schema violation (all problems listed).
+        ConfigError: unreadable file, bad YAML, a malformed override, or a schema violation (all problems listed).
     """
     if path is None:
-        return Config()
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config {path}: {exc.strerror}", fix="pass an existing YAML file") from exc
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"config {path} is larger than {MAX_CONFIG_BYTES} bytes: not a cvm-tune config")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config {path} is not UTF-8 text (byte {exc.start})") from exc
-    data = parse_yaml(text, f"config {path}", ConfigError, max_depth=MAX_CONFIG_DEPTH)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config {path} must be a YAML mapping at the top level")
+        if not overrides:
+            return Config()
+        data: object = {}
+    else:
+        try:
+            with open(path, "rb") as fh:
+                raw = fh.read(MAX_CONFIG_BYTES + 1)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}", fix="pass an existing YAML file") from exc
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config {path} is larger than {MAX_CONFIG_BYTES} bytes: not a cvm-tune config")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config {path} is not UTF-8 text (byte {exc.start})") from exc
+        data = parse_yaml(text, f"config {path}", ConfigError, max_depth=MAX_CONFIG_DEPTH)
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config {path} must be a YAML mapping at the top level")
+    for item in overrides:
+        _override(data, item)  # type: ignore[arg-type]
+    where = f"config {path}" if path is not None else "the embedded defaults"
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"config {path} is invalid: {problems(Config, exc)}") from exc
+        raise ConfigError(f"{where}{' with --set' if overrides else ''} is invalid: {problems(Config, exc)}") \
+            from exc
+
+
+_OVERRIDE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*){0,7}")
+
+
+def _override(data: dict, item: str) -> None:
+    """Set ``KEY=VALUE`` in ``data``: the sections on the key's path are made (or must be mappings), the value is
+    read as YAML (``5``, ``true``, ``[a, b]``, ``null``); the model then judges it like a value in the file.
+
+    Raises:
+        ConfigError: not ``KEY=VALUE``, a key that crosses a value, or a value that is not YAML.
+    """
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not _OVERRIDE_KEY.fullmatch(key):
+        raise ConfigError(f"--set {item!r} is not KEY=VALUE with a dotted key",
+                          fix="e.g. --set training.max_steps=5 (keys: docs/configuration.md, `cvm-tune schema`)")
+    value = parse_yaml(text, f"--set {key}", ConfigError, max_depth=MAX_CONFIG_DEPTH)
+    *sections, name = key.split(".")
+    node = data
+    for depth, part in enumerate(sections):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {'.'.join(sections[:depth + 1])} is a value, not a section",
+                              fix="set the value itself, or a key of a section")
+        node = child
+    node[name] = value

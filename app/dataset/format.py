@@ -186,7 +186,6 @@ File SHA-256: `49955459760723366c30dda78836f1cc7272e94c395d53726075bf2d8ce6a5bd`
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import secrets
 import tempfile
@@ -232,7 +231,6 @@ from app.errors import (
     ConfigError,
     DataError,
     DatasetFormatError,
-    DatasetSignatureError,
     HeaderIntegrityError,
     UnsignedDatasetError,
     WrongKeyError,
@@ -384,8 +382,9 @@ def open_encrypted(src: BinaryIO, key: bytes, *, content_type: str | tuple[str, 
     if version == 2:
         signature, src = _read_trailer(src, len(prefix))
         if owner_public_key is not None and signature.owner_public_key != bytes(owner_public_key):
-            raise DatasetSignatureError(f"the dataset is signed by owner key {signature.owner_key_id[:16]}…, not by the "
-                                        f"pinned key {hashlib.sha256(bytes(owner_public_key)).hexdigest()[:16]}…")
+            from app.dataset.owner import signer_mismatch
+
+            raise signer_mismatch("the dataset", signature.owner_public_key, bytes(owner_public_key))
     tail = _read_upto(src, 2 * MAC_LEN)
     if len(tail) < 2 * MAC_LEN:
         raise DatasetFormatError("the file ends inside the dataset header (key check / MAC)")

@@ -43,6 +43,7 @@ from app.dataset.release import (
 )
 from app.errors import DatasetFormatError, KeyGrantError, KeyReleasePendingError, KeySourceError, StateError
 from app.fsutil import atomic_write_bytes, open_regular
+from app.keys_epoch import EpochKeys, FixedKey, KeyEpochs
 from attestation.bundle.dataset_sig import owner_key_id
 from attestation.errors import CollateralError
 from attestation.io.hashing import canonical_json
@@ -85,6 +86,7 @@ class ReleasedKeySource:
         self._state = self._out / "state" / "key-release"
         self.request_file = self._out / "key-release" / "request.json"
         self._how = "owner-release"
+        self._keys: EpochKeys | FixedKey | None = None
 
     def describe(self) -> str:
         """``owner-release`` plus where this run's key came from (``sealed`` or ``grant``)."""
@@ -157,13 +159,23 @@ class ReleasedKeySource:
     # -- sealing
 
     def _seal_key(self) -> bytes:
-        material = self._agent.get_key(SEAL_GETKEY_PATH, "cvm-tune-seal")
-        if len(material) < 32:
-            raise KeySourceError("GetKey returned no usable sealing key material")
-        return HKDF(hashes.SHA256(), 32, salt=None, info=SEAL_GETKEY_PATH.encode()).derive(bytes(material))
+        """The current sealing key; sealed files record its KMS key epochs (``key_epochs``, authenticated) and one
+        sealed under older epochs is opened with that epoch's key and re-sealed (``app.keys_epoch``)."""
+        if self._keys is None:
+            from app.tee import GuestAgent
+
+            if isinstance(self._agent, GuestAgent):
+                self._keys = EpochKeys(self._agent, SEAL_GETKEY_PATH, "cvm-tune-seal", _derive_seal)
+            else:  # a stand-in agent (tests): one key, no epochs
+                self._keys = FixedKey(_derive_seal(self._agent.get_key(SEAL_GETKEY_PATH, "cvm-tune-seal")))
+        return self._keys.current
 
     def _write_sealed(self, path: Path, meta: dict, secret: bytes, seal: bytes) -> None:
         nonce = secrets.token_bytes(12)
+        epochs = self._keys.current_epochs if self._keys is not None and seal == self._keys.current else None
+        meta = {k: v for k, v in meta.items() if k != "key_epochs"}
+        if epochs is not None:
+            meta["key_epochs"] = epochs.as_dict()
         body = {**meta, "nonce": nonce.hex(),
                 "sealed": AESGCM(seal).encrypt(nonce, secret, canonical_json(meta)).hex()}
         try:
@@ -173,10 +185,26 @@ class ReleasedKeySource:
             raise StateError(f"cannot write {path.name} on the output volume: {exc.strerror}") from exc
 
     def _read_sealed(self, path: Path, seal: bytes) -> tuple[dict, bytes] | None:
+        """Open a sealed file; one sealed under older key epochs is re-sealed under the current key (atomically).
+
+        Raises:
+            KeyEpochError: its epoch's key cannot be had (the agent ignores GetKey's selectors); nothing changed.
+            StateError: unreadable, or sealed by another app.
+        """
         try:
             body = json.loads(_read_limited(path))
             nonce, sealed = bytes.fromhex(body.pop("nonce")), bytes.fromhex(body.pop("sealed"))
-            return body, AESGCM(seal).decrypt(nonce, sealed, canonical_json(body))
+            recorded = KeyEpochs.from_answer(body["key_epochs"]) if "key_epochs" in body else None
+            keys = self._keys if self._keys is not None else FixedKey(seal)
+            for key, _epochs in keys.candidates(recorded):
+                try:
+                    secret = AESGCM(key).decrypt(nonce, sealed, canonical_json(body))
+                except InvalidTag:
+                    continue
+                if keys.stale(recorded):  # after a KMS key rotation: re-seal under the current key
+                    self._write_sealed(path, body, secret, keys.current)
+                return {k: v for k, v in body.items() if k != "key_epochs"}, secret
+            raise InvalidTag
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError, AttributeError, InvalidTag):
@@ -284,3 +312,9 @@ def _read_limited(path: Path) -> bytes:
     if len(data) > MAX_FILE:
         raise OSError(0, f"{os.fspath(path)} is larger than {MAX_FILE} bytes")
     return data
+
+
+def _derive_seal(material: bytes) -> bytes:
+    if len(material) < 32:
+        raise KeySourceError("GetKey returned no usable sealing key material")
+    return HKDF(hashes.SHA256(), 32, salt=None, info=SEAL_GETKEY_PATH.encode()).derive(bytes(material))

@@ -16,12 +16,12 @@ import secrets
 import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from app.errors import KeySourceError
+from app.errors import CvmTuneError, KeySourceError
 from app.fsutil import fsync_dir
 
 KEY_LEN = 32
@@ -116,6 +116,18 @@ def _parse_key_file(data: bytes, name: str) -> bytes:
                          fix="write the key with `cvm-tune` (write_key_file) or fix the file")
 
 
+def derive_key(material: bytes) -> bytes:
+    """``HKDF-SHA256(ikm=material, salt=None, info=b"cvm-tune/dataset-key/v1", length=32)``: what
+    :class:`DerivedKeySource` makes of GetKey's bytes (also the checkpoint and saved-state keys, each at its own path).
+
+    Raises:
+        KeySourceError: fewer than 32 bytes.
+    """
+    if not isinstance(material, bytes | bytearray) or len(material) < KEY_LEN:
+        raise KeySourceError(f"GetKey returned no usable key material (need at least {KEY_LEN} bytes)")
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_LEN, salt=None, info=DERIVED_KEY_INFO).derive(bytes(material))
+
+
 class DerivedKeySource:
     """The dataset key derived from the dstack ``GetKey`` call for ``path``.
 
@@ -124,10 +136,12 @@ class DerivedKeySource:
     separate from any other use of the same GetKey bytes.
     """
 
-    def __init__(self, get_key: Callable[[str, str], bytes], path: str, purpose: str = "cvm-tune-dataset-key") -> None:
+    def __init__(self, get_key: Callable[[str, str], bytes], path: str, purpose: str = "cvm-tune-dataset-key", *,
+                 agent: Any = None, opens: Callable[[bytes], bool] | None = None) -> None:
         self._get_key = get_key
         self.path = path
         self.purpose = purpose
+        self._agent, self._opens = agent, opens  # key epochs: the guest agent, "this key opens the dataset"
 
     def describe(self) -> str:
         """``getkey:<path>``."""
@@ -147,7 +161,36 @@ class DerivedKeySource:
         if not isinstance(material, bytes | bytearray) or len(material) < KEY_LEN:
             raise KeySourceError(f"GetKey({self.path}) returned no usable key material (need at least {KEY_LEN} bytes)")
         hkdf = HKDF(algorithm=hashes.SHA256(), length=KEY_LEN, salt=None, info=DERIVED_KEY_INFO)
-        return hkdf.derive(bytes(material))
+        key = hkdf.derive(bytes(material))
+        if self._agent is not None and self._opens is not None:
+            key = self._epoch_key(key)
+        return key
+
+    def _epoch_key(self, current: bytes) -> bytes:
+        """After a KMS key rotation the dataset (encrypted under a GetKey key of before) opens with the key of the
+        epochs it was encrypted under: the newest older epoch whose key passes the dataset's key check (nothing is
+        decrypted). ``current`` when it opens, or when no older one does (the dataset stage then says so).
+
+        Raises:
+            KeyEpochError: the agent answered other epochs than asked (it ignores the selectors).
+        """
+        from app.keys_epoch import KeyEpochError, older_epochs
+
+        opens = self._opens
+        if opens is None or opens(current):
+            return current
+        _raw, epochs = self._agent.get_key_at(self.path, self.purpose)
+        for older in older_epochs(epochs) if epochs is not None else []:
+            try:
+                raw, _ = self._agent.get_key_at(self.path, self.purpose, older)
+            except KeyEpochError:
+                raise
+            except CvmTuneError:  # the KMS no longer authorises that epoch
+                continue
+            key = derive_key(raw)
+            if opens(key):
+                return key
+        return current
 
 
 class EnvKeySource:

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from app.dataset.keys import read_private_file, write_private_file
-from app.errors import ConfigError, KeySourceError
+from app.errors import ConfigError, DatasetSignatureError, KeySourceError
 from attestation.bundle.dataset_sig import owner_key_id, public_key_bytes
 
 _MAX_PEM = 4096
@@ -111,6 +111,18 @@ def _not_public(path: Path, data: bytes) -> None:
     private = path.with_suffix(".key") if path.suffix == ".pub" else Path("PREFIX.key")
     raise KeySourceError(f"owner key file {path.name} holds {what}, not the owner's private key",
                          fix=f"pass the private key {private} (the PEM file `cvm-tune keys new` wrote next to the .pub)")
+
+
+def signer_mismatch(what: str, signer: bytes, pinned: bytes) -> DatasetSignatureError:
+    """The error for ``what`` signed by ``signer`` where ``pinned`` was expected: it says so when the pinned value is
+    the signer's owner key id (the other 64-hex value ``keys new`` prints) instead of its public key."""
+    if owner_key_id(signer) == pinned.hex():
+        return DatasetSignatureError(
+            f"{what} is signed by owner key {owner_key_id(signer)[:16]}…, and the value pinned as its public key is "
+            "that key's owner key id, not the public key", fix="pin the public key: the content of the owner's .pub "
+            "file (`cvm-tune keys new` prints it after 'owner_public_key:'), not the owner key id")
+    return DatasetSignatureError(f"{what} is signed by owner key {owner_key_id(signer)[:16]}…, not by the pinned key "
+                                 f"{owner_key_id(pinned)[:16]}…")
 
 
 def parse_public_key(value: str) -> bytes:

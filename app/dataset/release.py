@@ -125,7 +125,10 @@ def release_key(request_file: bytes, *, policy: Policy, now: int, dataset: Path,
         if request["compose_hash"] != boot.hex("compose-hash") or request["app_id"] != boot.hex("app-id"):
             failed.append("request: its app_id / compose_hash differ from the measured ones")
     mine = owner_key_id(public_key_bytes(owner_key))
-    if request["owner_key_id"] != mine:
+    if request["owner_key_id"] == owner_key_id(bytes.fromhex(mine)):  # the CVM pinned this key's id as the key
+        failed.append(f"request: the CVM's dataset.owner_public_key is this owner key's id ({mine[:16]}…), not its "
+                      "public key: pin the content of the .pub file instead")
+    elif request["owner_key_id"] != mine:
         failed.append(f"request: the CVM pins owner key {request['owner_key_id'][:16]}…, not this owner key {mine[:16]}…")
     header = _dataset_header(dataset)
     if (request["dataset_id"], request["dataset_version"]) != (header.dataset_id, header.dataset_version):

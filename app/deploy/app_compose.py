@@ -119,7 +119,8 @@ def describe(dep: Deployment, pinned_app_id: str | None) -> list[str]:
         lines.append("app-id        not in the file: with KMS the deployment assigns it (Phala Cloud prints it after "
                      "`phala deploy`; dstack-vmm: `vmm-cli.py deploy --app-id`)"
                      + ("; pass it with --app-id for MRCONFIGID v2" if form == "v2" else ""))
-    lines.append(f"mr_config_id  {form} {mr or '(needs the app id)'} ({C.MR_CONFIG_WHEN})")
+    what = C.MR_CONFIG_V3 if form == "v3" else mr or "(needs the app id)"
+    lines.append(f"mr_config_id  {form} {what} ({C.MR_CONFIG_WHEN})")
     return lines
 
 

@@ -92,7 +92,8 @@ def _check_inputs(app_compose: Path, env_file: Path) -> list[str]:
 
     if not app_compose.is_file():
         raise ConfigError(f"cannot read {app_compose}: no such file", fix="run cvm-tune app-compose first")
-    doc = C.load(read_bounded(app_compose, C.MAX_APP_COMPOSE, C.ComposeError, "app-compose.json"))
+    raw = read_bounded(app_compose, C.MAX_APP_COMPOSE, C.ComposeError, "app-compose.json")
+    doc = C.load(raw)
     if problems := compose_audit(doc):
         raise ConfigError(f"{app_compose} fails its audit: " + "; ".join(problems), fix="regenerate it with cvm-tune app-compose")
     allowed = doc.get("allowed_envs") or []
@@ -106,7 +107,10 @@ def _check_inputs(app_compose: Path, env_file: Path) -> list[str]:
     if ALERT_ENV not in values:
         raise ConfigError(f"{env_file} does not set {ALERT_ENV}: failures would alert nobody",
                           fix=f"add {ALERT_ENV}=https://... to {env_file}")
-    return [f"{app_compose}: audit clean, allowed_envs {allowed}; {env_file}: {sorted(values)}"]
+    digest = C.compose_hash(raw)
+    form, mr = C.expected_mr_config_id(doc, digest, C.app_id(doc, digest))  # what a dstack 0.6 VMM sets
+    return [f"{app_compose}: audit clean, allowed_envs {allowed}; {env_file}: {sorted(values)}",
+            f"MRCONFIGID {form}: {C.MR_CONFIG_V3 if form == 'v3' else mr or '(needs the app id)'}"]
 
 
 def plan(target: Target, *, model_gb: float, output_gb: float, gpus: int, vcpu: int | None, memory: str | None,

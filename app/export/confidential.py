@@ -44,6 +44,37 @@ def cvm_identity(get_key: Callable[[str, str], bytes]) -> str:
     return C.identity_from_secret(secret)
 
 
+def cvm_identities(agent: Any, recipient: str | None = None) -> list[str]:
+    """The CVM's age identity, then, after a KMS key rotation, its identities under older key epochs (newest first;
+    ``app.keys_epoch.older_epochs``): outputs encrypted to an earlier recipient of this CVM still open. With
+    ``recipient`` (the public half named in a manifest) the search stops at the identity that matches it.
+    Epochs the KMS refuses are skipped; an agent that reports no epochs gives the current identity alone.
+
+    Raises:
+        KeySourceError, TeeError: GetKey failed for the current epochs.
+    """
+    from app.keys_epoch import older_epochs
+    from app.tee import GuestAgent
+
+    if not isinstance(agent, GuestAgent):  # a stand-in agent (tests): no epochs
+        return [cvm_identity(agent.get_key)]
+    raw, current = agent.get_key_at(C.CVM_KEY_PATH, GETKEY_PURPOSE)
+    found = [cvm_identity(lambda _p, _u: raw)]
+    if current is None or C.recipient_of(found[0]) == recipient:
+        return found
+    from app.errors import TeeError
+
+    for epochs in older_epochs(current):
+        try:
+            old, _ = agent.get_key_at(C.CVM_KEY_PATH, GETKEY_PURPOSE, epochs)
+        except TeeError:  # not authorised for that epoch any more, or the agent ignores the selectors
+            continue
+        found.append(cvm_identity(lambda _p, _u, old=old: old))
+        if C.recipient_of(found[-1]) == recipient:
+            break
+    return found
+
+
 @dataclass(frozen=True)
 class Plan:
     """Who can read tonight's weights, and where their plaintext may live (RAM)."""

@@ -121,6 +121,8 @@ def export_bundle(x: ExportInputs, *, phase: Phase, timings: dict[str, float],
         (stage / B.QUOTE_BIN).write_bytes(quote)
         (stage / B.QUOTE_HEX).write_text(quote.hex() + "\n")
         (stage / B.EVENT_LOG).write_text(event_log)
+        if (mr_config := x.agent.mr_config_document(quote)) is not None:  # dstack 0.6, MRCONFIGID v3
+            (stage / B.MR_CONFIG).write_bytes(mr_config)
         with phase("collateral"):
             collateral, missing = x.agent.bundle_collateral(quote, mode=x.cfg.tee.collateral, pccs_url=x.cfg.tee.pccs_url,
                                                             timeout_s=x.cfg.tee.timeout_s)

@@ -28,7 +28,7 @@ from attestation.io.hashing import sha256_hex
 
 from app.audit import utc_now
 from app.errors import DataError
-from app.export.confidential import cvm_identity
+from app.export.confidential import cvm_identities, cvm_identity
 from app.federated.transport import pack_bundle
 
 KEY_FIELD = "aggregator-key"
@@ -120,11 +120,14 @@ def decrypt_global(cfg: Any, ciphertext: Any, ram_parent: Path) -> tuple[Path, b
 
     if not isinstance(ciphertext, bytes):
         raise DataError("the aggregator's encrypted global adapter is not bytes")
-    with open_guest_agent(cfg.tee) as agent:
-        identity = cvm_identity(agent.get_key)
     import pyrage
 
-    data = C.decrypt(ciphertext, [pyrage.x25519.Identity.from_str(identity)])
+    with open_guest_agent(cfg.tee) as agent:
+        identity = cvm_identity(agent.get_key)
+        data = C.decrypt(ciphertext, [pyrage.x25519.Identity.from_str(identity)])
+        if data is None:  # encrypted to this CVM's recipient of before a KMS key rotation
+            older = cvm_identities(agent)[1:]
+            data = C.decrypt(ciphertext, [pyrage.x25519.Identity.from_str(i) for i in older]) if older else None
     if data is None:
         raise DataError("the global adapter is not encrypted to this CVM's key (not admitted in the previous round?)")
     d = Path(tempfile.mkdtemp(prefix="cvm-tune-global-", dir=ram_parent))

@@ -8,6 +8,7 @@ Round bundles go to ``<output.dir>/rounds/<federation id>/round-NNNN/``.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +36,9 @@ class FederationResult:
     rejections: list[tuple[int, str, str]]  # (round, client, reason)
 
 
-def run_federation(grid: Grid, cfg: Config, federation_id: str) -> FederationResult:
-    """Run ``federation.rounds`` attested rounds on ``grid``.
+def run_federation(grid: Grid, cfg: Config, federation_id: str,
+                   progress: Callable[[str], None] = lambda _m: None) -> FederationResult:
+    """Run ``federation.rounds`` attested rounds on ``grid`` (``progress``: a line as each round goes out and ends).
 
     Raises:
         ConfigError: the federation section cannot run a federation (no clients, no compose-hash allow-list).
@@ -66,7 +68,7 @@ def run_federation(grid: Grid, cfg: Config, federation_id: str) -> FederationRes
         aggregator = Aggregator(agent, ident, simulated, cfg.tee.mode, cfg.tee.collateral, cfg.tee.pccs_url,
                                 cfg.tee.timeout_s, policy, key)
         strategy = AttestedStrategy(inner, record, Admission(fed, policy, work, key), aggregator, out, federation_id,
-                                    fed)
+                                    fed, progress)
         strategy.start(grid=grid, initial_arrays=initial, num_rounds=fed.rounds, timeout=fed.round_timeout_s)
     return FederationResult(strategy.rounds, [(n, r.client, r.reason) for n, r in strategy.rejections])
 

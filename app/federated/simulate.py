@@ -23,7 +23,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -203,8 +203,9 @@ class TrainPartition:
                            reply_to=msg)  # 2: Flower's ErrorCode.CLIENT_APP_RAISED_EXCEPTION
 
 
-def run_rounds(prepared: Prepared) -> Any:
+def run_rounds(prepared: Prepared, progress: Callable[[str], None] = lambda _m: None) -> Any:
     """Run the federation on Flower's in-process simulation engine; return the ServerApp's FederationResult.
+    ``progress`` gets a line as each round goes out to the clients and as its round bundle is written.
 
     Raises:
         RoundFailedError: a round admitted fewer than ``federation.min_clients`` bundles (exit 6).
@@ -225,7 +226,7 @@ def run_rounds(prepared: Prepared) -> Any:
 
         @server.main()
         def main(grid: Grid, context: Any) -> None:
-            results.append(run_federation(grid, cfg, FEDERATION_ID))
+            results.append(run_federation(grid, cfg, FEDERATION_ID, progress))
 
         client = ClientApp()
         client.train()(TrainPartition(prepared.client_configs, debug=logging.getLogger().isEnabledFor(logging.DEBUG)))

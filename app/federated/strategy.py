@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from app.config.federation import FederationSettings
 from app.federated import secure
 from app.federated.transport import arrays_to_safetensors, pack_bundle
 from attestation.rounds.manifest import GLOBAL_ADAPTER_AGE
+from app.federated.quiet import round_line
 
 log = logging.getLogger("cvm-tune.federated")
 
@@ -48,12 +49,14 @@ def make_strategy(fed: FederationSettings) -> tuple[Strategy, dict[str, Any]]:
 
 
 class AttestedStrategy(Strategy):
-    """See the module docstring. ``rounds`` collects (round, round bundle path) as rounds complete."""
+    """See the module docstring. ``rounds`` collects (round, round bundle path) as rounds complete; ``progress`` is
+    told when a round goes out to the clients and when its bundle is written (the command's live lines)."""
 
     def __init__(self, inner: Strategy, strategy_record: dict[str, Any], admission: Admission, aggregator: Aggregator,
-                 out: Path, federation_id: str, fed: FederationSettings) -> None:
+                 out: Path, federation_id: str, fed: FederationSettings,
+                 progress: Callable[[str], None] = lambda _m: None) -> None:
         self.inner, self.record, self.admission, self.aggregator = inner, strategy_record, admission, aggregator
-        self.out, self.federation_id, self.fed = out, federation_id, fed
+        self.out, self.federation_id, self.fed, self.progress = out, federation_id, fed, progress
         self.terms: RoundTerms | None = None
         self.layout: dict[str, tuple[str, tuple[int, ...]]] | None = None  # the adapter's tensors: name -> dtype, shape
         self.previous: str | None = None
@@ -72,6 +75,8 @@ class AttestedStrategy(Strategy):
         cfg = ConfigRecord(dict(config))
         cfg["nonce"] = self.terms.nonce
         cfg["global-adapter-sha256"] = global_sha or ""
+        self.progress(f"round {server_round}/{self.fed.rounds}: sent to the clients; each trains and exports an "
+                      "attested bundle …")
         if self.rounds:  # the attested round that produced this global adapter, for the clients to check
             cfg["previous-round"] = pack_bundle(self.rounds[-1][1], head_files(self.rounds[-1][1]))
         key = self.aggregator.secure
@@ -123,6 +128,7 @@ class AttestedStrategy(Strategy):
         self.admission.forget(server_round)
         log.info("round %d: %d admitted, %d rejected; round bundle %s", server_round, len(admitted), len(rejected), path)
         self.rounds.append((server_round, path))
+        self.progress(round_line(server_round, path))
         return arrays, metrics
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import Config
-from app.export.confidential import Plan, cvm_identity, decrypt_dir, make_plan
+from app.export.confidential import Plan, cvm_identities, decrypt_dir, make_plan
 from app.fsutil import atomic_write_bytes
 from app.training.checkpoints import ADAPTER_IN_RAM
 
@@ -53,7 +53,8 @@ def prepare(cfg: Config, agent: Any, ds: Any, run_dir: Path, scratch: Path, stac
         marker.unlink(missing_ok=True)
     block = parent.manifest.get("confidentiality") if parent is not None else None
     if block:
-        identities = plan.identities() if plan else Plan((), (), "", ram, cvm_identity(agent.get_key)).identities()
+        # the parent may be encrypted to this CVM's recipient of before a KMS key rotation: its identity of then
+        identities = [Plan((), (), "", ram, i).identities()[0] for i in cvm_identities(agent, block.get("cvm_recipient"))]
         plain = decrypt_dir(parent.bundle / "adapter", ram / "parent-adapter", identities, block["plaintext_sha256"],
                             "adapter")
         parent = dataclasses.replace(parent, plain_adapter=plain)

@@ -15,6 +15,7 @@ from attestation.io.hashing import sha256_file, sha256_hex
 from app.config import Config
 from app.dataset import DerivedKeySource, KeyFileSource, KeySource, encrypt_file
 from app.dataset.key_request import CvmIdentity, ReleasedKeySource
+from app.dataset.release import key_opens
 from app.dataset.keys import EnvKeySource
 from app.errors import BaseModelError, ConfigError, DataError
 from app.fsutil import RAM_FILESYSTEMS, filesystem_type, open_regular
@@ -37,7 +38,16 @@ def key_source(cfg: Config, agent: GuestAgent, ident: Identity, out: Path, datas
                                  grant_file=k.grant_file or out / "key-release" / "grant.json",
                                  owner_public_key=bytes.fromhex(cfg.dataset.owner_public_key),  # type: ignore[arg-type]
                                  pccs_url=cfg.tee.pccs_url, timeout_s=cfg.tee.timeout_s)
-    return DerivedKeySource(agent.get_key, k.getkey_path)
+    # after a KMS key rotation the key of the epochs the dataset was encrypted under (app.keys_epoch)
+    probe = dataset if dataset is not None else (_sample_dst(out) if cfg.dataset.source == "bundled-sample" else None)
+    opens = (lambda key: key_opens(probe, key)) if probe is not None and probe.is_file() else None
+    return DerivedKeySource(agent.get_key, k.getkey_path, agent=agent if isinstance(agent, GuestAgent) else None,
+                            opens=opens)
+
+
+def _sample_dst(out: Path) -> Path:
+    with resources.as_file(resources.files("app") / "data" / "sample.jsonl") as sample_path:
+        return out / "datasets" / f"sample-{sha256_file(sample_path)[:12]}.cvmds"
 
 
 def dataset_file(cfg: Config, out: Path, key: bytes, progress: Progress) -> Path:
@@ -46,7 +56,7 @@ def dataset_file(cfg: Config, out: Path, key: bytes, progress: Progress) -> Path
         return Path(cfg.dataset.path)  # type: ignore[arg-type]  # validated: path is set
     sample = resources.files("app") / "data" / "sample.jsonl"
     with resources.as_file(sample) as sample_path:
-        dst = out / "datasets" / f"sample-{sha256_file(sample_path)[:12]}.cvmds"
+        dst = _sample_dst(out)
         if not dst.exists():
             encrypt_file(sample_path, dst, key, dataset_id=SAMPLE_DATASET_ID, dataset_version=1)
             progress(f"dataset: bundled sample encrypted on the fly to {dst} (demo; real data arrives encrypted)")

@@ -279,8 +279,9 @@ def audit_stage(cfg: Config, out: Path, ag: Agent, ds: Dataset, base: BaseModel,
             progress(f"run {run.run_id}: settings outside training changed since it started ({changed}); recorded in the audit chain")
     else:
         recorder.record(run.run_id, "run.start", commitment)
-    progress(f"run {run.run_id}: {'resuming' if run.resuming else 'started'}; audit events "
-             f"{'measured into RTMR3' if recorder.rtmr3 == 'emit_event' else 'NOT measured (' + str(recorder.note) + ')'}")
+    measured = "measured into RTMR3" if recorder.rtmr3 == "emit_event" else (
+        f"not measured into RTMR3 ({recorder.note}); the audit chain's head is bound by the export's quote")
+    progress(f"run {run.run_id}: {'resuming' if run.resuming else 'started'}; audit events {measured}")
     return Audit(log, recorder)
 
 
@@ -311,14 +312,16 @@ def train_stage(cfg: Config, ds: Dataset, base: BaseModel, keys: Keys, parent: c
         audit.recorder.record(run.run_id, "train.batch", change)
         progress(f"  CUDA OOM in {change['phase']}: batch {change['from']} -> {change['to']}")
 
+    from app.training.checkpoints import record_epochs
+
+    record_epochs(run.run_dir / "checkpoints", keys.checkpoint_epochs)  # what the sealed checkpoints are under
     result = train(TrainRequest(
         base_model_dir=base.dir, base_model_name=cfg.base_model.hub_id or base.name,
         base_model_revision=cfg.base_model.revision, rows=ds.rows, run_dir=run.run_dir, settings=ts,
         fingerprint=run.fingerprint, checkpoint_key=keys.checkpoint, inputs=run.inputs, scratch_dir=scratch,
         keep_checkpoints=cfg.output.keep_checkpoints, on_step_end=step_end,
         on_event=lambda t, d: audit.recorder.record(run.run_id, t, d),
-        on_log=lambda m: progress(f"  step {m['step']}/{ts.max_steps}  loss {m['loss']:.4f}"
-                                  + (f"  ε {m['epsilon']:.4g}" if "epsilon" in m else "")),
+        on_log=lambda m: progress(step_line(m, ts.max_steps)),
         on_batch_change=batch_changed, init_adapter=parent.adapter_dir if parent else (
             hooks.federation.global_adapter_dir if hooks.federation else None),
         proximal=hooks.federation.proximal() if hooks.federation else None, privacy=dp,
@@ -326,6 +329,25 @@ def train_stage(cfg: Config, ds: Dataset, base: BaseModel, keys: Keys, parent: c
     if result.resumed_from_step:
         progress(f"training resumed from checkpoint step {result.resumed_from_step}")
     return result
+
+
+def step_line(m: dict[str, Any], max_steps: int) -> str:
+    """One training progress line: step, loss (and ε under DP), then the input tokens a second, the time this process
+    has trained and the time left at that pace (``on_log``'s metrics; a resumed run paces its own steps)."""
+    line = f"  step {m['step']}/{max_steps}  loss {m['loss']:.4f}" + (f"  ε {m['epsilon']:.4g}" if "epsilon" in m else "")
+    elapsed, done = m.get("elapsed_s"), m.get("steps_this_run")
+    if not elapsed or not done:
+        return line
+    rate = f"  {m['tokens_this_run'] / elapsed:,.0f} tokens/s" if m.get("tokens_this_run") else ""
+    left = elapsed / done * max(0, max_steps - m["step"])
+    return f"{line}{rate}  elapsed {_clock(elapsed)}  ETA {_clock(left)}"
+
+
+def _clock(seconds: float) -> str:
+    """``m:ss`` (``h:mm:ss`` from an hour)."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 def gate_stage(cfg: Config, ds: Dataset, base: BaseModel, parent: continual.Parent | None, result: Any,

@@ -51,6 +51,7 @@ class Keys:
     checkpoint: bytes
     located: Located | None = None  # the version this key opens (an older one while a key release is pending)
     note: str | None = None  # why that is not the newest version
+    checkpoint_epochs: Any = None  # app.keys_epoch.KeyEpochs the checkpoint key was derived under (None: unknown)
 
 
 @dataclass
@@ -121,8 +122,6 @@ def source_stage(cfg: Config, out: Path, progress: Progress) -> Located | None:
 def key_stage(cfg: Config, ag: Agent, out: Path, located: Located | None, progress: Progress) -> Keys:
     """The dataset key (GetKey-derived, a key file, an env var, or released by the owner) and the checkpoint key
     (its own GetKey path, bound to the app id, never on disk)."""
-    from app.training.checkpoints import CHECKPOINT_GETKEY_PATH
-
     source = key_source(cfg, ag.agent, ag.ident, out, located.path if located else None)
     note = None
     try:
@@ -137,8 +136,40 @@ def key_stage(cfg: Config, ag: Agent, out: Path, located: Located | None, progre
         located, dataset_key = fallback
         progress(f"dataset: {note}")
         alerts.send(cfg.alerts, {"event": "key_release.pending", "reason": exc.message}, output=out)
-    ckpt_key = DerivedKeySource(ag.agent.get_key, CHECKPOINT_GETKEY_PATH, "cvm-tune-checkpoint-key").dataset_key()
-    return Keys(source, dataset_key, ckpt_key, located, note)
+    ckpt = checkpoint_keys(cfg, ag.agent, out, progress)
+    return Keys(source, dataset_key, ckpt.current, located, note, ckpt.current_epochs)
+
+
+def checkpoint_keys(cfg: Config, agent: Any, out: Path, progress: Progress) -> Any:
+    """The checkpoint key across KMS key epochs; every sealed checkpoint on the volume sealed under older epochs is
+    re-sealed under the current ones first (``app.keys_epoch``; the plaintext passes through RAM only).
+
+    Raises:
+        KeyEpochError: an old epoch's key cannot be had (nothing changed).
+    """
+    import shutil
+    import tempfile
+
+    from app.dataset.keys import derive_key
+    from app.keys_epoch import EpochKeys, FixedKey
+    from app.run.inputs import scratch_dir
+    from app.training.checkpoints import CHECKPOINT_GETKEY_PATH, rekey_checkpoints
+
+    if not isinstance(agent, GuestAgent):  # a stand-in agent (tests): one key, no epochs
+        return FixedKey(DerivedKeySource(agent.get_key, CHECKPOINT_GETKEY_PATH, "cvm-tune-checkpoint-key").dataset_key())
+    keys = EpochKeys(agent, CHECKPOINT_GETKEY_PATH, "cvm-tune-checkpoint-key", derive_key)
+    if keys.current_epochs is None and not any((out / "runs").glob("*/checkpoints/key-epochs.json")):
+        return keys  # nothing recorded and nothing to record: no rotation to follow
+    ram = scratch_dir(cfg, out)
+    tmp = Path(tempfile.mkdtemp(prefix=ram.name + "-rekey-", dir=ram.parent))
+    try:
+        done = rekey_checkpoints(out / "runs", keys, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if done:
+        progress(f"key rotation: re-sealed {len(done)} checkpoint(s) under the current key epochs "
+                 f"({keys.current_epochs})")
+    return keys
 
 
 def _released_version(source: KeySource, located: Located | None) -> tuple[Located, bytes] | None:

@@ -3,7 +3,8 @@
 Speaks what ``dstack_sdk`` 0.5.4 sends (``dstack.md`` §1.2, §9): ``POST /<Method>`` (also
 ``/prpc/<Method>`` and an ignored ``?json`` query, like the real agent) with a JSON body, and GET
 with the arguments as query parameters. Every reply, errors included, has a JSON body because
-the SDK calls ``.json()`` on it. Request bodies and query strings are never logged: they carry
+the SDK calls ``.json()`` on it. A 0.6 agent also serves ``/v0/<Method>`` and ``/v1/<Method>`` and answers any
+other path with a non-JSON 404 (how a client probes for v1). Request bodies and query strings are never logged: they carry
 report data and event payloads.
 """
 
@@ -31,6 +32,8 @@ MAX_BODY = 1 << 20  # 1 MiB; the real agent's largest request is far smaller
 # sun_path is 108 bytes on Linux and 104 on the BSDs/macOS, including the terminating NUL.
 MAX_SOCKET_PATH = (104 if sys.platform == "darwin" or "bsd" in sys.platform else 108) - 1
 _METHOD_RE = re.compile(r"^/(?:prpc/)?([A-Za-z][A-Za-z0-9_]{0,63})$")
+# dstack 0.6: /v0/<M> aliases the unversioned routes; /v1/<M> is the new guest API (dstack-0.6.md §1, §2.1).
+_VERSIONED_RE = re.compile(r"^/(v0|v1)/([A-Za-z][A-Za-z0-9_]{0,63})$")
 _POLL_INTERVAL = 0.05  # how fast shutdown() is noticed
 
 
@@ -65,19 +68,26 @@ class _Handler(BaseHTTPRequestHandler):
         self._call({k: v[-1] for k, v in query.items() if k != "json"})
 
     def _call(self, body: Any) -> None:
-        match = _METHOD_RE.match(urlsplit(self.path).path)
-        if match is None:
+        path, agent = urlsplit(self.path).path, self.server.agent
+        api = "v0"
+        match = _METHOD_RE.match(path)
+        versioned = _VERSIONED_RE.match(path) if agent.is_06 and match is None else None
+        if versioned is not None:
+            api, method = versioned.group(1), versioned.group(2)
+        elif match is None:
+            if agent.is_06:  # a 0.6 agent answers an unknown mount with a non-JSON 404 (how v1 is probed)
+                return self._reply_raw(404, b"Not Found", "text/plain; charset=utf-8")
             return self._reply(404, {"error": "not found"})
-        method = match.group(1)
-        agent = self.server.agent
+        else:
+            method = match.group(1)
         try:
-            if method == "SimulatorCollateral":
+            if method == "SimulatorCollateral" and api == "v0":
                 # NON-dstack, simulator-only extension: the collateral and test root needed to
                 # verify this simulator's quotes. The app asks for it only after Version's rev
                 # says cvm-tune-simulator; a real guest agent answers 404 here.
                 result = {"collateral": agent.collateral_json(), "root_ca_der": agent.test_root_ca_der.hex()}
             else:
-                result = agent.rpc(method, body)
+                result = agent.rpc(method, body, api)
         except SimulatorRpcError as exc:
             return self._reply(exc.status, {"error": exc.message})
         except Exception:  # a simulator bug must still produce a JSON answer, not a dropped connection
@@ -86,9 +96,11 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(200, result)
 
     def _reply(self, status: int, payload: dict, *, close: bool = False) -> None:
-        data = json.dumps(payload).encode()
+        self._reply_raw(status, json.dumps(payload).encode(), "application/json", close=close)
+
+    def _reply_raw(self, status: int, data: bytes, content_type: str, *, close: bool = False) -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         if close:
             self.send_header("Connection", "close")

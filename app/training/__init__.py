@@ -69,7 +69,8 @@ class TrainRequest:
         fingerprint: Hex sha256 binding config + dataset + base model; checkpoints with another
             fingerprint are never resumed.
         on_log: Called at every logging step with ``{"step", "loss", "learning_rate", "grad_norm",
-            "epoch"}`` (metrics only, never data).
+            "epoch", "elapsed_s", "steps_this_run", "tokens_this_run"}`` (metrics only, never data; the last three
+            count from when this process began training, so a resumed run's rates are its own).
         stop_after_step: Test/bench hook: raise :class:`TrainingInterrupted` once this optimizer
             step has been checkpointed (simulates a crash right after a checkpoint).
         checkpoint_key: 32-byte key that seals checkpoints on the output volume (GetKey-derived in

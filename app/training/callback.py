@@ -4,6 +4,7 @@ request at a step boundary. Built on first use (transformers is imported only th
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,10 @@ def callback_class() -> type:
             self.sealing = sealing
             self.watchdog = LossWatchdog(req.settings.loss_watchdog)
             self.stop_reason: str | None = None
+            self.began = (time.monotonic(), 0, 0)  # (clock, step, tokens seen) when this process began training
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.began = (time.monotonic(), int(state.global_step), int(state.num_input_tokens_seen or 0))
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
             if not logs or "loss" not in logs:
@@ -34,7 +39,11 @@ def callback_class() -> type:
             if self.req.on_log is None:
                 return
             grad_norm = logs.get("grad_norm")
+            began, step0, tokens0 = self.began
             self.req.on_log({
+                "elapsed_s": time.monotonic() - began,  # since this process began training (a resume: its own part)
+                "steps_this_run": int(state.global_step) - step0,
+                "tokens_this_run": int(state.num_input_tokens_seen or 0) - tokens0,  # non-padding input tokens
                 "step": int(state.global_step),
                 "loss": float(logs["loss"]),
                 "learning_rate": float(logs.get("learning_rate", 0.0)),

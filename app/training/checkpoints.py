@@ -18,9 +18,16 @@ blob's hashes and the run's ``inputs``) under the **checkpoint key** (HKDF of ds
 fsync, manifest, fsync, rename ``.tmp-…`` → ``checkpoint-N``, fsync the parent, then ``LATEST``. A kill at any point
 leaves either the previous state or the complete new checkpoint.
 
+**Key epochs** (``app.keys_epoch``): ``checkpoints/key-epochs.json`` records the dstack KMS key epochs the run's
+checkpoint key was derived under (one key per run); a ``checkpoint-N/key-epochs.json`` (written by a re-seal)
+overrides it. After a KMS key rotation :func:`rekey_checkpoints` (before training) opens every sealed checkpoint
+on the volume with its old epoch's key and re-seals it under the current one, atomically; an agent that cannot give
+the old key stops the run with nothing changed.
+
 :func:`restore_checkpoint` tries every ``checkpoint-N`` newest first (``LATEST`` is repaired to
 name the one resumed), decrypts into the scratch directory and checks everything; a candidate that fails (no manifest =
-interrupted save, wrong key, a changed byte, other inputs) is skipped with a reason naming no data.
+interrupted save, wrong key, a changed byte, other inputs) is skipped with a reason naming no data; one sealed with
+another key is kept aside as ``checkpoint-N.other-key`` (a rotation the agent could not report must not lose it).
 
 The final adapter (:func:`export_adapter`) is staged next to ``run_dir/"adapter"`` and renamed
 into place. No torch here: the model object is passed in.
@@ -41,13 +48,15 @@ from typing import Any
 
 from app.errors import StateError, TrainingError
 from app.fsutil import atomic_write_bytes, fsync_dir, fsync_tree, staged_dir
+from app.keys_epoch import EPOCHS_FILE, KeyEpochs, epochs_bytes, read_epochs
 from attestation.io.hashing import sha256_hex
 
-from .sealed import Unusable, open_sealed, seal_files
+from .sealed import WRONG_KEY, Unusable, open_sealed, recover_swaps, reseal, seal_files
 
 logger = logging.getLogger(__name__)
 
 LATEST = "LATEST"
+OTHER_KEY = ".other-key"
 CHECKPOINT_GETKEY_PATH = "cvm-tune/checkpoints/v1"
 ADAPTER_IN_RAM = "adapter.in-ram"  # run_dir marker: the confidential adapter's RAM directory (adapter_home)
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
@@ -155,6 +164,53 @@ def seal_checkpoint(src: Path, checkpoints_dir: Path, *, key: bytes, fingerprint
     return sha256_hex(body)
 
 
+def _set_aside(path: Path) -> None:
+    """Move a checkpoint sealed under a key this agent does not give to ``checkpoint-N.other-key[.i]``: out of the
+    resume candidates, and kept (rename it back once the guest can give its key epoch's key)."""
+    aside, i = path.with_name(f"{path.name}{OTHER_KEY}"), 0
+    while aside.exists():
+        i += 1
+        aside = path.with_name(f"{path.name}{OTHER_KEY}.{i}")
+    os.rename(path, aside)
+
+
+def record_epochs(checkpoints_dir: Path, epochs: KeyEpochs | None) -> None:
+    """Record (once, before training) the key epochs of the run's checkpoint key in ``checkpoints_dir``."""
+    checkpoints_dir = Path(checkpoints_dir)
+    if epochs is None or (checkpoints_dir / EPOCHS_FILE).exists():
+        return
+    checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(checkpoints_dir / EPOCHS_FILE, epochs_bytes(epochs), mode=0o600)
+
+
+def rekey_checkpoints(runs_dir: Path, keys: Any, ram: Path) -> list[str]:
+    """Re-seal every sealed checkpoint under ``runs_dir/*/checkpoints`` that was sealed under other key epochs than
+    ``keys.current_epochs`` (``app.keys_epoch.EpochKeys``), through ``ram`` (a RAM directory). Returns
+    ``run/checkpoint-N`` of each one re-sealed.
+
+    Raises:
+        KeyEpochError: an old epoch's key cannot be had (the agent ignores the selectors): nothing was changed.
+        StateError: the volume cannot be written (each checkpoint is either the old or the re-sealed one).
+    """
+    done: list[str] = []
+    for ckpts in sorted(Path(runs_dir).glob("*/checkpoints")) if Path(runs_dir).is_dir() else []:
+        recover_swaps(ckpts)
+        shared = read_epochs(ckpts / EPOCHS_FILE)
+        for _step, path in checkpoint_dirs(ckpts):
+            recorded = read_epochs(path / EPOCHS_FILE) if (path / EPOCHS_FILE).exists() else shared
+            try:
+                if reseal(path, ram, keys, recorded=recorded, required=REQUIRED_FILES):
+                    done.append(f"{ckpts.parent.name}/{path.name}")
+            except Unusable as exc:  # damaged or interrupted: restore_checkpoint skips it as before
+                logger.info("not re-sealing %s: %s", path.name, exc)
+            except OSError as exc:
+                raise StateError(f"cannot re-seal {path}: {exc.strerror or type(exc).__name__}",
+                                 fix="free space on the output volume; every checkpoint is intact") from exc
+        if keys.current_epochs is not None and shared != keys.current_epochs:
+            atomic_write_bytes(ckpts / EPOCHS_FILE, epochs_bytes(keys.current_epochs), mode=0o600)
+    return done
+
+
 def restore_checkpoint(checkpoints_dir: Path, *, key: bytes, fingerprint: str, inputs: Mapping[str, str],
                        scratch: Path) -> ResumeChoice:
     """Decrypt the newest usable sealed checkpoint of this run into ``scratch``.
@@ -190,7 +246,10 @@ def restore_checkpoint(checkpoints_dir: Path, *, key: bytes, fingerprint: str, i
             reason = str(exc)
             logger.info("skipping %s: %s", path.name, reason)
             rejected.append((path.name, reason))
-            shutil.rmtree(path, ignore_errors=True)
+            if reason == WRONG_KEY:  # perhaps a KMS key rotation the agent cannot report: kept aside, never deleted
+                _set_aside(path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
             continue
         logger.info("resuming from %s", path.name)
         if latest != path.name:

@@ -6,6 +6,7 @@ other's. A sealed directory holds::
 
     manifest.enc          the manifest, itself sealed (below)
     0000.enc, 0001.enc …  one sealed blob per plaintext file
+    key-epochs.json       the dstack KMS key epochs the key was derived under (``app.keys_epoch``; absent: unknown)
 
 Every ``.enc`` file is a cvm-tune STREAM file (``app.dataset.format``: AES-256-GCM chunks, HKDF keys, header MAC)
 with content type ``application/octet-stream``. Each blob's authenticated header metadata names its ``path``,
@@ -14,13 +15,16 @@ plaintext and ciphertext SHA-256 and the ``inputs`` the fingerprint stands for (
 all of it: the key, every tag, the step and fingerprint of every blob, the set of blobs, the plaintext hashes; any
 failure is :class:`Unusable` with a reason that names no data.
 
-No rename, fsync or pruning here: the caller seals into a staging directory and publishes it.
+No pruning here: the caller seals into a staging directory and publishes it. After a KMS key rotation
+:func:`reseal` opens a directory with its old epoch's key and replaces it, re-sealed under the current one, by
+:func:`swap_in` (crash-safe: :func:`recover_swaps` finishes or undoes an interrupted swap).
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -30,11 +34,13 @@ from attestation.io.hashing import canonical_json
 
 from app.dataset.format import BLOB_CONTENT_TYPE, encrypt_stream, open_encrypted
 from app.errors import CvmTuneError, DatasetIntegrityError, HeaderIntegrityError, WrongKeyError
-from app.fsutil import open_regular, staged_dir
+from app.fsutil import fsync_dir, fsync_tree, open_regular, staged_dir
+from app.keys_epoch import EPOCHS_FILE, FixedKey, KeyEpochError, KeyEpochs, write_epochs
 
 SCHEMA = "cvm-tune/checkpoint/v1"
 MANIFEST = "manifest.enc"
 BLOB_ID = "cvm-tune-checkpoint"
+WRONG_KEY = "sealed with another key (other app id)"  # the reason for a key that does not open it
 
 
 class Unusable(Exception):
@@ -49,8 +55,9 @@ def _seal_file(src: Path, dst: Path, key: bytes, metadata: dict[str, Any]) -> tu
 
 
 def seal_files(src: Path, stage: Path, *, key: bytes, step: int, fingerprint: str,
-               inputs: Mapping[str, str]) -> bytes:
-    """Seal every regular file under ``src`` into the existing empty directory ``stage``: blobs, then the manifest.
+               inputs: Mapping[str, str], epochs: KeyEpochs | None = None) -> bytes:
+    """Seal every regular file under ``src`` into the existing empty directory ``stage``: blobs, then the manifest,
+    then the key ``epochs`` the key was derived under (when known).
 
     Returns:
         The manifest plaintext (canonical JSON).
@@ -72,6 +79,7 @@ def seal_files(src: Path, stage: Path, *, key: bytes, step: int, fingerprint: st
         encrypt_stream(io.BytesIO(body), fout, key, dataset_id=BLOB_ID, dataset_version=step,
                        metadata={"path": MANIFEST, "step": step, "fingerprint": fingerprint},
                        content_type=BLOB_CONTENT_TYPE)
+    write_epochs(stage, epochs)
     return body
 
 
@@ -123,7 +131,7 @@ def _open_into(sealed: Path, target: Path, key: bytes, step: int, fingerprint: s
                required: Iterable[str]) -> None:
     body = _read_manifest(sealed, key, step, fingerprint, inputs)
     listed = {f["blob"] for f in body["files"]} | {MANIFEST}
-    present = {p.name for p in sealed.iterdir()}
+    present = {p.name for p in sealed.iterdir()} - {EPOCHS_FILE}
     if present != listed:
         raise Unusable(f"blobs {'missing' if listed - present else 'unexpected'}: {', '.join(sorted(listed ^ present))}")
     paths = [f["path"] for f in body["files"]]
@@ -162,9 +170,104 @@ def open_sealed(sealed: Path, target: Path, *, key: bytes, step: int, fingerprin
 
 def _reason(exc: BaseException) -> str:
     if isinstance(exc, WrongKeyError):
-        return "sealed with another key (other app id)"
+        return WRONG_KEY
     if isinstance(exc, DatasetIntegrityError | HeaderIntegrityError):
         return "corrupt (failed authentication)"
     if isinstance(exc, CvmTuneError):
         return "corrupt (not a sealed file)"
     return f"malformed manifest ({type(exc).__name__})"
+
+
+SWAP_SUFFIX = ".pre-rekey"
+
+
+def manifest_of(sealed: Path, key: bytes) -> dict[str, Any]:
+    """The manifest of ``sealed`` opened with ``key`` (no check of step or fingerprint: what :func:`reseal` needs).
+
+    Raises:
+        Unusable: wrong key or not a sealed manifest.
+    """
+    buf = io.BytesIO()
+    try:
+        with _regular(Path(sealed) / MANIFEST) as fh:
+            for chunk in open_encrypted(fh, key, content_type=BLOB_CONTENT_TYPE):
+                buf.write(chunk)
+        body = json.loads(buf.getvalue())
+    except FileNotFoundError:
+        raise Unusable("no manifest (interrupted save)") from None
+    except (CvmTuneError, ValueError) as exc:
+        raise Unusable(_reason(exc)) from None
+    if not isinstance(body, dict) or body.get("schema") != SCHEMA:
+        raise Unusable("manifest does not describe a sealed directory")
+    return body
+
+
+def swap_in(stage: Path, final: Path) -> None:
+    """Replace the sealed directory ``final`` by the complete ``stage`` (same parent) without a moment where
+    neither exists under a name :func:`recover_swaps` knows: ``final`` -> ``final.pre-rekey``, ``stage`` ->
+    ``final``, fsync, then the old copy is removed."""
+    fsync_tree(stage)
+    old = final.with_name(final.name + SWAP_SUFFIX)
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(final, old)
+    os.rename(stage, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover_swaps(parent: Path) -> None:
+    """Finish or undo a :func:`swap_in` a kill interrupted: a ``X.pre-rekey`` next to a complete ``X`` is removed,
+    one without ``X`` is renamed back (the old copy is then the only one)."""
+    for old in Path(parent).glob(f"*{SWAP_SUFFIX}") if Path(parent).is_dir() else []:
+        final = old.with_name(old.name[: -len(SWAP_SUFFIX)])
+        if final.is_dir() and (final / MANIFEST).is_file():
+            shutil.rmtree(old, ignore_errors=True)
+        elif not final.exists():
+            os.rename(old, final)
+
+
+def reseal(sealed: Path, ram: Path, keys: Any, *, recorded: KeyEpochs | None, required: Iterable[str] = ()) -> bool:
+    """Re-seal ``sealed`` under ``keys.current`` (``app.keys_epoch.EpochKeys``) when it was sealed under other key
+    epochs: opened with the key of the epochs it records into ``ram`` (a RAM directory, removed after), sealed again
+    into a staging sibling, swapped in. Returns whether it re-sealed.
+
+    Raises:
+        KeyEpochError: the old epoch's key cannot be had (the agent ignores the selectors; nothing changed).
+        Unusable: no candidate key opens it (another app's key, or damaged; nothing changed).
+    """
+    sealed, last = Path(sealed), None
+    if isinstance(keys, FixedKey):  # a key outside dstack (tests, tools): nothing to re-seal, open_sealed says why
+        return False
+    if keys.current_epochs is None and recorded is not None:  # epochs recorded, but this agent reports none
+        try:
+            manifest_of(sealed, keys.current)
+            return False
+        except Unusable:
+            raise KeyEpochError(f"{sealed.name} was sealed under {recorded} and does not open with the key this guest "
+                                "agent gives; the agent reports no key epochs, so it cannot be asked for that epoch's "
+                                "key (dstack guest 0.6.5 / 0.5.15 or older ignores GetKey's selectors)") from None
+    if not keys.stale(recorded):
+        return False
+    for key, _epochs in keys.candidates(recorded):
+        try:
+            body = manifest_of(sealed, key)
+        except Unusable as exc:
+            last = exc
+            continue
+        step, fingerprint, inputs = body["global_step"], body["fingerprint"], body.get("inputs", {})
+        target, staged = Path(ram) / f"reseal-{sealed.name}", sealed.with_name(f".tmp-reseal-{sealed.name}")
+        mode = sealed.stat().st_mode & 0o777
+        shutil.rmtree(staged, ignore_errors=True)  # left by a kill before its swap: the original is intact
+        try:
+            open_sealed(sealed, target, key=key, step=step, fingerprint=fingerprint, inputs=inputs, required=required)
+            with staged_dir(staged) as stage:
+                seal_files(target, stage, key=keys.current, step=step, fingerprint=fingerprint, inputs=inputs,
+                           epochs=keys.current_epochs)
+            os.chmod(staged, mode)
+            swap_in(staged, sealed)
+        finally:
+            shutil.rmtree(target, ignore_errors=True)
+        return True
+    if last is None:
+        raise KeyEpochError(f"{sealed.name}: no key to open it")
+    raise last  # no candidate opens it: another app's, or damaged (as before epochs, the caller skips it)

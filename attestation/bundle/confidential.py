@@ -34,13 +34,19 @@ def check(f: QuoteFindings, root: Path, m: B.Manifest, identities: list[Any] | N
           dataset_file: Path | None = None) -> None:
     """Add C1, C2 and B16 for a bundle whose manifest parsed (B16 alone without ``confidentiality``)."""
     info = m.confidentiality
-    owner = dataset_recipients(dataset_file) if dataset_file is not None else None
+    owner, unreadable = None, None
+    if dataset_file is not None:
+        try:
+            owner = dataset_recipients(dataset_file)
+        except (OSError, ValueError) as exc:
+            unreadable = f"{dataset_file}: the dataset file's clear header cannot be read: {str(exc)[:200]}"
     if info is None:
-        if owner:
-            f.add(OUTPUTS, "fail", f"the dataset's owner named {len(owner)} recipient(s) but the weights are in plaintext")
+        if unreadable or owner:
+            f.add(OUTPUTS, "fail", unreadable or
+                  f"the dataset's owner named {len(owner or ())} recipient(s) but the weights are in plaintext")
         model_sig.check(f, root, m)
         return
-    f.add(OUTPUTS, *_outputs(root, m, info, owner))
+    f.add(OUTPUTS, *(("fail", unreadable) if unreadable else _outputs(root, m, info, owner)))
     if not identities:
         f.add(PLAINTEXT, "skip", "the weights are encrypted: a recipient checks them with --identity KEY")
         f.add(model_sig.CHECK, "skip", "the signature covers the plaintext: a recipient checks it with --identity KEY")
@@ -103,11 +109,31 @@ def _read(path: Path, limit: int | None = None) -> bytes:
 
 
 def dataset_recipients(path: Path) -> tuple[str, ...]:
-    """The recipients a dataset file's clear (owner-signed) header names; () when none or unreadable."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(12)
-            header = parse_json(fh.read(min(int.from_bytes(head[8:12], "big"), 65536)), "dataset header", ValueError)
-        return C.parse_recipients(str(header.get("metadata", {}).get(C.DATASET_META_KEY, "")))
-    except (OSError, ValueError, AttributeError):
-        return ()
+    """The recipients a dataset file's clear (owner-signed) header names (verifier-spec §14); () when it names none.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: the clear header is malformed: not the magic and a format version 1 or 2, a header_len outside
+            1 to 65 536 or past the end of the file, not a UTF-8 JSON object, ``metadata`` not an object, its
+            ``cvm-tune.recipients`` not a string of age X25519 recipients.
+    """
+    with open(path, "rb") as fh:
+        head = fh.read(12)
+        if len(head) < 12 or head[:7] != b"CVMTDS\x00" or head[7] not in (1, 2):
+            raise ValueError("not a cvm-tune dataset file (magic CVMTDS, 0x00, format version 1 or 2)")
+        size = int.from_bytes(head[8:12], "big")
+        if not 1 <= size <= 65536:
+            raise ValueError(f"header_len {size} is outside 1 to 65536")
+        raw = fh.read(size)
+    if len(raw) != size:
+        raise ValueError("the file ends inside its clear header")
+    header = parse_json(raw, "dataset header", ValueError)
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    metadata = header.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise ValueError("the header's metadata is not an object")
+    value = metadata.get(C.DATASET_META_KEY, "")
+    if not isinstance(value, str):
+        raise ValueError(f"metadata {C.DATASET_META_KEY} is not a string")
+    return C.parse_recipients(value)

@@ -31,7 +31,7 @@ import hashlib
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 from attestation.outputs import confidential as C
 from attestation.outputs.confidential import ConfidentialityInfo
@@ -47,6 +47,8 @@ QUOTE_BIN = "quote.bin"
 QUOTE_HEX = "quote.hex"
 EVENT_LOG = "event_log.json"
 COLLATERAL = "collateral.json"
+MR_CONFIG = "mr-config.json"  # dstack 0.6: the MrConfigV3 document a v3 MRCONFIGID is the hash of (exact bytes)
+GPU_BOOT_EVIDENCE = "gpu-boot-evidence.json"  # dstack 0.6: nvattest's boot-time output, bound by RTMR3 gpu-attestation
 AUDIT = "audit.jsonl"
 CONFIG = "config.json"
 APP_COMPOSE = "app-compose.json"
@@ -59,7 +61,8 @@ ARTIFACT_FILES = tuple(f for f in HASHED_FILES if f != AUDIT)  # what the audit 
 ATTESTATION_FILES = (MANIFEST, QUOTE_BIN, QUOTE_HEX, EVENT_LOG)
 # The run report: hashed in `files` like the rest (all or none: bundles made before reports lack both).
 REPORT_FILES = ("report/report.json", "report/loss.png")
-OPTIONAL_FILES = (COLLATERAL,)
+# Made by the platform, not the run; each is checked by what it must reproduce (MRCONFIGID, an RTMR3 event's hash).
+OPTIONAL_FILES = (COLLATERAL, MR_CONFIG, GPU_BOOT_EVIDENCE)
 # Directories whose further files (tokenizer, signature, merged shards) the manifest lists by name: one level deep,
 # a plain file name each (the manifest, bound by the quote, says which exist).
 LISTED_DIRS = ("adapter", "merged")
@@ -363,18 +366,29 @@ class OpChainInfo(_Closed):
     ops: int = Field(ge=0)
     optimizer_steps: int = Field(ge=0)
     checkpoint: str
-    lora: dict[str, int | bool | None]
-    adam_params: dict[str, float] | None = None
+    # Strict kinds, as on the page: 1.0 is not an integer (a lax int would read it as 1), true not a number.
+    lora: dict[str, StrictInt | StrictBool | None]
+    adam_params: dict[str, StrictFloat | StrictInt] | None = None
     # DP-SGD (opt-in per model): noise_multiplier, max_grad_norm, dataset_size, batch_size, sample_rate, delta,
     # accountant, steps and the epsilon spent (each optim_step's is also in the chain). None: trained without DP.
-    dp: dict[str, float | int | str] | None = None
+    dp: dict[str, StrictInt | StrictFloat | StrictStr] | None = None
     # What a bit-exact replay needs (``cvm-tune verify --ops --replay``): device (cpu or cuda), torch's CPU threads,
     # the CPU kernels torch chose (``cpu_capability``: DEFAULT, AVX2, AVX512, …) and on a CPU the rows every packed
     # pass was padded to (``pass_rows``; 0: no packed passes).
     # None: a bundle made before replay existed.
-    determinism: dict[str, int | str] | None = None
+    determinism: dict[str, StrictInt | StrictStr] | None = None
     # Server-side custom losses the ops used: loss id (the hash of the document) -> {name, inputs, graph} as sent.
     custom_losses: dict[str, dict[str, Any]] | None = None
+
+    @field_validator("dp")
+    @classmethod
+    def _dp_members(cls, dp: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Each member of ``dp`` of its kind, as the server writes it (its numbers are checked by ``privacy.dp``)."""
+        from attestation.outputs.op_chain import op_chain_dp_problem
+
+        if dp is not None and (problem := op_chain_dp_problem(dp)):
+            raise ValueError(problem)
+        return dp
 
 
 class Manifest(_Closed):

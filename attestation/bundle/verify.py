@@ -6,7 +6,10 @@ Bundle steps (after ``attestation.verify``'s quote steps):
  B3 ``quote.hex``        quote.hex is the hex of quote.bin
  B4 ``report_data``      (quote step 8) = SHA-512("cvm-tune-manifest-v1:" || manifest.json bytes)
  B5 ``manifest.files``   every listed file hashes to its manifest value
- B6 ``compose.hash``     sha256(app-compose.json) = manifest = event-log compose-hash = MRCONFIGID
+ B6 ``compose.hash``     sha256(app-compose.json) = manifest = event-log compose-hash = MRCONFIGID (v3: with
+                         mr-config.json, the MrConfigV3 document, whose fields equal the measured boot events)
+ B6a ``compose.audit``   app-compose.json's dstack 0.6 findings (init_script, a weakened gpu_policy) each accepted by
+                         name in the policy's ``allowed_compose_findings`` (``attestation.compose.dstack06``)
  B7 ``tee.app_id``       manifest app-id = event-log app-id
  B8 ``audit.chain``      audit.jsonl intact, linked, head and hashes agree with the manifest
  B9 ``audit.rtmr3``      the measured RTMR3 app events are the audit entries (when EmitEvent was used)
@@ -15,6 +18,9 @@ Bundle steps (after ``attestation.verify``'s quote steps):
  B12 ``gpu.evidence``    gpu-evidence.json re-summarised = the manifest's ``gpu``, committed by the last
                          ``gpu.evidence`` audit entry, nonce = that entry's prev (``attestation.tdx.gpu.check``); plus
                          dstack's own measured GPU attestation when the OS made one (``attestation.tdx.gpu_dstack``)
+ B12a ``gpu.boot_evidence`` gpu-boot-evidence.json (dstack 0.6 Attest's boot-time nvattest output) hashes to the
+                         measured gpu-attestation event's evidence_sha256; the verdict's ``gpu`` says whether anything
+                         cryptographic checked the GPU ("GPU not verified" otherwise)
  B13 ``dataset.owner``   owner key id = SHA-256(owner public key); with the file: its owner signature
                          verifies under that key and its statement, header and hashes match the manifest
  B14 ``build.image``     the manifest's image is the cvm-tune service's image in app-compose.json, pinned by digest
@@ -34,6 +40,7 @@ from pydantic import ValidationError
 
 from attestation.bundle import manifest as B
 from attestation.compose import app_compose as C
+from attestation.compose.dstack06 import audit06, gpu_policy_hash
 from attestation.bundle import confidential as confidential_verify
 from attestation.bundle import input_checks
 from attestation.outputs import op_chain
@@ -44,7 +51,7 @@ from attestation.tdx.dcap import Collateral, parse_collateral
 from attestation.errors import AttestationError, BundleError
 from attestation.tdx.eventlog import Event, parse_event_log
 from attestation.tdx.gpu import check as gpu_check
-from attestation.tdx.gpu_dstack import boot_gpu_attestation
+from attestation.tdx.gpu_dstack import boot_evidence_step, boot_gpu_attestation, gpu_status
 from attestation.io.hashing import read_regular, sha256_file, sha256_hex
 from attestation.policy import Policy
 from attestation.tdx.quote import MAX_QUOTE_BYTES
@@ -97,19 +104,22 @@ def verify_bundle(
     raw = _quote_bytes(f, root)
     coll = collateral if collateral is not None else _bundle_collateral(f, root)
     events = _events(f, root)
+    mr_config = _optional(root, B.MR_CONFIG)
     if raw is not None:
         verify_quote(raw, policy=policy, now=now, collateral=coll, events=events,
-                     expected_report_data=B.manifest_report_data(manifest_bytes), findings=f)
+                     expected_report_data=B.manifest_report_data(manifest_bytes), findings=f, mr_config=mr_config)
     if manifest is not None:
         f.bundle = {"run_id": manifest.run_id, "created_at": manifest.created_at, "audit_head": manifest.audit.head,
                     "audit_last_seq": manifest.audit.first_seq + manifest.audit.entries - 1}
         _file_hashes(f, root, manifest)
         _compose_and_app_id(f, root, manifest)
+        _compose_audit(f, root, policy)
         _build(f, root, manifest)
         entries = _audit_entries(root)  # parsed once: the audit and GPU steps both read them
         config_bytes = _config_bytes(root)  # read once: the audit, evaluation and privacy steps compare with it
         _audit(f, entries, config_bytes, manifest, policy)
         _gpu(f, root, manifest, events, entries)
+        _gpu_06(f, root, manifest, events)
         input_checks.evaluation(f, manifest, config_bytes)
         confidential_verify.check(f, root, manifest, identities, dataset_file)  # B16 (+ C1, C2 when encrypted)
         privacy.check(f, manifest, policy, config_bytes)
@@ -121,6 +131,14 @@ def verify_bundle(
 
 def _read(path: Path, limit: int = MAX_FILE) -> bytes:
     return read_regular(path, limit)  # a FIFO or device in a bundle is refused (OSError), never waited on
+
+
+def _optional(root: Path, name: str) -> bytes | None:
+    """An optional platform file's bytes (None when absent or unreadable: the check that needs it says so)."""
+    try:
+        return _read(root / name) if (root / name).exists() else None
+    except OSError:
+        return None
 
 
 def _files_and_manifest(f: QuoteFindings, root: Path, manifest_bytes: bytes) -> B.Manifest | None:
@@ -239,14 +257,39 @@ def _compose_and_app_id(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
         problems.append("app-compose.json does not hash to the manifest's compose_hash")
     if measured != m.tee.compose_hash:
         problems.append(f"event-log compose-hash {measured or '(absent)'} differs from the manifest")
+    mr_config = _optional(root, B.MR_CONFIG)
     bound, how = C.check_mr_config_id(config_id, m.tee.compose_hash, f.boot.hex("app-id") if f.boot else None,
-                                      f.boot.values.get("key-provider") if f.boot else None) if td else (True, "no quote")
+                                      f.boot.values.get("key-provider") if f.boot else None, boot=f.boot,
+                                      mr_config=mr_config) if td else (True, "no quote")
     if not bound:
         problems.append(how)
+    if mr_config is not None and config_id[:1] != b"\x03":
+        problems.append(f"{B.MR_CONFIG} is in the bundle but MRCONFIGID is not v3: nothing binds it")
     f.add("compose.hash", "fail" if problems else "pass", "; ".join(problems) or f"compose-hash {m.tee.compose_hash[:16]}… consistent; {how}")
     app_id = f.boot.hex("app-id") if f.boot else None
     ok = app_id == m.tee.app_id
     f.add("tee.app_id", "pass" if ok else "fail", f"app-id {app_id or '(absent)'}" + ("" if ok else f" != manifest {m.tee.app_id}"))
+
+
+def _compose_audit(f: QuoteFindings, root: Path, policy: Policy) -> None:
+    """B6a: the dstack 0.6 app-compose findings, each accepted only when the policy names it."""
+    try:
+        doc = C.load(_read(root / B.APP_COMPOSE))
+    except (OSError, AttestationError):
+        f.add("compose.audit", "fail", "app-compose.json missing or not a JSON object")
+        return
+    findings, problems, notes = audit06(doc)
+    measured = f.boot.hex("gpu-policy-hash") if f.boot else None
+    if measured is not None and measured != gpu_policy_hash(doc):
+        problems = [*problems, "the measured gpu-policy-hash is not the hash of app-compose.json's requirements.gpu_policy"]
+    refused = [msg for name, msg in findings if name not in policy.allowed_compose_findings] + problems
+    accepted = [name for name, _ in findings if name in policy.allowed_compose_findings]
+    said = [*(f"accepted by the policy: {n}" for n in accepted), *notes]
+    if refused:
+        f.add("compose.audit", "fail", "; ".join(refused) + (" (a policy may accept a finding by name: "
+              "allowed_compose_findings)" if findings else "") + "".join(f"; {x}" for x in said))
+    else:
+        f.add("compose.audit", "pass", "; ".join(said) or "no init_script, GPU policy not weakened")
 
 
 def _build(f: QuoteFindings, root: Path, m: B.Manifest) -> None:
@@ -359,3 +402,10 @@ def _gpu(f: QuoteFindings, root: Path, m: B.Manifest, events: tuple[Event, ...] 
     if dstack is not None:
         status, detail = ("fail" if not dstack[0] else status), f"{detail}; {dstack[1]}"
     f.add("gpu.evidence", status, detail)
+
+
+def _gpu_06(f: QuoteFindings, root: Path, m: B.Manifest, events: tuple[Event, ...] | None) -> None:
+    """B12a: dstack 0.6's boot-time GPU evidence against the measured gpu-attestation event; then the verdict's GPU
+    status (verified only when dstack's measured boot gate attested the GPUs)."""
+    f.add("gpu.boot_evidence", *boot_evidence_step(events, _optional(root, B.GPU_BOOT_EVIDENCE)))
+    f.gpu = gpu_status(events, m.gpu is not None and m.gpu.present, f.checks)

@@ -7,9 +7,10 @@ Rules, from dstack's source (github.com/Dstack-TEE/dstack at tag v0.5.11):
   emitted to RTMR3 as the ``compose-hash`` boot event and set in MRCONFIGID (v1 = ``01 || compose_hash || 15 zero
   bytes``, ``dstack-types/src/mr_config.rs``).
 * **app-id** (same function): the deployer's app id when one was given (Phala's on-chain KMS: the DstackApp contract
-  address; ``vmm-cli.py deploy --app-id``), else ``compose_hash[:20]``; and when ``kms_enabled`` is false the emitted
-  ``app-id`` event is always ``compose_hash[:20]``. So only a KMS deployment with a pinned app id cannot be derived
-  from the file: :func:`app_id` returns None for ``kms_enabled`` true unless the caller says no id was pinned.
+  address; ``vmm-cli.py deploy --app-id``), else ``compose_hash[:20]``. dstack 0.5.x ignores a pinned id when
+  ``kms_enabled`` is false (the event is then always ``compose_hash[:20]``); dstack 0.6 honours it in every
+  key-provider mode. So a deployment with a pinned app id cannot be derived from the file: :func:`app_id` returns the
+  pin when the caller gives it, and None for a KMS deployment without one.
 * **The file dstack's own tool writes** (``vmm/src/vmm-cli.py``, ``create_app_compose``): the fields below in that
   order, ``json.dumps(..., indent=4, ensure_ascii=False)``, UTF-8, no trailing newline. The SDK's
   ``get_compose_hash`` (``sdk/python/src/dstack_sdk/get_compose_hash.py``) hashes the *normalized* form instead
@@ -30,6 +31,7 @@ from typing import Any, Literal
 import yaml
 
 from attestation.errors import AttestationError
+from attestation.compose.mr_config import key_provider_id
 from attestation.io.safe_yaml import error_text, parse_json
 
 SERVICE = "cvm-tune"  # the compose service that runs cvm-tune (its image is recorded in every manifest)
@@ -60,6 +62,9 @@ def mr_config_id_v1(compose_hash_hex: str) -> str:
 # dstack-types/src/mr_config.rs (v0.5.11): KeyProviderKind as one byte; the key-provider boot event's names.
 KEY_PROVIDER_BYTE = {"none": 0, "local": 1, "kms": 2, "tpm": 3}
 EVENT_KEY_PROVIDER = {"none": "none", "local-sgx": "local", "local": "local", "kms": "kms", "tpm": "tpm"}
+MR_CONFIG_V3 = ("03 || SHA-256 of the MrConfigV3 document the host writes at launch (it holds the instance id, known "
+                "only at boot): not predictable here; a verifier checks the document the bundle carries (mr-config.json) "
+                "against the measured boot events")
 MR_CONFIG_WHEN = ("the VMM sets it only with use_mrconfigid = true (as dstack's vmm.toml ships) on an OS image >= 0.5.2; "
                   "otherwise it is all zeros and binds nothing")
 
@@ -85,26 +90,35 @@ def mr_config_id_v2(compose_hash_hex: str, app_id_hex: str, kind: str, key_provi
     return "02" + keccak(pre).hex() + "00" * 15
 
 
-def expected_mr_config_id(app_compose: dict[str, Any], compose_hash_hex: str, app_id_hex: str | None) -> tuple[str, str | None]:
-    """(form, hex) of the MRCONFIGID the VMM derives for this app-compose (``vmm/src/app/qemu.rs``, v0.5.11).
+def expected_mr_config_id(app_compose: dict[str, Any], compose_hash_hex: str, app_id_hex: str | None, *,
+                          dstack: str = "0.6") -> tuple[str, str | None]:
+    """(form, hex) of the MRCONFIGID the VMM derives for this app-compose (``vmm/src/app/mr_config.rs``).
 
-    v1 when ``key_provider_id`` is empty, else v2, which also needs the app id (None when it is not known).
+    v1 when ``key_provider_id`` is empty. Otherwise dstack 0.5.x makes v2 (which also needs the app id; None when it
+    is not known) and dstack 0.6 makes **v3**, the hash of a MrConfigV3 document that holds values only the boot
+    knows (the instance id; the GPU policy hash of a GPU launch): its hex is None here, and the document must be
+    taken from the host (the bundle's mr-config.json) and checked against the measured events.
     """
     kp_id = str(app_compose.get("key_provider_id") or "")
     if not kp_id:
         return "v1", mr_config_id_v1(compose_hash_hex)
+    if dstack != "0.5":
+        return "v3", None
     if not app_id_hex:
         return "v2", None
     return "v2", mr_config_id_v2(compose_hash_hex, app_id_hex, key_provider_kind(app_compose), kp_id)
 
 
 def check_mr_config_id(config_id: bytes, compose_hash_hex: str, app_id_hex: str | None,
-                       key_provider_event: bytes | None) -> tuple[bool, str]:
+                       key_provider_event: bytes | None, *, boot: Any = None,
+                       mr_config: bytes | None = None) -> tuple[bool, str]:
     """Does the quote's MRCONFIGID bind this compose-hash? (ok, what was checked), from measured values only.
 
     Zero: not bound (ok, said so: the compose-hash then rests on RTMR3 alone). v1: ``01 || compose_hash``. v2: the
     Keccak over compose-hash, the measured app-id and the ``key-provider`` boot event's kind and id (what dstack's
-    guest checks, ``dstack-util/src/system_setup/config_id_verifier.rs``). Any other version fails.
+    guest checks, ``dstack-util/src/system_setup/config_id_verifier.rs``). v3 (dstack 0.6): ``mr_config``, the
+    MrConfigV3 document, hashes to it and its fields equal the measured boot events (``boot``, a
+    :class:`~attestation.tdx.eventlog.BootInfo`; ``attestation.compose.mr_config``). Any other version fails.
     """
     if config_id == bytes(48):
         return True, "MRCONFIGID is zero: the VMM did not bind the compose-hash (use_mrconfigid off); RTMR3 alone binds it"
@@ -112,11 +126,18 @@ def check_mr_config_id(config_id: bytes, compose_hash_hex: str, app_id_hex: str 
     if version == 1:
         ok = config_id.hex() == mr_config_id_v1(compose_hash_hex)
         return ok, "MRCONFIGID v1 " + ("carries" if ok else "does not carry") + " the compose-hash"
+    if version == 3:
+        from attestation.compose.mr_config import check_v3
+
+        measured = dict(boot.values) if boot is not None else {
+            k: bytes.fromhex(v) if k == "app-id" else v for k, v in (("app-id", app_id_hex), ("key-provider", key_provider_event))
+            if v is not None}
+        return check_v3(config_id, compose_hash_hex, measured, boot.init_scripts if boot is not None else None, mr_config)
     if version != 2:
-        return False, f"MRCONFIGID version {version} is not one dstack 0.5.x sets (1 or 2): cannot be checked"
+        return False, f"MRCONFIGID version {version} is not one dstack sets (1, 2 or 3): cannot be checked"
     try:
         kp = parse_json(key_provider_event or b"", "the key-provider event", ComposeError)
-        kind, kp_id = EVENT_KEY_PROVIDER[kp["name"]], str(kp.get("id") or "")
+        kind, kp_id = EVENT_KEY_PROVIDER[kp["name"]], key_provider_id(kp).hex()
         want = mr_config_id_v2(compose_hash_hex, app_id_hex or "", kind, kp_id) if app_id_hex else None
     except (ValueError, KeyError, TypeError, ComposeError) as exc:
         return False, f"MRCONFIGID v2 needs the measured app-id and key-provider events: {exc}"
@@ -124,13 +145,19 @@ def check_mr_config_id(config_id: bytes, compose_hash_hex: str, app_id_hex: str 
     return ok, f"MRCONFIGID v2 {'matches' if ok else 'does not match'} keccak(compose-hash, app-id, {kind} key provider id)"
 
 
-def app_id(app_compose: dict[str, Any], compose_hash_hex: str, *, pinned_app_id: str | None = None) -> str | None:
-    """The app-id the CVM will measure; None when a KMS deployment's id is assigned outside the file."""
-    if not app_compose.get("kms_enabled", False):
-        return compose_hash_hex[:40]
+def app_id(app_compose: dict[str, Any], compose_hash_hex: str, *, pinned_app_id: str | None = None,
+           dstack: str = "0.6") -> str | None:
+    """The app-id the CVM will measure; None when a KMS deployment's id is assigned outside the file.
+
+    dstack 0.6 honours a deploy-time (pinned) app id in every key-provider mode; 0.5.x only with a KMS (without one it
+    always measures ``compose_hash[:20]``). No pin: ``compose_hash[:20]``, except that a KMS deployment's id is then
+    not known from the file (None).
+    """
     pinned = pinned_app_id.lower().removeprefix("0x") if pinned_app_id else None
     if pinned is not None and not re.fullmatch(r"[0-9a-f]{40}", pinned):
         raise ComposeError(f"app id {pinned_app_id!r} is not 20 bytes of hex", fix="pass the app id the deployment printed")
+    if not app_compose.get("kms_enabled", False):
+        return pinned if pinned is not None and dstack != "0.5" else compose_hash_hex[:40]
     return pinned
 
 

@@ -14,7 +14,8 @@ syntax, top-level volumes that are really binds) and refuses, each with the offe
   ``volumes_from``, ``extends`` and ``include`` (text this audit cannot see), and ``$VAR`` interpolation outside
   ``environment`` (compose fills it from the environment, which dstack does not measure and the host can forge);
 * images not pinned by digest, ``build:``, secrets in clear; ``public_logs`` / ``public_sysinfo`` not false,
-  ``pre_launch_script``, swap;
+  ``pre_launch_script``, swap; dstack 0.6's ``init_script`` and a ``requirements.gpu_policy`` that weakens the GPU
+  gate, and 0.6 fields of the wrong type (``attestation.compose.dstack06``);
 * anything it does not understand: it works from allow-lists (the tables below), so ``env_file``, configs and
   secrets from ``environment:``, external networks (``{name: host, external: true}``), other drivers, a seccomp
   profile file or an SELinux type, and fields a later Compose adds are findings, never skipped. Explicit YAML tags
@@ -28,6 +29,7 @@ import re
 from typing import Any
 
 from attestation.compose import located_yaml as Y
+from attestation.compose.dstack06 import audit06
 from attestation.compose.app_compose import (DSTACK_SOCKET, PLACEHOLDER_DIGEST, SECRET_NAME, SERVICE, ComposeError, compose_document,
                                  env_entries, image_digest)
 
@@ -406,6 +408,8 @@ def audit(app_compose: dict[str, Any], loader: type = Y.LOADER) -> list[str]:
                         "(Phala Cloud adds its own) and pin this compose-hash only if you accept it")
     if str(app_compose.get("swap_size") or 0) not in ("0", "0G", "0M", ""):
         problems.append("swap_size is not 0: memory could be paged out; keep it 0 (dstack best practice)")
+    findings, bad, _notes = audit06(app_compose)  # dstack 0.6 fields: init_script, requirements.gpu_policy, ...
+    problems += [message for _name, message in findings] + bad
     text = app_compose.get("docker_compose_file")
     if not isinstance(text, str):
         raise ComposeError("app-compose.json has no docker_compose_file text (runner is not docker-compose)")

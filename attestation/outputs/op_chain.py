@@ -32,11 +32,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import struct
 from pathlib import Path
 from typing import Any
 
-from attestation.io.safe_yaml import parse_json
 from attestation.verdict import QuoteFindings
 
 TAG = b"cvm-tune-op-chain-v1:"
@@ -46,7 +46,12 @@ OPS = ("forward_backward", "optim_step", "load")
 LOAD_KEYS = frozenset({"op", "checkpoint", "checkpoint_head", "checkpoint_ops", "weights_sha256", "optimizer",
                        "model_head"})
 MAX_CHECKPOINT_NAME = 512
+CHECKPOINT_PREFIX = "tinker://"
 MAX_OPS_FILE = 1 << 30
+MAX_LINE = 16 << 20  # characters of one line of an ops file (Unicode code points, its line end not counted)
+MAX_LINE_DEPTH = 32  # nesting of one line: an object or list and each value in it count one level
+MAX_NUMBER = 400  # characters of one JSON number of a line (sign, digits, fraction and exponent)
+LINE_END = re.compile(r"\r\n|\r|\n")
 CHECK = "op_chain.ops"
 
 
@@ -128,8 +133,10 @@ def _load_doc(op: dict[str, Any]) -> dict[str, Any]:
     n, name, opt = op.get("checkpoint_ops"), op.get("checkpoint"), op.get("optimizer")
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 2**63:
         raise OpChainError("load: checkpoint_ops must be an integer in 0..2^63-1")
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_CHECKPOINT_NAME:
-        raise OpChainError(f"load: checkpoint must be the loaded state's path (1 to {MAX_CHECKPOINT_NAME} characters)")
+    if not isinstance(name, str) or not len(CHECKPOINT_PREFIX) < len(name) <= MAX_CHECKPOINT_NAME \
+            or not name.startswith(CHECKPOINT_PREFIX):
+        raise OpChainError(f"load: checkpoint must be the loaded state's path ({CHECKPOINT_PREFIX}…, "
+                           f"{len(CHECKPOINT_PREFIX) + 1} to {MAX_CHECKPOINT_NAME} characters)")
     if not isinstance(opt, bool):
         raise OpChainError("load: optimizer must be true or false")
     return {"op": "load", "checkpoint": name, "checkpoint_head": _hex64(op.get("checkpoint_head"), "checkpoint_head"),
@@ -170,11 +177,44 @@ def custom_loss_id(doc: Any) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()).hexdigest()
 
 
+NODE_OPS = ("placeholder", "get_attr", "call_function", "call_method", "call_module", "output")
+
+
+def document_problem(doc: Any) -> str | None:
+    """Why ``doc`` is not a custom-loss document in the form the server records (None: it is): exactly ``name``
+    (a string), ``inputs`` (a list of exactly ``{"name": string, "rank": 0, 1 or 2}``) and ``graph`` (exactly
+    ``{"format": 1, "nodes": [...]}``, each node exactly ``{"op", "name", "target", "args", "kwargs"}``: three
+    strings, ``op`` one of :data:`NODE_OPS`, a list and an object), the SDK's request after the server filled its
+    defaults (``format`` 1, ``args`` [], ``kwargs`` {}). Whether the server would rebuild it is replay's check."""
+    def integer(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not isinstance(doc, dict) or set(doc) != {"name", "inputs", "graph"} or not isinstance(doc["name"], str):
+        return "it is not exactly {name, inputs, graph} with a string name"
+    inputs, graph = doc["inputs"], doc["graph"]
+    if not isinstance(inputs, list) or any(not isinstance(i, dict) or set(i) != {"name", "rank"} or not isinstance(
+            i["name"], str) or not integer(i["rank"]) or i["rank"] not in (0, 1, 2) for i in inputs):
+        return "inputs is not a list of exactly {name, rank} (rank 0, 1 or 2)"
+    if not isinstance(graph, dict) or set(graph) != {"format", "nodes"} or not integer(graph["format"]) \
+            or graph["format"] != 1 or not isinstance(graph["nodes"], list):
+        return "graph is not exactly {format: 1, nodes: [...]}"
+    for n, node in enumerate(graph["nodes"]):
+        if not isinstance(node, dict) or set(node) != {"op", "name", "target", "args", "kwargs"} \
+                or node["op"] not in NODE_OPS or not isinstance(node["name"], str) \
+                or not isinstance(node["target"], str) or not isinstance(node["args"], list) \
+                or not isinstance(node["kwargs"], dict):
+            return f"graph node {n} is not exactly {{op, name, target, args (a list), kwargs (an object)}}"
+    return None
+
+
 def custom_loss_problems(ops: list[dict[str, Any]], losses: Any) -> list[str]:
     """Each op that used a custom loss names one the manifest holds, and each document there hashes to its id."""
     losses = losses or {}
     problems = []
     for key, doc in losses.items():
+        if (why := document_problem(doc)) is not None:
+            problems.append(f"custom loss {key[:16]}…: {why}")
+            continue
         try:
             if custom_loss_id(doc) != key:
                 problems.append(f"custom loss {key[:16]}…: its document hashes to {custom_loss_id(doc)[:16]}…")
@@ -185,6 +225,24 @@ def custom_loss_problems(ops: list[dict[str, Any]], losses: Any) -> list[str]:
             lid = (op.get("loss_fn_config") or {}).get("loss_id") if isinstance(op.get("loss_fn_config"), dict) else None
             if lid not in losses:
                 problems.append(f"op {i} uses custom loss {str(lid)[:16]}…, which the manifest does not hold")
+    return problems
+
+
+def dp_problems(ops: list[dict[str, Any]], dp: Any) -> list[str]:
+    """A DP-SGD model's every optim_step carries the ε spent after it (``dp_epsilon``), the last one the manifest's
+    ``op_chain.dp.epsilon``; a model without ``op_chain.dp`` has none (the server records one only after a DP step,
+    and a model's history is all DP or all not: a load across is refused)."""
+    steps = [(i, op) for i, op in enumerate(ops, start=1) if isinstance(op, dict) and op.get("op") == "optim_step"]
+    if dp is None:
+        return [f"op {i}: an optim_step with dp_epsilon, but the bundle records no op_chain.dp (trained without "
+                "DP-SGD)" for i, op in steps if op.get("dp_epsilon") is not None][:1]
+    problems = [f"op {i}: an optim_step without dp_epsilon, but the model was trained with DP-SGD (op_chain.dp)"
+                for i, op in steps if op.get("dp_epsilon") is None][:1]
+    eps = dp.get("epsilon") if isinstance(dp, dict) else None
+    if steps and not problems and not isinstance(eps, bool) and isinstance(eps, (int, float)) \
+            and float(steps[-1][1]["dp_epsilon"]) != float(eps):
+        problems.append(f"op {steps[-1][0]}: the last optim_step's dp_epsilon {steps[-1][1]['dp_epsilon']!r} is not "
+                        f"op_chain.dp.epsilon {eps!r}")
     return problems
 
 
@@ -207,7 +265,9 @@ def check(f: QuoteFindings, recorded: Any, ops: list[dict[str, Any]] | None, sou
         f.add(CHECK, "fail", f"{len(ops)} ops in {source} hash to {got[:16]}…; the bundle records {recorded.ops} ops "
               f"with head {recorded.head[:16]}…")
         return
-    if problems := custom_loss_problems(ops, getattr(recorded, "custom_losses", None)):
+    problems = custom_loss_problems(ops, getattr(recorded, "custom_losses", None))
+    problems += dp_problems(ops, getattr(recorded, "dp", None))
+    if problems:
         f.add(CHECK, "fail", "; ".join(problems[:3]))
         return
     n = len(getattr(recorded, "custom_losses", None) or {})
@@ -216,7 +276,8 @@ def check(f: QuoteFindings, recorded: Any, ops: list[dict[str, Any]] | None, sou
 
 
 def read_ops(path: Path) -> list[dict[str, Any]]:
-    """The ops of a JSONL file (blank lines skipped).
+    """The ops of a JSONL file: lines end at LF, CR LF or a lone CR; a line that is empty or holds only spaces and
+    tabs is skipped; every other line is one JSON object (:func:`parse_line`).
 
     Raises:
         OpsFileError: the file cannot be read (missing, not a regular file, too large, not UTF-8).
@@ -230,18 +291,59 @@ def read_ops(path: Path) -> list[dict[str, Any]]:
             raise OpsFileError(f"{path} is not a regular file")
         if st.st_size > MAX_OPS_FILE:
             raise OpsFileError(f"{path} is larger than {MAX_OPS_FILE} bytes")
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        text = Path(path).read_bytes().decode("utf-8")  # a byte-order mark is kept: line 1 is then not JSON
     except (OSError, UnicodeDecodeError) as exc:
         raise OpsFileError(f"cannot read {path}: {exc}") from None
     ops = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
+    for n, line in enumerate(LINE_END.split(text), start=1):
+        if not line.strip(" \t"):
             continue
-        op = parse_json(line, f"{path} line {n}", OpChainError)
-        if not isinstance(op, dict):
-            raise OpChainError(f"{path} line {n}: not a JSON object")
-        ops.append(op)
+        ops.append(parse_line(line, f"{path} line {n}"))
     return ops
+
+
+def parse_line(line: str, what: str) -> dict[str, Any]:
+    """One line of an ops file as a JSON object: at most :data:`MAX_LINE` characters, nested at most
+    :data:`MAX_LINE_DEPTH` levels, no member named twice in one object, no number longer than :data:`MAX_NUMBER`
+    characters, no NaN or Infinity (JSON whitespace around it is allowed: spaces and tabs).
+
+    Raises:
+        OpChainError: anything else.
+    """
+    from attestation.io.safe_yaml import depth
+
+    def number(kind: type) -> Any:
+        def convert(text: str) -> Any:
+            if len(text) > MAX_NUMBER:
+                raise ValueError(f"a number of more than {MAX_NUMBER} characters")
+            return kind(text)
+        return convert
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in out:
+                raise ValueError(f"member {k[:64]!r} given twice")
+            out[k] = v
+        return out
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number")
+
+    if len(line) > MAX_LINE:
+        raise OpChainError(f"{what}: longer than {MAX_LINE} characters")
+    try:
+        op = json.loads(line, parse_int=number(int), parse_float=number(float), parse_constant=constant,
+                        object_pairs_hook=unique)
+    except RecursionError:
+        raise OpChainError(f"{what}: nested more than {MAX_LINE_DEPTH} levels") from None
+    except ValueError as exc:
+        raise OpChainError(f"{what} is not valid JSON: {str(exc).splitlines()[0][:200]}") from None
+    if depth(op) > MAX_LINE_DEPTH:
+        raise OpChainError(f"{what}: nested more than {MAX_LINE_DEPTH} levels")
+    if not isinstance(op, dict):
+        raise OpChainError(f"{what}: not a JSON object")
+    return op
 
 
 def read_record(path: Path) -> tuple[list[dict[str, Any]] | None, str]:
@@ -256,3 +358,22 @@ def read_record(path: Path) -> tuple[list[dict[str, Any]] | None, str]:
         raise
     except OpChainError as exc:
         return None, str(exc)
+
+
+# op_chain.dp's members and their JSON kinds: a number (integer or not), an integer (written without fraction or
+# exponent), a string; a boolean, null, list or object is none of them.
+OP_CHAIN_DP_MEMBERS: dict[str, Any] = {
+    "noise_multiplier": (int, float), "max_grad_norm": (int, float), "sample_rate": (int, float),
+    "delta": (int, float), "epsilon": (int, float), "dataset_size": int, "batch_size": int, "steps": int,
+    "accountant": str}
+
+
+def op_chain_dp_problem(dp: dict[str, Any]) -> str | None:
+    """What is wrong with the kinds of a training-API bundle's ``op_chain.dp`` members (None: nothing)."""
+    for k, v in dp.items():
+        if k not in OP_CHAIN_DP_MEMBERS:
+            return f"dp.{k} is not a member of op_chain.dp ({', '.join(OP_CHAIN_DP_MEMBERS)})"
+        want = OP_CHAIN_DP_MEMBERS[k]
+        if isinstance(v, bool) or not isinstance(v, want):
+            return f"dp.{k} must be {'an integer' if want is int else 'a string' if want is str else 'a number'}"
+    return None

@@ -116,6 +116,8 @@ def _schema(f: QuoteFindings, raw: bytes) -> R.RoundManifest | None:
         names = [a.client for a in m.admitted]
         if len(set(names)) != len(names):
             raise ValueError("a client is admitted twice")
+        if len(names) < m.min_clients:  # the aggregator fails such a round (app.federated.strategy)
+            raise ValueError(f"{len(names)} client(s) admitted, fewer than min_clients {m.min_clients}")
         if bad := naming_problems(m.files, m.confidentiality is not None):  # a round made before .age names
             raise ValueError("; ".join(bad))
         f.add("round.schema", "pass", f"{R.ROUND_SCHEMA}, round {m.round}, {len(m.admitted)} admitted, "

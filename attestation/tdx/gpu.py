@@ -132,7 +132,7 @@ def parse_query_gpu(text: str) -> list[GpuDevice]:
         if not line.strip():
             continue
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) != len(QUERY_FIELDS) or not parts[0].isdigit():
+        if len(parts) != len(QUERY_FIELDS) or not re.fullmatch(r"[0-9]+", parts[0]):  # ASCII digits only (not '²')
             raise GpuEvidenceError(f"unexpected nvidia-smi --query-gpu line with {len(parts)} fields")
         devices.append(GpuDevice(index=int(parts[0]), name=parts[1], uuid=parts[2], pci_bus_id=parts[3],
                                  driver_version=parts[4], vbios_version=parts[5]))

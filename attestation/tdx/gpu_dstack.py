@@ -8,20 +8,35 @@ RTMR3 before ``system-ready`` (``dstack-util/src/system_setup.rs``, ``attestatio
      "evidence_sha256": "<sha256 of nvattest's stdout>"}
 
 The event is measured (the quote's RTMR3 replay covers it), so it is dstack's word, not the app's. Its nvattest output
-itself is served by the guest agent (``/GpuInfo``), not carried in a cvm-tune bundle, so a verifier here reads the
-measured summary; it does not re-check NVIDIA's report. Stdlib only.
+itself is served by dstack 0.6's ``Attest(include_boottime_gpu_evidence)``; a bundle may carry it as
+``gpu-boot-evidence.json`` (exact bytes), which must hash to the event's ``evidence_sha256`` (check
+``gpu.boot_evidence``). The measured ``gpu-policy-hash`` is compared with the policy's ``expected_gpu_policy_hashes``
+(``gpu.policy``), and :func:`gpu_status` says whether anything cryptographic checked the GPU at all. Stdlib only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from attestation.tdx.eventlog import Event
 
 EVENT = "gpu-attestation"
 SYSTEM_READY = "system-ready"
+
+
+def _attestation_events(events: Iterable[Event] | None) -> list[tuple[Event, bool]]:
+    """Each RTMR3 ``gpu-attestation`` event, and whether it came after ``system-ready``."""
+    found, ready = [], False
+    for ev in (e for e in events or () if e.imr == 3 and e.is_runtime):
+        if ev.event == SYSTEM_READY:
+            ready = True
+        elif ev.event == EVENT:
+            found.append((ev, ready))
+    return found
 
 
 def boot_gpu_attestation(events: Iterable[Event] | None) -> tuple[bool, str] | None:
@@ -30,12 +45,7 @@ def boot_gpu_attestation(events: Iterable[Event] | None) -> tuple[bool, str] | N
     Not ok: more than one, one after ``system-ready`` (an app could append it), a payload that is not the summary
     above, or a summary that does not say CC on without DevTools.
     """
-    found, ready = [], False
-    for ev in (e for e in events or () if e.imr == 3 and e.is_runtime):
-        if ev.event == SYSTEM_READY:
-            ready = True
-        elif ev.event == EVENT:
-            found.append((ev, ready))
+    found = _attestation_events(events)
     if not found:
         return None
     if len(found) > 1 or found[0][1]:
@@ -52,3 +62,70 @@ def boot_gpu_attestation(events: Iterable[Event] | None) -> tuple[bool, str] | N
     return ok, (f"dstack measured a boot-time NVIDIA attestation: {devices} GPU(s), CC {cc}, DevTools "
                 f"{'on' if devtools else 'off'}, nvattest output sha256 {digest[:16]}… (read from RTMR3; the report "
                 "itself is not in the bundle)")
+
+
+# ---- dstack 0.6: the GPU policy hash, the boot-time evidence, and whether anything cryptographic checked the GPU ----
+
+POLICY_EVENT = "gpu-policy-hash"
+EMPTY_POLICY_HASH = "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"  # SHA-256("{}"): no gpu_policy
+
+
+def policy_step(measured_hex: str | None, allowed: tuple[str, ...]) -> tuple[str, str]:
+    """``gpu.policy``: the measured ``gpu-policy-hash`` is one the policy lists (skip when it lists none)."""
+    shown = measured_hex or "(absent: dstack 0.5.x measures none)"
+    if not allowed:
+        return "skip", f"policy lists no gpu-policy-hash values (measured {shown})"
+    ok = measured_hex is not None and measured_hex in allowed
+    return ("pass" if ok else "fail"), f"gpu-policy-hash {shown} {'is' if ok else 'is not'} allowed" + (
+        " (the empty GPU policy {})" if measured_hex == EMPTY_POLICY_HASH else "")
+
+
+def _attestation_event(events: Iterable[Event] | None) -> dict | None:
+    """The payload of the one ``gpu-attestation`` event before ``system-ready`` (None: none, several, or not JSON)."""
+    found = _attestation_events(events)
+    if len(found) != 1 or found[0][1]:
+        return None
+    try:
+        doc = json.loads(found[0][0].payload)
+    except (ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def boot_evidence_step(events: Iterable[Event] | None, data: bytes | None) -> tuple[str, str]:
+    """``gpu.boot_evidence``: ``gpu-boot-evidence.json`` (nvattest's boot-time output, exact bytes) hashes to the
+    ``evidence_sha256`` of the measured ``gpu-attestation`` event (skip when the bundle has no such file)."""
+    if data is None:
+        return "skip", "no gpu-boot-evidence.json: dstack's boot-time GPU evidence is not in the bundle"
+    doc = _attestation_event(events)
+    want = doc.get("evidence_sha256") if doc else None
+    if not isinstance(want, str):
+        return "fail", ("gpu-boot-evidence.json is in the bundle but RTMR3 has no single gpu-attestation event before "
+                        "system-ready to bind it")
+    got = hashlib.sha256(data).hexdigest()
+    if got != want:
+        return "fail", f"gpu-boot-evidence.json sha256 {got[:16]}… is not the measured evidence_sha256 {want[:16]}…"
+    return "pass", (f"gpu-boot-evidence.json is the nvattest output dstack's boot gate measured ({doc.get('devices')} "
+                    "GPU(s)): authenticated by RTMR3, a statement about the boot, not bound to this run's report_data")
+
+
+def gpu_status(events: Iterable[Event] | None, gpu_recorded: bool, checks: Iterable[Any]) -> tuple[str, str]:
+    """(status, reason) for the verdict: ``verified`` only when dstack's measured boot gate attested the GPUs (an
+    RTMR3 ``gpu-attestation`` event that passes, and no GPU check failed); ``not_verified`` when a GPU is recorded
+    or claimed and nothing cryptographic checked it; ``none`` when the run recorded no GPU."""
+    dstack = boot_gpu_attestation(events)
+    status = {c.name: c.status for c in checks}
+    failed = [n for n in ("gpu.evidence", "gpu.boot_evidence", "gpu.policy") if status.get(n) == "fail"]
+    if dstack is not None and dstack[0] and not failed:
+        extra = "; its boot-time evidence is in the bundle and matches" if status.get("gpu.boot_evidence") == "pass" else ""
+        return "verified", ("dstack's boot gate attested the GPU(s) with NVIDIA's verifier inside the TD and measured "
+                            "the result into RTMR3 (gpu-attestation)" + extra)
+    if dstack is None and not gpu_recorded:
+        return "none", "no GPU recorded"
+    if failed:
+        return "not_verified", f"GPU not verified: {', '.join(failed)} failed"
+    if dstack is not None:
+        return "not_verified", f"GPU not verified: {dstack[1]}"
+    return "not_verified", ("GPU not verified: RTMR3 has no dstack gpu-attestation event (dstack 0.5.x, or "
+                            "requirements.gpu_policy.attest_gpu false): the GPU facts are the CVM's own report, which "
+                            "nothing cryptographic checked")

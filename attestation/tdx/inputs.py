@@ -1,7 +1,8 @@
 """What a relying party hands the verifier, read with bounded memory and turned into typed values.
 
-* a quote file: raw bytes, hex text (``0x`` and whitespace allowed) or a dstack GetQuote JSON
-  response (``{"quote": "<hex>", "event_log": "<JSON string>", ...}``), at most
+* a quote file: raw bytes, hex text (``0x`` and whitespace allowed), a dstack GetQuote JSON
+  response (``{"quote": "<hex>", "event_log": "<JSON string>", ...}``) or an Attest answer
+  (``{"attestation": "<hex>"}``, decoded by :mod:`attestation.tdx.attest`), at most
   :data:`MAX_QUOTE_INPUT_BYTES`;
 * an event log file: the JSON list, or any JSON object with an ``event_log`` member (a GetQuote
   response, Info's ``tcb_info``), at most :data:`MAX_EVENT_LOG_BYTES`;
@@ -78,6 +79,31 @@ def decode_quote_input_with_log(data: bytes, *, source: str = "quote") -> tuple[
     if _looks_like_hex(data):
         return _from_hex(data, source), None
     return bytes(data), None
+
+
+def attest_answer(data: bytes) -> dict[str, Any] | str | None:
+    """A guest agent ``Attest`` answer (a JSON object with an ``attestation`` member and no ``quote``): its parsed JSON,
+    or why a file that names ``"attestation"`` does not parse (a truncated answer: a rejection, not a quote to read);
+    None for any other quote input (its own reader reports what is wrong with it)."""
+    if data.lstrip()[:1] != b"{" or b'"attestation"' not in data:
+        return None
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        return f"the Attest answer is not JSON (truncated?): {str(exc)[:200]}"
+    return obj if isinstance(obj, dict) and "attestation" in obj and "quote" not in obj else None
+
+
+def getquote_mr_config(data: bytes) -> bytes | None:
+    """The MrConfigV3 document a GetQuote JSON response's ``vm_config`` carries (``mr_config``; 0.6 hosts that put it
+    there), as its exact UTF-8 bytes; None when there is none. Never trusted: it must hash to MRCONFIGID."""
+    try:
+        obj = json.loads(data) if data.lstrip()[:1] == b"{" else None
+        vm = json.loads(obj["vm_config"]) if isinstance(obj, dict) and isinstance(obj.get("vm_config"), str) else None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    doc = vm.get("mr_config") if isinstance(vm, dict) else None
+    return doc.encode() if isinstance(doc, str) and doc else None
 
 
 def _json(data: bytes, error: type[AttestationError], source: str) -> Any:

@@ -4,9 +4,9 @@ import { parseCollateral, CollateralError } from "./dcap.js";
 import { EventLogError, parseEventLog } from "./eventlog.js";
 import { MAX_QUOTE_BYTES } from "./quote.js";
 import { verifyQuote } from "./quotechecks.js";
-import { checkMrConfigId, serviceImage } from "./compose.js";
+import { checkMrConfigId, dstack06Audit, gpuPolicyHash, serviceImage } from "./compose.js";
 import { auditEntries, auditSteps } from "./audit.js";
-import { gpuStep } from "./gpu.js";
+import { bootEvidenceStep, gpuStatus, gpuStep } from "./gpu.js";
 import { manifestProblem } from "./schema.js";
 import { modelSignature } from "./signature.js";
 import { WEIGHTS, confidentialOutputs, namingProblems, storedName } from "./confidential.js";
@@ -17,7 +17,7 @@ export const ADAPTER_FILES = ["adapter/adapter_config.json", WEIGHTS];
 const HASHED = [...ADAPTER_FILES, "config.json", "app-compose.json", "README.md", "audit.jsonl"];
 export const ARTIFACT_FILES = HASHED.filter((f) => f !== "audit.jsonl");
 const ATTESTATION = ["manifest.json", "quote.bin", "quote.hex", "event_log.json"];
-const OPTIONAL = ["collateral.json"];
+const OPTIONAL = ["collateral.json", "mr-config.json", "gpu-boot-evidence.json"];  // platform files, checked by what they reproduce
 const REPORT = ["report/report.json", "report/loss.png"];
 const LISTED = /^(?:adapter|merged)\/[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$/;
 
@@ -47,6 +47,7 @@ function manifestStep(f, b, manifestBytes) {
     const why = manifestProblem(parsed.value);
     if (why) throw new Error(why);
     m = plain(parsed.value);
+    Object.defineProperty(m, "exact", { value: parsed.value }); // numbers as written (opchain.js hashes from it)
     const naming = namingProblems(Object.keys(m.files), m.confidentiality != null);
     if (naming.length) throw new Error(naming.slice(0, 3).join("; "));
     const want = new Set(hashedFiles(m));
@@ -101,7 +102,7 @@ export async function verifyBundle(b, { policy, now, ops = null }) {
   const events = readEvents(f, b);
   if (raw) {
     const expected = sha512(concat(enc.encode("cvm-tune-manifest-v1:"), manifestBytes));
-    verifyQuote(f, raw, { policy, now, coll, events, expectedReportData: expected });
+    verifyQuote(f, raw, { policy, now, coll, events, expectedReportData: expected, mrConfig: b.files.get("mr-config.json") ?? null });
   }
   if (m) {
     f.bundle = { run_id: m.run_id, created_at: m.created_at, audit_head: m.audit.head, audit_last_seq: m.audit.first_seq + m.audit.entries - 1 };
@@ -109,11 +110,14 @@ export async function verifyBundle(b, { policy, now, ops = null }) {
       .map((rel) => (b.files.has(rel) ? `${rel} changed` : `${rel} unreadable`));
     f.add("manifest.files", bad.length ? "fail" : "pass", bad.join("; ") || `${Object.keys(m.files).length} file hashes match`);
     composeAndAppId(f, b, m);
+    composeAudit(f, b, policy);
     build(f, b, m);
     const entries = auditEntries(b.files.get("audit.jsonl"));
     const config = b.files.get("config.json") ?? null;
     auditSteps(f, entries, config, m, policy);
     gpuStep(f, b.files.get("gpu-evidence.json") ?? null, m, events, entries);
+    f.add("gpu.boot_evidence", ...bootEvidenceStep(events, b.files.get("gpu-boot-evidence.json") ?? null));
+    f.gpu = gpuStatus(events, m.gpu != null && m.gpu.present === true, f.checks);
     evaluation(f, m, config);
     if (m.confidentiality) {
       f.add("confidential.outputs", ...confidentialOutputs(b, m));
@@ -159,13 +163,31 @@ export function composeAndAppId(f, b, m) {
   const problems = [];
   if (actual !== m.tee.compose_hash) problems.push("app-compose.json does not hash to the manifest's compose_hash");
   if (measured !== m.tee.compose_hash) problems.push(`event-log compose-hash ${measured || "(absent)"} differs from the manifest`);
+  const mrConfig = b.files.get("mr-config.json") ?? null;
   const [bound, how] = td ? checkMrConfigId(td.mr_config_id, m.tee.compose_hash, f.boot ? f.boot.hex("app-id") : null,
-    f.boot ? f.boot.values.get("key-provider") : null) : [true, "no quote"];
+    f.boot ? f.boot.values.get("key-provider") : null, f.boot, mrConfig) : [true, "no quote"];
   if (!bound) problems.push(how);
+  if (mrConfig !== null && td && td.mr_config_id[0] !== 3) problems.push("mr-config.json is in the bundle but MRCONFIGID is not v3: nothing binds it");
   f.add("compose.hash", problems.length ? "fail" : "pass", problems.join("; ") || `compose-hash ${m.tee.compose_hash.slice(0, 16)}… consistent; ${how}`);
   const appId = f.boot ? f.boot.hex("app-id") : null;
   const ok = appId === m.tee.app_id;
   f.add("tee.app_id", ok ? "pass" : "fail", `app-id ${appId || "(absent)"}` + (ok ? "" : ` != manifest ${m.tee.app_id}`));
+}
+
+/** compose.audit: the dstack 0.6 app-compose findings, each accepted only when the policy names it. */
+export function composeAudit(f, b, policy) {
+  let doc = null;
+  try { const t = utf8(b.files.get("app-compose.json") || new Uint8Array()); doc = t === null ? null : parseJsonExact(t).value; } catch { doc = null; }
+  if (!doc || typeof doc !== "object" || Array.isArray(doc)) { f.add("compose.audit", "fail", "app-compose.json missing or not a JSON object"); return; }
+  const [findings, problems, notes] = dstack06Audit(doc);
+  const measured = f.boot ? f.boot.hex("gpu-policy-hash") : null;
+  if (measured !== null && measured !== gpuPolicyHash(doc)) problems.push("the measured gpu-policy-hash is not the hash of app-compose.json's requirements.gpu_policy");
+  const allowed = policy.allowed_compose_findings || [];
+  const refused = [...findings.filter(([n]) => !allowed.includes(n)).map(([, msg]) => msg), ...problems];
+  const said = [...findings.filter(([n]) => allowed.includes(n)).map(([n]) => `accepted by the policy: ${n}`), ...notes];
+  if (refused.length) {
+    f.add("compose.audit", "fail", refused.join("; ") + (findings.length ? " (a policy may accept a finding by name: allowed_compose_findings)" : "") + said.map((x) => `; ${x}`).join(""));
+  } else f.add("compose.audit", "pass", said.join("; ") || "no init_script, GPU policy not weakened");
 }
 
 function build(f, b, m) {

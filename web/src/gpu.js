@@ -22,15 +22,21 @@ function load(data) {
   return doc;
 }
 
-const lines = (t) => String(t).split(/\r\n|\r|\n/);
+// Python's str.splitlines() line boundaries and str.isspace() characters (verifier-spec §12), which JavaScript's
+// split(/\n/), trim() and \s do not match (\x1c-\x1f, \x85; \ufeff).
+const lines = (t) => String(t).split(/\r\n|[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]/);
+const WS = "\\t\\n\\v\\f\\r\\x1c-\\x1f \\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000";
+const EDGES = new RegExp(`^[${WS}]+|[${WS}]+$`, "g"), RUNS = new RegExp(`[${WS}]+`);
+const strip = (s) => s.replace(EDGES, "");
+const words = (s) => s.split(RUNS).filter(Boolean);
 
 function fields(text) {
   const out = {};
   for (const line of lines(text)) {
     const at = line.indexOf(":");
     if (at < 0) continue;
-    const label = line.slice(0, at).trim();
-    if (label && !label.startsWith("=")) out[label.split(/\s+/).join(" ").toLowerCase()] = line.slice(at + 1).trim();
+    const label = strip(line.slice(0, at));
+    if (label && !label.startsWith("=")) out[words(label).join(" ").toLowerCase()] = strip(line.slice(at + 1));
   }
   return out;
 }
@@ -44,8 +50,8 @@ function summarize(data) {
   else if (query.status === "ok") {
     smi = "ok";
     for (const line of lines(query.stdout)) {
-      if (!line.trim()) continue;
-      const p = line.split(",").map((x) => x.trim());
+      if (!strip(line)) continue;
+      const p = line.split(",").map(strip);
       if (p.length !== 6 || !/^\d+$/.test(p[0])) throw new GpuEvidenceError(`unexpected nvidia-smi --query-gpu line with ${p.length} fields`);
       devices.push({ index: Number(p[0]), name: p[1], uuid: p[2], pci_bus_id: p[3], driver_version: p[4], vbios_version: p[5] });
     }
@@ -218,3 +224,53 @@ export function gpuStep(f, data, m, events, entries) {
 }
 
 export { bootGpuAttestation, check as gpuCheck, summarize };
+
+// ---- dstack 0.6 (attestation/tdx/gpu_dstack.py): gpu.policy, gpu.boot_evidence, the verdict's GPU status ----
+const EMPTY_POLICY_HASH = "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a";
+
+export function gpuPolicyStep(measuredHex, allowed) {
+  const shown = measuredHex || "(absent: dstack 0.5.x measures none)";
+  if (!allowed.length) return ["skip", `policy lists no gpu-policy-hash values (measured ${shown})`];
+  const ok = measuredHex !== null && allowed.includes(measuredHex);
+  return [ok ? "pass" : "fail", `gpu-policy-hash ${shown} ${ok ? "is" : "is not"} allowed` + (measuredHex === EMPTY_POLICY_HASH ? " (the empty GPU policy {})" : "")];
+}
+
+function attestationEvent(events) {
+  const found = [];
+  let ready = false;
+  for (const ev of (events || []).filter((e) => e.imr === 3 && e.type === 0x08000001)) {
+    if (ev.event === "system-ready") ready = true;
+    else if (ev.event === "gpu-attestation") found.push([ev, ready]);
+  }
+  if (found.length !== 1 || found[0][1]) return null;
+  try {
+    const doc = JSON.parse(utf8(found[0][0].payload) ?? "");
+    return doc && typeof doc === "object" && !Array.isArray(doc) ? doc : null;
+  } catch { return null; }
+}
+
+export function bootEvidenceStep(events, data) {
+  if (data === null || data === undefined) return ["skip", "no gpu-boot-evidence.json: dstack's boot-time GPU evidence is not in the bundle"];
+  const doc = attestationEvent(events);
+  const want = doc ? doc.evidence_sha256 : undefined;
+  if (typeof want !== "string") return ["fail", "gpu-boot-evidence.json is in the bundle but RTMR3 has no single gpu-attestation event before system-ready to bind it"];
+  const got = sha256hex(data);
+  if (got !== want) return ["fail", `gpu-boot-evidence.json sha256 ${got.slice(0, 16)}… is not the measured evidence_sha256 ${want.slice(0, 16)}…`];
+  const devices = doc.devices === undefined ? "None" : typeof doc.devices === "boolean" ? (doc.devices ? "True" : "False") : String(doc.devices);
+  return ["pass", `gpu-boot-evidence.json is the nvattest output dstack's boot gate measured (${devices} GPU(s)): authenticated by RTMR3, a statement about the boot, not bound to this run's report_data`];
+}
+
+/** [status, reason] for the verdict's gpu member (gpu_status in Python). */
+export function gpuStatus(events, gpuRecorded, checks) {
+  const dstack = bootGpuAttestation(events);
+  const status = Object.fromEntries(checks.map((c) => [c.name, c.status]));
+  const failed = ["gpu.evidence", "gpu.boot_evidence", "gpu.policy"].filter((n) => status[n] === "fail");
+  if (dstack !== null && dstack[0] && !failed.length) {
+    return ["verified", "dstack's boot gate attested the GPU(s) with NVIDIA's verifier inside the TD and measured the result into RTMR3 (gpu-attestation)" +
+      (status["gpu.boot_evidence"] === "pass" ? "; its boot-time evidence is in the bundle and matches" : "")];
+  }
+  if (dstack === null && !gpuRecorded) return ["none", "no GPU recorded"];
+  if (failed.length) return ["not_verified", `GPU not verified: ${failed.join(", ")} failed`];
+  if (dstack !== null) return ["not_verified", `GPU not verified: ${dstack[1]}`];
+  return ["not_verified", "GPU not verified: RTMR3 has no dstack gpu-attestation event (dstack 0.5.x, or requirements.gpu_policy.attest_gpu false): the GPU facts are the CVM's own report, which nothing cryptographic checked"];
+}

@@ -10,7 +10,12 @@ import { verifyRound } from "./rounds.js";
 import { render, renderError } from "./view.js";
 
 const VERSION = "0.1.0";
-const state = { bundle: null, bundleName: null, policyText: null, policyName: null, ops: null, opsName: null };
+const state = { bundle: null, bundleName: null, policyText: null, policyName: null, policyUsed: null, ops: null, opsName: null };
+const DEFAULT_POLICY = "the built-in default (Intel's root only)";
+// What a URL load from file:// says instead of the browser's bare "Failed to fetch".
+export const FILE_URL_HELP = "this page was opened from a file (file://), and a browser does not let such a page fetch the " +
+  "?bundle= / ?policy= / ?ops= files: serve the page over http(s) (cvm-tune bundles serve, or any static server with " +
+  "the page and the files on one origin), or drop the bundle folder or archive and the policy file onto the page";
 const $ = (id) => document.getElementById(id);
 
 /** The cvm-tune/verdict/v1 JSON of findings (docs/verifier.md, "--json"), plus what the page could not check. */
@@ -32,6 +37,7 @@ export function verdictJson(f, policy, now) {
     tcb_date: f.tcbDate != null ? isoUtc(f.tcbDate) : null,
     collateral: f.collateral ? { not_before: isoUtc(f.collateral.notBefore), not_after: isoUtc(f.collateral.notAfter), tcb_evaluation_data_number: f.tcbNumber ?? null } : null,
     bundle: f.bundle ?? null,
+    gpu: f.gpu ? { status: f.gpu[0], reason: f.gpu[1] } : null,
     verifier: { cvm_tune_web: VERSION, dcap_qvl: "@phala/dcap-qvl 0.3.9" },
   };
   if (missing.length) out.not_checked = missing.map((c) => c.name);
@@ -54,6 +60,8 @@ async function run() {
     if (e instanceof PolicyError) return fail(`policy ${state.policyName}: ${e.message}`);
     throw e;
   }
+  state.policyUsed = policyLabel(state.policyName, policy.name);
+  showInputs();
   const params = new URLSearchParams(location.search);
   const now = params.has("now") ? Number(params.get("now")) : Math.floor(Date.now() / 1000);
   const round = state.bundle.files.has("round-manifest.json");
@@ -65,7 +73,7 @@ async function run() {
   }
   const verdict = verdictJson(f, policy, now);
   const ms = performance.now() - t0;
-  render(verdict, { bundle: state.bundle, bundleName: state.bundleName, policyName: state.policyName, opsName: state.opsName, ms });
+  render(verdict, { bundle: state.bundle, bundleName: state.bundleName, policyName: state.policyUsed, opsName: state.opsName, ms });
   $("verdict-json").textContent = JSON.stringify(verdict, null, 2);
   document.body.dataset.verifyMs = ms.toFixed(1);  // verification alone
   document.body.dataset.loadedMs = performance.now().toFixed(1);  // since the page was opened: fetch, unpack, verify
@@ -78,7 +86,14 @@ function fail(message) {
   document.body.dataset.verdict = "error";
 }
 
+/** The policy line: the file the policy came from (none: the built-in default) and the name it gives itself. */
+export function policyLabel(source, name) {
+  if (!source) return `${DEFAULT_POLICY}: '${name}'`;
+  return name ? `${source} ('${name}')` : source;
+}
+
 async function fromUrl(params) {
+  if (location.protocol === "file:") return fail(`cannot load ${params.get("bundle")}: ${FILE_URL_HELP}`);
   try {
     const url = params.get("bundle");
     state.bundle = await fromArchive(await fetchBytes(url));
@@ -88,13 +103,14 @@ async function fromUrl(params) {
   } catch (e) {
     return fail(e instanceof ArchiveError ? `${params.get("bundle")}: ${e.message}` : e.message);
   }
+  showInputs();
   await run();
 }
 
 async function takeFile(file) {
   const name = file.name.toLowerCase();
   const bytes = new Uint8Array(await file.arrayBuffer());
-  if (/\.(ya?ml)$/.test(name)) { state.policyText = utf8(bytes); state.policyName = file.name; }
+  if (/\.(ya?ml)$/.test(name)) { state.policyText = utf8(bytes); state.policyName = file.name; state.policyUsed = null; }
   else if (name.endsWith(".jsonl")) { state.ops = bytes; state.opsName = file.name; }
   else { state.bundle = await fromArchive(bytes); state.bundleName = file.name; }
 }
@@ -115,7 +131,7 @@ async function onDrop(ev) {
 
 function showInputs() {
   $("in-bundle").textContent = state.bundleName || "none yet";
-  $("in-policy").textContent = state.policyName || "the built-in default (Intel's root only)";
+  $("in-policy").textContent = state.policyUsed || state.policyName || DEFAULT_POLICY;
   $("in-ops").textContent = state.opsName || "none";
 }
 

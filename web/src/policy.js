@@ -8,7 +8,11 @@ export const INTEL_ROOT_DER = unhex("3082028f30820234a003020102021422650cd65a9d3
 export const TCB_STATUSES = ["UpToDate", "SWHardeningNeeded", "ConfigurationNeeded", "ConfigurationAndSWHardeningNeeded",
   "OutOfDate", "OutOfDateConfigurationNeeded", "TDRelaunchAdvised", "TDRelaunchAdvisedConfigurationNeeded"];
 const BOOT_EVENTS = ["system-preparing", "app-id", "compose-hash", "instance-id", "boot-mr-done", "mr-kms",
-  "os-image-hash", "key-provider", "storage-fs", "system-ready", "init-script-hash", "gpu-policy-hash", "gpu-attestation"];
+  "os-image-hash", "key-provider", "storage-fs", "system-ready", "init-script-hash", "gpu-policy-hash", "gpu-attestation",
+  "app-epoch"];
+// app-compose findings a policy may accept by name (attestation/policy.py COMPOSE_FINDINGS).
+export const COMPOSE_FINDINGS = ["init_script", "gpu_policy.attest_gpu", "gpu_policy.allow_devtools", "gpu_policy.allow_debug",
+  "gpu_policy.allow_insecure_boot"];
 const APP_EVENTS = ["run.start", "run.resume", "gpu.evidence", "train.batch", "train.done", "export", "checkpoint",
   "checkpoint.rejected", "run.abort", "privacy.spent", "promote"].map((t) => "cvm-tune." + t);
 
@@ -16,7 +20,8 @@ export const DEFAULT_POLICY = Object.freeze({
   schema_version: 1, name: "default", trusted_root: "intel", allowed_tcb_statuses: ["UpToDate"], denied_advisories: [],
   expected_mrtd: [], expected_rtmr0: [], expected_rtmr1: [], expected_rtmr2: [], compose_hashes: [], app_ids: [],
   require_rtmr3_audit: false, outofdate_grace_period_s: 0, min_tcb_evaluation_data_number: null, max_epsilon: null,
-  max_delta: null, allowed_boot_events: BOOT_EVENTS, allowed_app_events: APP_EVENTS,
+  max_delta: null, allowed_compose_findings: [], expected_gpu_policy_hashes: [], allowed_boot_events: BOOT_EVENTS,
+  allowed_app_events: APP_EVENTS,
 });
 
 export class PolicyError extends Error {}
@@ -39,6 +44,8 @@ const RULES = {
   min_tcb_evaluation_data_number: (v) => v === null || (Number.isInteger(v) && v >= 1) || "must be null or >= 1",
   max_epsilon: (v) => v === null || (typeof v === "number" && v > 0) || "must be null or > 0",
   max_delta: (v) => v === null || (typeof v === "number" && v > 0 && v < 1) || "must be null or in (0, 1)",
+  allowed_compose_findings: (v) => (Array.isArray(v) && v.every((x) => COMPOSE_FINDINGS.includes(x))) || `must list known findings (${COMPOSE_FINDINGS.join(", ")})`,
+  expected_gpu_policy_hashes: list(/^[0-9a-f]{64}$/, "64 lowercase hex characters"),
   allowed_boot_events: list(/^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$/, "event names"),
   allowed_app_events: list(/^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$/, "event names"),
 };

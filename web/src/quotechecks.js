@@ -3,9 +3,10 @@ import { collateralChainProblems, dcapVerify, quoteChainProblems } from "./dcap.
 import { bootInfo, nameProblems, replay } from "./eventlog.js";
 import { QuoteParseError, attributeProblems, parseQuote } from "./quote.js";
 import { checkMrConfigId } from "./compose.js";
+import { gpuPolicyStep } from "./gpu.js";
 import { equal, hex, isoUtc } from "./util.js";
 
-export function verifyQuote(f, raw, { policy, now, coll, events, expectedReportData }) {
+export function verifyQuote(f, raw, { policy, now, coll, events, expectedReportData, mrConfig = null }) {
   let q;
   try { q = parseQuote(raw); } catch (e) {
     if (!(e instanceof QuoteParseError)) throw e;
@@ -29,7 +30,7 @@ export function verifyQuote(f, raw, { policy, now, coll, events, expectedReportD
   if (events === null) {
     for (const n of ["event_log.replay", "event_log.boot", "event_log.names"]) f.add(n, "skip", "no event log given: RTMRs not replayed, boot events not read");
   } else eventLogSteps(f, q.td, events, policy);
-  policySteps(f, q.td, policy);
+  policySteps(f, q.td, policy, mrConfig);
 }
 
 function signatureSteps(f, q, policy, now, coll) {
@@ -89,7 +90,7 @@ function eventLogSteps(f, td, events, policy) {
   f.add("event_log.names", names.length ? "fail" : "pass", names.join("; ") || "every RTMR3 event name is allowed by the policy");
 }
 
-function policySteps(f, td, policy) {
+function policySteps(f, td, policy, mrConfig) {
   const pins = [["MRTD", policy.expected_mrtd, td.mr_td], ["RTMR0", policy.expected_rtmr0, td.rt_mr0],
     ["RTMR1", policy.expected_rtmr1, td.rt_mr1], ["RTMR2", policy.expected_rtmr2, td.rt_mr2]].filter((p) => p[1].length);
   if (!pins.length) f.add("policy.measurements", "skip", "policy pins no OS-image measurements");
@@ -103,10 +104,11 @@ function policySteps(f, td, policy) {
     let ok = got !== null && allowed.includes(got);
     let detail = `${event} ${got || "(absent)"} ${ok ? "is" : "is not"} allowed`;
     if (ok && f.boot && event === "compose-hash") {
-      const [bound, how] = checkMrConfigId(td.mr_config_id, got, f.boot.hex("app-id"), f.boot.values.get("key-provider"));
+      const [bound, how] = checkMrConfigId(td.mr_config_id, got, f.boot.hex("app-id"), f.boot.values.get("key-provider"), f.boot, mrConfig);
       ok = bound;
       detail += `; ${how}`;
     }
     f.add(name, ok ? "pass" : "fail", detail);
   }
+  f.add("gpu.policy", ...gpuPolicyStep(f.boot ? f.boot.hex("gpu-policy-hash") : null, policy.expected_gpu_policy_hashes || []));
 }

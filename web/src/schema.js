@@ -56,6 +56,25 @@ const GPU = obj({
 const CODE = obj({ package: str(), version: str(), source_sha256: str(H64) });
 const TEE = obj({ mode: lit("embedded-simulator", "dstack"), app_id: str(/^[0-9a-f]{40}$/), instance_id: str(), compose_hash: str(H64), agent_version: str(), agent_rev: str() });
 
+// op_chain.lora and .determinism values (pydantic's strict unions): an integer written as one (1.0 is none), else `or`.
+const nil = (v, p) => (v === null ? null : `${p}: must be null`);
+const strictInt = (...or) => (v, p) => (v instanceof Num && v.isInt ? null
+  : or.every((spec) => spec(v, p)) ? `${p}: must be an integer${or.length ? " or of another allowed kind" : ""}` : null);
+
+// op_chain.dp: each member of its JSON kind (attestation/outputs/op_chain.py OP_CHAIN_DP_MEMBERS); its numbers are privacy.dp's.
+const DP_KINDS = { noise_multiplier: "number", max_grad_norm: "number", sample_rate: "number", delta: "number", epsilon: "number",
+  dataset_size: "integer", batch_size: "integer", steps: "integer", accountant: "string" };
+const dpMembers = (v, p) => {
+  if (!isObj(v)) return `${p}: must be an object`;
+  for (const [k, x] of Object.entries(v)) {
+    const kind = Object.prototype.hasOwnProperty.call(DP_KINDS, k) ? DP_KINDS[k] : null;
+    if (!kind) return `${p}.${k}: is not a member of op_chain.dp (${Object.keys(DP_KINDS).join(", ")})`;
+    const ok = kind === "string" ? typeof x === "string" : x instanceof Num && (kind === "number" || x.isInt);
+    if (!ok) return `${p}.${k}: must be ${kind === "integer" ? "an integer" : `a ${kind}`}`;
+  }
+  return null;
+};
+
 const MANIFEST = obj({
   run_id: str(RUN_ID), started_at: str(), created_at: str(),
   code: CODE,
@@ -98,8 +117,8 @@ const MANIFEST = obj({
     accountant: lit("rdp", "prv"), epsilon: num((x) => x >= 0), delta: num((x) => x > 0 && x < 1), target_epsilon: num((x) => x > 0),
   })),
   federation: opt(obj({ round: int(1), nonce: str(H64) }, { global_adapter_sha256: opt(str(H64)), proximal_mu: num((x) => x >= 0) })),
-  op_chain: opt(obj({ head: str(H64), ops: int(0), optimizer_steps: int(0), checkpoint: str(), lora: dict(any) },
-    { schema: lit("cvm-tune/op-chain/v1"), adam_params: opt(dict(num())), dp: opt(dict(any)), determinism: opt(dict(any)),
+  op_chain: opt(obj({ head: str(H64), ops: int(0), optimizer_steps: int(0), checkpoint: str(), lora: dict(strictInt(bool, nil)) },
+    { schema: lit("cvm-tune/op-chain/v1"), adam_params: opt(dict(num())), dp: opt(dpMembers), determinism: opt(dict(strictInt(str()))),
       custom_losses: opt(dict(dict(any))) })),
   confidentiality: opt(obj({
     recipients: (v, p) => list(str(RECIPIENT), 1)(v, p) || sortedUnique(v, p), cvm_recipient: str(RECIPIENT),
@@ -159,7 +178,11 @@ export function parseChecked(raw, problem) {
 
 /** Why `value` is not a cvm-tune/round-manifest/v1 manifest (null: it is). */
 export function roundManifestProblem(value) {
-  return ROUND_MANIFEST(value, "round-manifest");
+  const why = ROUND_MANIFEST(value, "round-manifest");
+  if (why) return why;
+  // the aggregator fails a round that admitted fewer bundles than min_clients (attestation/rounds/verify.py _schema)
+  const n = value.admitted.length, min = value.min_clients.value;
+  return n < min ? `${n} client(s) admitted, fewer than min_clients ${min}` : null;
 }
 
 /** The members of every closed object the page knows, nested ({member: {its members}} or null for a leaf): what

@@ -94,9 +94,11 @@ export function render(v, { bundle, bundleName, policyName, opsName, ms }) {
   const out = $("result");
   out.replaceChildren();
   const failed = v.checks.filter((c) => c.status === "fail");
-  const head = el("section", { class: `verdict ${v.verdict}`, id: "verdict" },
-    el("h2", {}, `${WORDS[v.verdict]} under policy '${v.policy}'`),
+  const gpuUnverified = v.gpu && v.gpu.status === "not_verified";
+  const head = el("section", { class: `verdict ${v.verdict}${gpuUnverified && v.verdict === "accepted" ? " gpu-unverified" : ""}`, id: "verdict" },
+    el("h2", {}, `${WORDS[v.verdict]}${gpuUnverified && v.verdict === "accepted" ? " — GPU NOT VERIFIED" : ""} under policy '${v.policy}'`),
     el("p", {}, `${bundleName}${opsName ? ` with ops ${opsName}` : ""}; policy ${policyName || "built-in default"}; checked in ${(ms / 1000).toFixed(2)} s at ${new Date(v.now * 1000).toISOString()}`));
+  if (gpuUnverified) head.append(el("p", { class: "warn", id: "gpu-warning" }, v.gpu.reason + "."));
   if (v.test_root) head.append(el("p", { class: "warn", id: "test-root-warning" }, "Quote signed by a TEST CA (the cvm-tune simulator): this is NOT evidence of a real TEE."));
   if (failed.length) head.append(el("p", {}, "Failed:"), el("ul", { id: "failed" }, ...failed.map((c) => el("li", {}, el("code", {}, c.name), ": ", c.reason))));
   if (v.not_checked) head.append(el("p", { class: "warn" }, `Not checked by this page: ${v.not_checked.join(", ")}. Run cvm-tune verify for a verdict.`));

@@ -7,10 +7,12 @@ import { historyProblems, recomputeEpsilon } from "../src/epsilon.js";
 import { weightedSum } from "../src/aggregate.js";
 import { DtypeLookupError, loadSafetensors } from "../src/safetensors.js";
 import { Findings } from "../src/bundle.js";
-import { checkMrConfigId } from "../src/compose.js";
-import { manifestMembers } from "../src/schema.js";
+import { checkMrConfigId, dstack06Audit } from "../src/compose.js";
+import { bootInfo, parseEventLog, replay } from "../src/eventlog.js";
+import { bootEvidenceStep, gpuPolicyStep, gpuStatus } from "../src/gpu.js";
+import { manifestMembers, manifestProblem, roundManifestProblem } from "../src/schema.js";
 import { bootGpuAttestation, gpuCheck, summarize } from "../src/gpu.js";
-import { canonical, parseJsonExact, pyFloat, unhex } from "../src/util.js";
+import { canonical, parseJsonExact, plain, pyFloat, unhex } from "../src/util.js";
 
 const enc = new TextEncoder();
 const FUNCTIONS = {
@@ -19,7 +21,30 @@ const FUNCTIONS = {
   rdpEpsilon: (history, delta) => rdpEpsilon(history, delta),
   mrConfigId: (v) => checkMrConfigId(unhex(v.mr_config_id), v.compose_hash, v.app_id,
     v.key_provider === null ? null : enc.encode(JSON.stringify(v.key_provider)))[0],
+  // [ok, why] for MRCONFIGID with an event log's boot events and a MrConfigV3 document (hex; null: none)
+  mrConfigV3: (configId, composeHash, logText, docHex) => {
+    const boot = bootInfo(parseEventLog(enc.encode(logText)));
+    return checkMrConfigId(unhex(configId), composeHash, boot.hex("app-id"), boot.values.get("key-provider") ?? null, boot,
+      docHex === null ? null : unhex(docHex));
+  },
+  dstack06Audit: (text) => dstack06Audit(parseJsonExact(text).value),
+  // what the page reads from an event log: replay problems and boot problems (or the parse error)
+  eventLog: (text) => {
+    let events;
+    try { events = parseEventLog(enc.encode(text)); } catch (e) { return { error: e.message }; }
+    return { replay: replay(events).problems, boot: bootInfo(events).problems };
+  },
+  gpu06: (logText, evidenceHex, allowed, recorded) => {
+    const events = parseEventLog(enc.encode(logText));
+    const boot = bootInfo(events);
+    const checks = [{ name: "gpu.policy", status: gpuPolicyStep(boot.hex("gpu-policy-hash"), allowed)[0] }];
+    const step = bootEvidenceStep(events, evidenceHex === null ? null : unhex(evidenceHex));
+    checks.push({ name: "gpu.boot_evidence", status: step[0] });
+    return { policy: gpuPolicyStep(boot.hex("gpu-policy-hash"), allowed), evidence: step, status: gpuStatus(events, recorded, checks) };
+  },
   manifestMembers: () => manifestMembers(),
+  manifestProblem: (text) => manifestProblem(parseJsonExact(text).value),
+  roundManifestProblem: (text) => roundManifestProblem(parseJsonExact(text).value),
   roundManifestMembers: () => manifestMembers("round"),
   epsilon: (accountant, history, delta) => {
     try { return recomputeEpsilon(accountant, history, delta); } catch (e) { return { error: e.message }; }
@@ -43,6 +68,15 @@ const FUNCTIONS = {
     try { info = summarize(data); } catch (e) { return { error: e.message }; }
     const entry = { type: "gpu.evidence", data: { evidence_sha256: info.evidence_sha256 }, prev: info.nonce };
     return { summary: info, check: gpuCheck(data, info, [entry]) };
+  },
+  // the same from the manifest's text (numbers as written, as the page reads a bundle's manifest.json)
+  opChainExact: (manifestText, opsText) => {
+    const f = new Findings();
+    const exact = parseJsonExact(manifestText).value;
+    const m = plain(exact);
+    Object.defineProperty(m, "exact", { value: exact });
+    opChainCheck(f, m, enc.encode(opsText));
+    return f.checks[0];
   },
   opChain: (manifestOpChain, opsText) => {
     const f = new Findings();
