@@ -38,8 +38,8 @@ FEDERATION_ID = "simulation"
 POLICY_FILE = "simulator-test-policy.yaml"
 STRATEGIES = ("fedavg", "fedprox", "fedyogi")
 ROUND_TIMEOUT_S = 1800.0  # per round; a tiny model's round takes seconds to a few minutes on a CPU
-RAY_FIX = ("install the test lock, which pins ray for Flower's simulation engine: "
-           "sh requirements/install.sh .venv requirements/test.lock --editable")
+RAY_FIX = ("install the CPU lock again, which pins ray for Flower's simulation engine: "
+           "sh requirements/install.sh .venv requirements/cpu.lock --editable")
 log = logging.getLogger("cvm-tune.federated")
 
 
