@@ -77,7 +77,7 @@ class LowTokensDataset(RLDataset):
 
 @chz.chz
 class LowTokensBuilder(RLDatasetBuilder):
-    batches: int = 12
+    batches: int = 20
     batch_size: int = 2
     group_size: int = 4
 
@@ -110,11 +110,11 @@ class Task:
     log_path: str
     ops_path: str
     model_name: str = "meta-llama/Llama-3.2-1B"
-    batches: int = 12
+    batches: int = 20
     batch_size: int = 2
     group_size: int = 4
     max_tokens: int = 8
-    learning_rate: float = 0.02
+    learning_rate: float = 0.03
     lora_rank: int = 8
 
 

@@ -119,11 +119,11 @@ def test_the_cookbooks_rl_training_learns_a_verifiable_task_through_the_api(serv
     rows = [json.loads(x) for x in (log / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["env/all/reward/total"] for r in rows]
     third = len(rewards) // 3
-    assert len(rewards) == 12 and all(r["progress/batch"] == i for i, r in enumerate(rows))
+    assert len(rewards) == 20 and all(r["progress/batch"] == i for i, r in enumerate(rows))
     assert sum(rewards[-third:]) / third > sum(rewards[:third]) / third, rewards
     assert all(r["env/all/by_group/frac_mixed"] > 0 for r in rows[:third]), rows  # rewards differ in every group
     sent = [json.loads(x) for x in ops.read_text().splitlines()]
-    assert [o["op"] for o in sent] == ["forward_backward", "optim_step"] * 12
+    assert [o["op"] for o in sent] == ["forward_backward", "optim_step"] * 20
     advantages = [a for o in sent[:2 * third:2] for d in o["data"] for a in d["loss_fn_inputs"]["advantages"]]
     assert {o["loss_fn"] for o in sent[::2]} == {"importance_sampling"} and any(a != 0 for a in advantages)
     # the final checkpoint's bundle verifies with the ops the loop sent, and they replay to its weights
