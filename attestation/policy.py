@@ -130,10 +130,7 @@ class Policy(_Closed):
     @field_validator("allowed_tcb_statuses")
     @classmethod
     def _known_statuses(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        unknown = [s for s in value if s not in TCB_STATUSES]
-        if unknown:
-            raise ValueError(f"unknown TCB status {unknown[0]!r}; known: {', '.join(TCB_STATUSES)}")
-        return value
+        return _all_known(value, TCB_STATUSES, "TCB status")
 
     @field_validator("expected_mrtd", "expected_rtmr0", "expected_rtmr1", "expected_rtmr2")
     @classmethod
@@ -143,10 +140,7 @@ class Policy(_Closed):
     @field_validator("allowed_compose_findings")
     @classmethod
     def _findings(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        unknown = [s for s in value if s not in COMPOSE_FINDINGS]
-        if unknown:
-            raise ValueError(f"unknown compose finding {unknown[0]!r}; known: {', '.join(COMPOSE_FINDINGS)}")
-        return value
+        return _all_known(value, COMPOSE_FINDINGS, "compose finding")
 
     @field_validator("compose_hashes", "expected_gpu_policy_hashes")
     @classmethod
@@ -171,6 +165,13 @@ class Policy(_Closed):
     def to_yaml(self) -> str:
         """Serialise for a policy file."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _all_known(values: tuple[str, ...], known: tuple[str, ...], what: str) -> tuple[str, ...]:
+    unknown = [v for v in values if v not in known]
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown[0]!r}; known: {', '.join(known)}")
+    return values
 
 
 def _all_match(values: tuple[str, ...], pattern: str, what: str) -> tuple[str, ...]:

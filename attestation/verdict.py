@@ -9,13 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import dcap_qvl
 
 from attestation.tdx.dcap import Collateral
 from attestation.tdx.eventlog import BootInfo
 from attestation.tdx.quote import Quote
+
+if TYPE_CHECKING:
+    from attestation.policy import Policy
 
 Status = Literal["pass", "fail", "skip"]
 
@@ -58,6 +61,11 @@ class Verdict:
     test_root: bool
     now: int
     findings: QuoteFindings
+
+    @classmethod
+    def of(cls, findings: QuoteFindings, policy: Policy, now: int) -> Verdict:
+        """The verdict of ``findings``' checks (so far) under ``policy`` at ``now``."""
+        return cls(tuple(findings.checks), policy.name, policy.uses_test_root, now, findings)
 
     @property
     def accepted(self) -> bool:

@@ -70,7 +70,7 @@ def quote_verdict(
     Quote.from_bytes(raw)
     f = verify_quote(raw, policy=policy, now=now, collateral=collateral, events=events,
                      expected_report_data=expected_report_data, mr_config=mr_config)
-    return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
+    return Verdict.of(f, policy, now)
 
 
 def attest_verdict(
@@ -98,7 +98,7 @@ def attest_verdict(
         att = answer_attestation(answer, source)
     except AttestationFormatError as exc:
         f.add("attestation.parse", "fail", exc.message)
-        return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
+        return Verdict.of(f, policy, now)
     f.add("attestation.parse", "pass", f"{'MessagePack V1' if att.encoding == 'msgpack-v1' else 'SCALE V0'} "
           f"VersionedAttestation, platform {att.platform}: a {len(att.quote)}-byte quote, {len(att.events)} events")
     use = events if events is not None else att.events
@@ -106,7 +106,7 @@ def attest_verdict(
                  expected_report_data=expected_report_data, findings=f,
                  mr_config=mr_config if mr_config is not None else att.mr_config)
     _stack_step(f, att)
-    return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
+    return Verdict.of(f, policy, now)
 
 
 def _stack_step(f: QuoteFindings, att: VersionedAttestation) -> None:

@@ -13,7 +13,6 @@ adapters, their ``LoraConfig`` and what is saved are the same on both.
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from app.api.history import applied, check_adam, fresh_optimizer, link, opt_rest
 from app.api.sample_batch import SampleItem
 from app.api.worker import Job, Worker
 
-logger = logging.getLogger(__name__)
+
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 UNEMBED = ("lm_head",)

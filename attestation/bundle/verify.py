@@ -126,7 +126,7 @@ def verify_bundle(
         input_checks.inputs(f, manifest, base_model_dir, dataset_file)
     if ops is not None:
         op_chain.check(f, manifest.op_chain if manifest is not None else None, *ops)
-    return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
+    return Verdict.of(f, policy, now)
 
 
 def _read(path: Path, limit: int = MAX_FILE) -> bytes:

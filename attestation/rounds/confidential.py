@@ -117,4 +117,4 @@ def verify_key_head(key_dir: Path, *, policy: Policy, now: int) -> tuple[Verdict
                      expected_report_data=R.key_report_data(raw), findings=f)
     if key is not None:
         _compose_and_app_id(f, root, key)  # type: ignore[arg-type]  # reads only .tee
-    return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f), key
+    return Verdict.of(f, policy, now), key

@@ -74,7 +74,7 @@ def verify_round(round_dir: Path, *, policy: Policy, now: int, collateral: Colla
         raise BundleError(f"{root} has no {R.ROUND_MANIFEST}: not a cvm-tune round bundle")
     f = QuoteFindings()
     if _refused_special(f, root):
-        return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
+        return Verdict.of(f, policy, now)
     m = _attested_manifest(f, root, policy, now, collateral)
     _files(f, root, m)
     if m is not None:
@@ -84,7 +84,7 @@ def verify_round(round_dir: Path, *, policy: Policy, now: int, collateral: Colla
         _terms_and_weights(f, m, clients)
         round_confidential.check(f, m, clients)  # R10: secure aggregation
         _aggregate(f, root, m, identities)
-    return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f)
+    return Verdict.of(f, policy, now)
 
 
 def verify_round_head(round_dir: Path, *, policy: Policy, now: int) -> tuple[Verdict, R.RoundManifest | None]:
@@ -92,7 +92,7 @@ def verify_round_head(round_dir: Path, *, policy: Policy, now: int) -> tuple[Ver
     client checks before it trains on the round's global adapter; no client bundles, no adapter file)."""
     f = QuoteFindings()
     m = None if _refused_special(f, Path(round_dir)) else _attested_manifest(f, Path(round_dir), policy, now, None)
-    return Verdict(tuple(f.checks), policy.name, policy.uses_test_root, now, f), m
+    return Verdict.of(f, policy, now), m
 
 
 def _attested_manifest(f: QuoteFindings, root: Path, policy: Policy, now: int,
