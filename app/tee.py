@@ -174,6 +174,22 @@ class GuestAgent:
         except httpx.TransportError as exc:
             raise TeeError(f"EmitEvent did not reach the guest agent: {type(exc).__name__}") from exc
 
+    def boot_info(self) -> Any:
+        """What dstack measured into RTMR3 at boot (:func:`attestation.tdx.eventlog.boot_info` of Info's unstripped
+        log; RTMR3 digests are recomputed, never read): ``.dstack06``, ``.values["gpu-attestation"]``, ...
+
+        Raises:
+            TeeError: the agent did not answer Info, or its event log is malformed.
+        """
+        from attestation.errors import EventLogError
+        from attestation.tdx.eventlog import boot_info, parse_event_log
+
+        log = self._call("Info", self._client.info).tcb_info.event_log
+        try:
+            return boot_info(parse_event_log([{**e.model_dump(), "digest": "" if e.imr == 3 else e.digest} for e in log]))
+        except EventLogError as exc:
+            raise TeeError(f"guest agent answered Info with a malformed event log: {exc.message}") from exc
+
     def last_runtime_event(self) -> tuple[str, bytes] | None:
         """The newest RTMR3 event in Info's (unstripped) log, to confirm an emit really landed."""
         log = self._call("Info", self._client.info).tcb_info.event_log
@@ -298,7 +314,7 @@ def simulator_settings(settings: TeeSettings) -> Any:
     from app.simulator import SimulatorSettings
 
     sim = settings.simulator
-    return SimulatorSettings(dstack=sim.dstack, root_epoch=sim.root_epoch, app_epoch=sim.app_epoch)
+    return SimulatorSettings(dstack=sim.dstack, root_epoch=sim.root_epoch, app_epoch=sim.app_epoch, gpu=sim.gpu)
 
 
 @contextlib.contextmanager

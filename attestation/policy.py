@@ -93,7 +93,12 @@ class Policy(_Closed):
     compose_hashes: tuple[str, ...] = Field((), description="Allowed compose-hash values; empty = not checked.")
     app_ids: tuple[str, ...] = Field((), description="Allowed app-id values; empty = not checked.")
     require_rtmr3_audit: bool = Field(
-        False, description="Reject bundles whose audit events were not measured into RTMR3 (EmitEvent unsupported)."
+        False, description="Reject bundles whose audit events were not measured into RTMR3 (EmitEvent unsupported: "
+        "every dstack 0.6 bundle)."
+    )
+    require_audit_anchors: bool = Field(
+        False, description="Reject bundles whose audit chain is neither measured into RTMR3 nor anchored by a quote "
+        "at each checkpoint (dstack 0.6: audit-anchors.jsonl)."
     )
     outofdate_grace_period_s: int = Field(
         0, ge=0, le=MAX_GRACE_PERIOD_S,

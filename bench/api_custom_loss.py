@@ -26,8 +26,8 @@ def main() -> int:
     from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
     from app.api import wire
-    from app.api.custom_loss import Loss, canonical
-    from app.api.engine import Engine
+    from app.api.engine.custom_loss import Loss, canonical
+    from app.api.engine.engine import Engine
     from app.training import build_tiny_model
 
     ap = argparse.ArgumentParser()

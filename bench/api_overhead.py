@@ -68,8 +68,9 @@ def main() -> None:
     import tinker
     from tinker import types
 
-    from app.api import sampling, wire
-    from app.api.engine import Engine
+    from app.api.engine import sampling
+    from app.api import wire
+    from app.api.engine.engine import Engine
 
     with tempfile.TemporaryDirectory(prefix="api-bench-") as d:
         tmp = Path(d)

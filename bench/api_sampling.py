@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--tenants", type=int, default=4, help="0: skip the tenants part")
     ap.add_argument("--tenant-samples", type=int, default=4)
     ap.add_argument("--tenant-tokens", type=int, default=32)
-    ap.add_argument("--tenant-rounds", type=int, default=5)
+    ap.add_argument("--tenant-rounds", type=int, default=12)
     ap.add_argument("--base", choices=sorted(SHAPES), default="embedded",
                     help="the base model: the embedded tiny model, or a random-init shape (bench/api_tenants.py)")
     ap.add_argument("--out", type=Path, help="also write the result as JSON here")
@@ -98,8 +98,8 @@ def main() -> None:
     import tinker
     from tinker import types
 
-    from app.api import sampling
-    from app.api.engine import Engine
+    from app.api.engine import sampling
+    from app.api.engine.engine import Engine
     from app.training import threads
 
     keys = ",".join([KEY] + [f"{KEY}-{i}" for i in range(args.tenants)])  # each tenant its own key

@@ -93,7 +93,7 @@ def _in_process(base_dir: Path, n: int, steps: int, batch: int, tokens: int) -> 
     import torch
 
     from app.api import wire
-    from app.api.engine import Engine
+    from app.api.engine.engine import Engine
 
     torch.set_num_threads(1)
     engine = Engine(base_dir)

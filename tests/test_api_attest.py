@@ -169,7 +169,7 @@ def test_attest_rejects_a_config_id_that_binds_another_compose(serve: Any, tmp_p
     from attestation.compose.app_compose import mr_config_id_v1
     from attestation.policy import policy_file_text, simulator_policy
 
-    from app.api.tls import SCHEMA, report_data
+    from app.api.http.tls import SCHEMA, report_data
     from app.simulator.agent import GuestAgentSimulator
     from tests.loopback_http import send
 
@@ -224,7 +224,7 @@ def test_attest_checks_a_v3_config_id_against_its_document(serve: Any, tmp_path:
 
     from attestation.policy import policy_file_text, simulator_policy
 
-    from app.api.tls import SCHEMA, report_data
+    from app.api.http.tls import SCHEMA, report_data
     from app.simulator import SimulatorSettings
     from app.simulator.agent import GuestAgentSimulator
     from tests.loopback_http import send
@@ -267,8 +267,8 @@ def test_the_servers_own_document_carries_the_v3_config_and_attest_trusts_it(soc
 
     from attestation.compose.app_compose import check_mr_config_id
 
-    from app.api.attest import _mr_config
-    from app.api.tls import attestation
+    from app.api.http.attest import _mr_config
+    from app.api.http.tls import attestation
     from app.config import TeeSettings
     from app.simulator import SimulatorServer, SimulatorSettings
     from app.simulator.agent import GuestAgentSimulator

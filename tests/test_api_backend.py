@@ -1,4 +1,4 @@
-"""The training API's backend (``api.backend``, app/api/backend.py) on the CPU.
+"""The training API's backend (``api.backend``, app/api/engine/backend.py) on the CPU.
 
 The choice is the nightly run's (auto without CUDA: hf; unsloth where it cannot run: exit 2 before anything is loaded
 or listens); ``cvm-tune api serve`` decides before transformers, peft, trl (and FastAPI, tinker) are imported. The
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from app.api import backend as B
+from app.api.engine import backend as B
 from app.config import Config
 from app.errors import ConfigError
 from tests import api_drive
@@ -125,7 +125,7 @@ def test_the_hf_branch_loads_as_the_nightly_hf_backend(monkeypatch: pytest.Monke
 
 SPY = textwrap.dedent("""
     import json, sys
-    import app.api.backend as B
+    import app.api.engine.backend as B
     WATCH = ("transformers", "peft", "trl", "unsloth", "fastapi", "uvicorn", "tinker")
     def spy(cfg):
         print("AT-DECISION " + json.dumps(sorted(m for m in WATCH if m in sys.modules)), flush=True)
@@ -244,7 +244,7 @@ def test_check_placeholder_refuses_a_placeholder_that_is_not_zero(tiny: Path) ->
 
 
 def test_the_hf_engine_keeps_its_placeholder_and_calls_the_model_itself(tiny: Path) -> None:
-    from app.api.engine import Engine
+    from app.api.engine.engine import Engine
 
     engine = Engine(tiny)
     try:
@@ -339,7 +339,7 @@ def apply_logit_transforms(logits, softcapping, scaling):
 # This machine has no GPU: the decision sees one (the stand-in needs none); the rest of the rule is the real one.
 AS_IF_CUDA = textwrap.dedent("""
     import torch
-    import app.api.backend as B
+    import app.api.engine.backend as B
     _real = B.choose
     def _choose(cfg):
         saved, torch.cuda.is_available = torch.cuda.is_available, lambda: True

@@ -1,5 +1,5 @@
 """Many tenants, one base model: forward_backward ops of different models that wait together run as one packed
-base-model pass (app/api/packed.py, app/api/worker.py). A model trains exactly as it would alone (bit for bit on a
+base-model pass (app/api/engine/packed.py, app/api/engine/worker.py). A model trains exactly as it would alone (bit for bit on a
 CPU, so ``verify --ops --replay`` of one client's ops, alone, reaches the server's weights), no tenant's tokens or
 gradients reach another's model, a refused op in a pass changes nothing, and each model's ops keep their order.
 """
@@ -23,7 +23,7 @@ LORA = {"rank": 8, "seed": 0, "train_attn": True, "train_mlp": True, "train_unem
 
 @pytest.fixture(scope="module")
 def engine(tiny_model: Path) -> Iterator[Any]:
-    from app.api.engine import Engine
+    from app.api.engine.engine import Engine
 
     e = Engine(tiny_model)
     yield e
@@ -143,7 +143,7 @@ def test_no_tenant_reaches_another_and_a_refused_op_changes_nothing(engine: Any)
 
 
 def test_dp_models_and_oversized_ops_never_join_a_pass(engine: Any) -> None:
-    from app.api import packed
+    from app.api.engine import packed
 
     engine.create("dp", LORA, {"noise_multiplier": 1.0, "max_grad_norm": 1.0, "dataset_size": 100, "batch_size": 2,
                                "delta": 1e-5, "steps": 0, "accountant": "rdp"})
@@ -165,7 +165,7 @@ def test_a_pass_that_runs_out_of_memory_changes_nothing_and_halves_the_pass_budg
     (never under a sixteenth of the start budget)."""
     import torch
 
-    from app.api import packed
+    from app.api.engine import packed
 
     for name in ("oom-a", "oom-b", "oom-c", "oom-a-alone"):
         engine.create(name, LORA)
@@ -188,7 +188,7 @@ def test_a_pass_that_runs_out_of_memory_changes_nothing_and_halves_the_pass_budg
         assert [(engine.models[op.model_id].op_head, engine.models[op.model_id].ops) for op in ops] == heads
         assert all(g is None for op in ops for g in _grads(engine, op.model_id))
         held = (27 + 30 + 11) * engine.token_bytes
-        from app.api.worker import FLOOR_FRACTION
+        from app.api.engine.worker import FLOOR_FRACTION
 
         floor = engine._worker.initial // FLOOR_FRACTION  # never under it (issue 46: it fell to 0 MiB)
         assert engine.pass_budget == max(floor, min(budget, held // 2)) < budget
@@ -206,7 +206,7 @@ def test_the_pass_budget_is_half_the_free_memory_and_a_tokens_estimate_covers_wh
     not a parameter, each storage once): never less, and not more than twice."""
     import torch
 
-    from app.api import packed
+    from app.api.engine import packed
 
     assert packed.budget(None) == packed.PASS_BYTES and packed.budget(8 << 30) == 4 << 30
     for i in range(4):
@@ -233,7 +233,7 @@ def test_the_pass_budget_is_half_the_free_memory_and_a_tokens_estimate_covers_wh
 def _queued(specs: list[tuple[str, str | None, bool, int, bool]]) -> tuple[list[list[str]], list[str], Any]:
     """Jobs (name, model, a pass op?, cost, ahead?) queued while the worker is held, so that they all wait together,
     then run to the end: the passes made, the order the jobs ran in, and the worker."""
-    from app.api.worker import Job, Worker
+    from app.api.engine.worker import Job, Worker
 
     passes: list[list[str]] = []
     ran: list[str] = []
@@ -271,47 +271,100 @@ def test_an_optimizer_step_goes_before_a_waiting_pass_but_never_before_its_own_m
     assert passes == [["a1", "c1"]]
 
 
+class _Timeline:
+    """Jobs that note when they ran, and clients that submit their next job a while after an answer."""
+
+    def __init__(self) -> None:
+        self.ran: dict[str, float] = {}
+        self.submitted: dict[str, float] = {}
+        self.worker: Any = None
+
+    def job(self, name: str, then: Callable[[], None] = lambda: None, **fields: Any) -> Any:
+        import time
+
+        from app.api.engine.worker import Job
+
+        def run() -> None:
+            self.ran[name] = time.monotonic()
+            then()
+        return Job(run, **fields)
+
+    def later(self, delay: float, job: Any, name: str) -> Callable[[], None]:
+        import time
+
+        def go() -> None:
+            time.sleep(delay)
+            self.submitted[name] = time.monotonic()
+            self.worker.submit(job)
+        return lambda: threading.Thread(target=go, daemon=True).start()
+
+    def until(self, name: str) -> None:
+        import time
+
+        deadline = time.monotonic() + 30
+        while name not in self.ran and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.worker.stop()
+
+
 def test_the_gather_window_waits_for_models_between_steps_and_never_for_a_lone_one() -> None:
     import time
 
-    from app.api.worker import ACTIVE_S, Job, Worker
+    from app.api.engine.worker import ACTIVE_S, Job, Worker
 
     passes: list[list[str]] = []
-    ran: dict[str, float] = {}
     gate = threading.Event()
-    w = Worker(lambda ops: (passes.append(list(ops)), time.sleep(1.0)), budget=100, wait_s=5.0)  # a 1 s pass
+    t = _Timeline()
+    t.worker = w = Worker(lambda ops: (passes.append(list(ops)), time.sleep(1.0)), budget=100, wait_s=5.0)  # 1 s pass
     w.submit(Job(lambda: gate.wait(10)))
-    submitted: dict[str, float] = {}
 
     def job(name: str, model: str, then: Callable[[], None] = lambda: None) -> Job:
-        def run() -> None:
-            ran[name] = time.monotonic()
-            then()
-        return Job(run, model, name, 10)
-
-    def later(delay: float, j: Job, name: str) -> Callable[[], None]:
-        def go() -> None:
-            time.sleep(delay)
-            submitted[name] = time.monotonic()
-            w.submit(j)
-        return lambda: threading.Thread(target=go, daemon=True).start()
+        return t.job(name, then, model=model, op=name, cost=10)
 
     a4 = job("a4", "A")
-    a3 = job("a3", "A", later(ACTIVE_S + 0.3, a4, "a4"))  # B's last pass is then long over: A alone, no wait
+    a3 = job("a3", "A", t.later(ACTIVE_S + 0.3, a4, "a4"))  # B's last pass is then long over: A alone, no wait
     b2 = job("b2", "B")
-    a2 = job("a2", "A", later(0.0, a3, "a3"))
-    w.submit(job("a1", "A", later(0.0, a2, "a2")))
-    w.submit(job("b1", "B", later(0.3, b2, "b2")))  # B's client answers 0.3 s after its result
+    a2 = job("a2", "A", t.later(0.0, a3, "a3"))
+    w.submit(job("a1", "A", t.later(0.0, a2, "a2")))
+    w.submit(job("b1", "B", t.later(0.3, b2, "b2")))  # B's client answers 0.3 s after its result
     gate.set()
-    deadline = time.monotonic() + 30
-    while "a4" not in ran and time.monotonic() < deadline:
-        time.sleep(0.05)
-    w.stop()
+    t.until("a4")
     assert passes[:2] == [["a1", "b1"], ["a2", "b2"]]  # a2 waited for b2 (B was between two steps)
-    assert ran["a2"] >= submitted["b2"]
-    assert ran["a3"] - submitted["a3"] >= 0.9  # B had just trained: waited, at most as long as the last pass took
-    assert ran["a4"] - submitted["a4"] < 0.5  # no other model active: a lone model never waits
+    assert t.ran["a2"] >= t.submitted["b2"]
+    assert t.ran["a3"] - t.submitted["a3"] >= 0.9  # B had just trained: waited, at most as long as the last pass took
+    assert t.ran["a4"] - t.submitted["a4"] < 0.5  # no other model active: a lone model never waits
     assert len(passes) == 2
+
+
+def test_a_sample_batch_waits_for_active_samplers_and_never_for_a_lone_one() -> None:
+    """The same window for sample requests that may decode together: a batch waits for the samplers whose last decode
+    just ended (tenants sampling in turn fall into one batch), at most as long as the last decode took."""
+    import time
+    from types import SimpleNamespace
+
+    from app.api.engine.worker import ACTIVE_S, Job, Worker
+
+    batches: list[list[str]] = []
+    gate = threading.Event()
+    t = _Timeline()
+    t.worker = w = Worker(lambda ops: None, budget=100, sample_wait_s=5.0,
+                          decode=lambda items: (batches.append([i.name for i in items]), time.sleep(0.6)))  # 0.6 s
+    w.submit(Job(lambda: gate.wait(10)))
+
+    def job(name: str, who: str, then: Callable[[], None] = lambda: None) -> Job:
+        return t.job(name, then, sample=SimpleNamespace(name=name, who=who))
+
+    a3 = job("a3", "A")
+    b2 = job("b2", "B")
+    a2 = job("a2", "A", t.later(ACTIVE_S + 0.3, a3, "a3"))  # B is then long idle: A alone, no wait
+    w.submit(job("a1", "A", t.later(0.0, a2, "a2")))
+    w.submit(job("b1", "B", t.later(0.25, b2, "b2")))  # B's client asks again 0.25 s after its answer
+    gate.set()
+    t.until("a3")
+    assert batches == [["a1", "b1"], ["a2", "b2"]]  # a2 waited for b2; a3 decoded alone (no batch of one)
+    assert t.ran["a2"] >= t.submitted["b2"]
+    assert t.ran["a3"] - t.submitted["a3"] < 0.3  # no other sampler active: a lone one never waits
+    assert w.stats["largest_sample_batch"] == 2
 
 
 # --- through the service: tenants' ops packed, each client's proof still exact ---------------------------------------
@@ -365,7 +418,7 @@ def test_a_model_more_than_there_is_room_for_is_refused_with_503_never_evicting(
                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from tinker import types
 
-    from app.api import admission
+    from app.api.engine import admission
     from app.api.errors import Unavailable
 
     with service(tmp_path, "api:\n  max_models: 2\n") as s:
@@ -423,7 +476,7 @@ def test_a_server_stopping_commits_the_op_it_runs_and_runs_no_queued_one(tmp_pat
     """Shutdown (SIGTERM: the service closed) while an op runs and another waits: the running op's result is
     committed before the database closes (it was logged as a failed job and left pending); the waiting op never
     runs, and the next start fails its future as interrupted."""
-    from app.api.store import RESTARTED
+    from app.api.proof.store import RESTARTED
 
     started, release = threading.Event(), threading.Event()
     with service(tmp_path) as svc:

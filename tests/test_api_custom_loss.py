@@ -49,7 +49,7 @@ def _graph(fn: Any, ranks: dict[str, int]) -> dict[str, Any]:
 def test_the_rebuilt_loss_computes_what_the_client_traced() -> None:
     import torch
 
-    from app.api.custom_loss import Loss
+    from app.api.engine.custom_loss import Loss
 
     loss = Loss(_graph(clipped_pg, {"logprobs": 1, "sampler": 1, "advantages": 1}))
     lp, q, a = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.0, -1.0, -1.5]), torch.tensor([0.5, 1.0, -2.0])
@@ -71,7 +71,7 @@ def test_the_rebuilt_loss_computes_what_the_client_traced() -> None:
     (lambda d: d["inputs"][1].update(rank=2), "rank 1"),
 ])
 def test_anything_outside_the_allow_list_is_refused_with_the_node_named(change: Any, reason: str) -> None:
-    from app.api.custom_loss import Loss
+    from app.api.engine.custom_loss import Loss
     from app.api.errors import BadRequest
 
     doc = copy.deepcopy(_graph(neg_ll, {"logprobs": 1, "weights": 1}))
@@ -83,7 +83,7 @@ def test_anything_outside_the_allow_list_is_refused_with_the_node_named(change: 
 def test_the_loss_id_is_the_hash_of_the_document_as_sent() -> None:
     from attestation.outputs import op_chain
 
-    from app.api.custom_loss import canonical
+    from app.api.engine.custom_loss import canonical
 
     doc = _graph(neg_ll, {"logprobs": 1, "weights": 1})
     loss_id, same = canonical(doc["name"], doc["inputs"], doc["graph"])

@@ -55,7 +55,7 @@ def clocked(tmp_path_factory: pytest.TempPathFactory, owner: Any) -> Iterator[An
     ``svc.storage.clock`` (restored after each test that moves it)."""
     import uvicorn
 
-    from app.api.server import create_app
+    from app.api.http.server import create_app
     from tests.api_inproc import service
 
     tmp = tmp_path_factory.mktemp("api-external-clocked")
@@ -415,7 +415,7 @@ def test_the_cli_download_of_confidential_weights_keeps_the_bundles_names(clocke
 
 
 def test_an_expired_url_is_gone_and_a_fresh_one_works(clock: Any) -> None:
-    from app.api.external import External
+    from app.api.proof.external import External
 
     tc, _path, _ops = _trained(clock, "clocked-urls", steps=1)
     ext = tc.save_weights_external("soon").result().path
@@ -459,7 +459,7 @@ def test_an_external_export_expires_with_its_ttl_and_is_swept(clock: Any) -> Non
 
 
 def test_a_version_4_database_keeps_its_checkpoints_and_takes_external_ones(tmp_path: Path) -> None:
-    from app.api.store import Checkpoint, Store
+    from app.api.proof.store import Checkpoint, Store
     from app.state import RunDB
 
     db = RunDB(tmp_path)

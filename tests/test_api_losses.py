@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.api import losses
+from app.api.engine import losses
 from app.api.errors import BadRequest
 
 LOGP = [-1.0, -2.0, -0.5]

@@ -44,7 +44,7 @@ def op_specs(draw: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model: Path) -> Iterator[Any]:
-    from app.api.engine import Engine
+    from app.api.engine.engine import Engine
 
     e = Engine(tiny_model)
     yield e
@@ -161,7 +161,7 @@ def test_rows_min_is_where_this_cpus_matrix_kernels_stop_depending_on_the_row_co
     import torch
     from torch.nn.functional import linear
 
-    from app.api import packed
+    from app.api.engine import packed
 
     rows = packed.rows_min(torch.get_num_threads())
     assert rows is not None and 1 <= rows <= 128
@@ -177,7 +177,7 @@ def test_rows_min_is_where_this_cpus_matrix_kernels_stop_depending_on_the_row_co
 
 @pytest.mark.parametrize("value", [True, -1, 129, "4", 10 ** 9, 2.0])
 def test_a_replay_refuses_a_pass_rows_that_is_not_a_row_count(value: Any) -> None:
-    from app.api import replay
+    from app.api.proof import replay
 
     assert replay.pass_rows({}) is None and replay.pass_rows({"pass_rows": 0}) == 0
     assert replay.pass_rows({"pass_rows": 16}) == 16
@@ -193,7 +193,8 @@ def test_a_replay_pads_as_far_as_the_bundle_says_and_not_at_all_for_a_bundle_tha
 
     from attestation.bundle import manifest as B
 
-    from app.api import replay, wire
+    from app.api.proof import replay
+    from app.api import wire
     from app.config.api import ApiSettings
     from tests.api_inproc import fb_record
 

@@ -64,7 +64,7 @@ def greedy(svc: Any) -> list[int]:
 
 def _tok(svc: Any) -> Any:
     """The served base model's tokenizer (what the sampler matches stop strings on)."""
-    from app.api.sampling import tokenizer_of
+    from app.api.engine.sampling import tokenizer_of
 
     return tokenizer_of(str(svc.engine.base_dir))
 
@@ -126,7 +126,7 @@ def test_stop_token_ids_end_with_the_token(svc: Any, greedy: list[int]) -> None:
 
 
 def test_none_stops_at_eos_and_the_empty_list_never_stops(svc: Any) -> None:
-    from app.api.sampling import Stop, eos_ids, stop_of
+    from app.api.engine.sampling import Stop, eos_ids, stop_of
 
     eos = eos_ids(svc.engine.model.config, _tok(svc), svc.engine.vocab)
     assert eos == {_tok(svc).eos_token_id}

@@ -1,4 +1,4 @@
-"""Several sample requests decoded as one batch (``app.api.sampling.generate_many``): prompts of different lengths,
+"""Several sample requests decoded as one batch (``app.api.engine.sampling.generate_many``): prompts of different lengths,
 each row through its own LoRA adapter (or none), each request with its own settings, stops and generator. Each
 request gets what it gets decoded alone: the same greedy tokens and the same sampled tokens from the same seed, with
 log-probabilities equal to float tolerance (the batch's padding changes the last bits, never the tokens here); a
@@ -14,17 +14,18 @@ import pytest
 PROMPTS = {"a": [5, 17, 42, 9, 3], "b": [7, 1, 300, 44, 12, 9, 18, 250, 3], "base": [100, 2]}
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model: Path) -> Any:
-    """The tiny base with two LoRA adapters ``ta`` and ``tb`` of random, non-zero weights (a fresh LoRA is zero)."""
+def _with_adapters(tiny_model: Path, configs: dict[str, dict[str, Any]], seed: int) -> Any:
+    """The tiny base with LoRA adapters ``{name: LoraConfig keywords}`` of random, non-zero weights (a fresh LoRA is
+    zero), in eval mode."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(tiny_model))
-    net = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]), adapter_name="ta")
-    net.add_adapter("tb", LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"]))
-    gen = torch.Generator().manual_seed(0)
+    (first, kw), *rest = configs.items()
+    net = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tiny_model)), LoraConfig(**kw), adapter_name=first)
+    for name, kw in rest:
+        net.add_adapter(name, LoraConfig(**kw))
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in net.named_parameters():
             if "lora_B" in name:
@@ -32,10 +33,17 @@ def model(tiny_model: Path) -> Any:
     return net.eval()
 
 
+@pytest.fixture(scope="module")
+def model(tiny_model: Path) -> Any:
+    """Two LoRA adapters ``ta`` and ``tb``."""
+    same = {"r": 4, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    return _with_adapters(tiny_model, {"ta": same, "tb": same}, seed=0)
+
+
 def _draw(name: str, seed: int, **kw: Any) -> Any:
     import torch
 
-    from app.api.sampling import Draw, Stop
+    from app.api.engine.sampling import Draw, Stop
 
     settings = {"num_samples": 2, "max_tokens": 12, "temperature": 1.0, "top_k": -1, "top_p": 1.0, "stop": Stop(),
                 **kw}
@@ -49,7 +57,7 @@ def _alone(model: Any, draw: Any) -> list[Any]:
 
     import torch
 
-    from app.api.sampling import generate_many
+    from app.api.engine.sampling import generate_many
 
     with torch.no_grad():
         if draw.adapter is None:
@@ -63,7 +71,7 @@ def _alone(model: Any, draw: Any) -> list[Any]:
 def _together(model: Any, draws: list[Any]) -> list[list[Any]]:
     import torch
 
-    from app.api.sampling import generate_many
+    from app.api.engine.sampling import generate_many
 
     with torch.no_grad():
         return generate_many(model, draws, "cpu")
@@ -85,7 +93,7 @@ def test_each_request_in_a_batch_gets_what_it_gets_alone(model: Any, temperature
 
 
 def test_a_request_that_stops_early_leaves_the_others_going(model: Any) -> None:
-    from app.api.sampling import Stop
+    from app.api.engine.sampling import Stop
 
     greedy_a = _alone(model, _draw("a", seed=0, temperature=0.0, num_samples=1))[0][0]
     stop_a = Stop(tokens=frozenset({greedy_a[2]}))  # a's third greedy token ends a at once
@@ -180,3 +188,36 @@ def test_a_request_with_a_seed_decodes_alone(served: Any) -> None:
     for fut in futs:
         assert len(_tokens(svc, fut)) == 2
     assert svc.engine.batching["sample_batches"] == before["sample_batches"]
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_model: Path) -> Any:
+    """Adapters of other ranks and targets, one with a LoRA bias (decoded by the per-segment path)."""
+    return _with_adapters(tiny_model, {"ta": {"r": 2, "target_modules": ["q_proj", "v_proj"]},
+                                       "tb": {"r": 8, "target_modules": ["q_proj", "down_proj", "up_proj"]},
+                                       "tc": {"r": 4, "target_modules": ["v_proj"], "lora_bias": True}}, seed=1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_row_router_gives_each_row_its_own_adapter(mixed: Any, temperature: float) -> None:
+    """``packed.RowRouter`` (the engine's decode batches): every adapter in two products a layer, ranks and targets
+    mixed, a row without an adapter, and a layer with a LoRA bias: each draw gets what it gets alone."""
+    import torch
+
+    from app.api.engine import packed
+    from app.api.engine.sampling import generate_many
+
+    def draw(adapter: str | None, seed: int) -> Any:
+        d = _draw("b" if adapter else "base", seed, temperature=temperature)
+        d.adapter = adapter
+        return d
+
+    adapters = ["ta", "tb", None, "tc", "ta"]
+    router = packed.RowRouter(packed.lora_layers(mixed))
+    with torch.no_grad():
+        batched = generate_many(mixed, [draw(a, i) for i, a in enumerate(adapters)], "cpu", route=router.route)
+    for i, a in enumerate(adapters):
+        _same(batched[i], _alone(mixed, draw(a, i)))
+    assert batched[0] != batched[1] != batched[3]
+    assert any(getattr(p, "func", None) is packed._routed_forward
+               for plan in router._plans.values() for p in plan)  # tc's LoRA bias: that layer per segment

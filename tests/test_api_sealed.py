@@ -1,4 +1,4 @@
-"""The training API's saved states are sealed to the app (app/api/vault.py): never plaintext on the output volume.
+"""The training API's saved states are sealed to the app (app/api/proof/vault.py): never plaintext on the output volume.
 
 First the vault alone (what a state is sealed to, the sampler path, the RAM directory refused as a nightly run
 refuses it), then a real ``cvm-tune api serve`` driven by the unmodified ``tinker`` SDK (CPU, the tiny model): no
@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from app.api.errors import BadRequest
-from app.api.store import Checkpoint
-from app.api.vault import GETKEY_PATH, KEY_PURPOSE, LEGACY, SEALED, Vault, open_vault
+from app.api.proof.store import Checkpoint
+from app.api.proof.vault import GETKEY_PATH, KEY_PURPOSE, LEGACY, SEALED, Vault, open_vault
 from app.config import Config
 from app.errors import ConfigError
 from tests.api_drive import Server, _steps
@@ -231,7 +231,7 @@ def test_saved_states_leave_no_tensor_bytes_on_the_volume_outside_exports(server
     files = _tree(server.out)
     outside = {p: b for p, b in files.items() if not p.startswith("exports/")}
     assert not [p for p, b in outside.items() if any(n in b for n in needles)]
-    # the search finds them where they are in the clear: the attested export bundle's adapter (app/api/bundle.py)
+    # the search finds them where they are in the clear: the attested export bundle's adapter (app/api/proof/bundle.py)
     assert any(n in b for p, b in files.items() if p.startswith("exports/") for n in needles)
     assert not _ram(server.out).exists()  # and none left in RAM
     # nor in the system temporary directory the server was given, nor in any RAM directory of this volume

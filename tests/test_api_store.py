@@ -7,7 +7,7 @@ import json
 import sqlite3
 from pathlib import Path
 
-from app.api.store import RESTARTED, Checkpoint, Store
+from app.api.proof.store import RESTARTED, Checkpoint, Store
 from app.state import RunDB
 from app.state_migrations import SCHEMA_VERSION
 

@@ -19,11 +19,18 @@ look at. The layers, lowest first (docs/development.md has the map):
     app.training
     app.export             the export bundle: manifest, model directories, card, signature, report, Hub
     app.run                one run, top to bottom: pipeline and its stages
-    app.federated, app.service, app.api   (app.api: the training API)
+    app.federated, app.service, app.api   (app.api: the training API; inside it, rooms by concern, lowest first:
+      app.api.errors, app.api.wire               refusals; the Tinker wire formats (shared by every room)
+      app.api.engine                             the engine: worker, packed pass, sampling, losses, DP, op history
+      app.api.proof                              records, sealed states, export bundles, checkpoints, replay
+      app.api.completions, app.api.service       what the routes do
+      app.api.http                               the HTTP edge: routes, TLS, `api attest`
+      app.api                                    its __init__: open_service, serve)
     app.deploy
     app.cli                the commands
 
 A module may import its own folder and any lower layer, never a higher one or a sibling folder of its own layer.
+Inside app.api the same holds between its rooms (API_LAYERS).
 """
 from __future__ import annotations
 
@@ -69,6 +76,19 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 
 
 BASE = next(i for i, layer in enumerate(LAYERS) if "app" in layer)  # LAYERS index of the app's base
+
+# Inside the training API (one folder of LAYERS), its rooms, lowest first (docs/development.md, "The training API's
+# rooms"): a module of app.api imports its own room and lower ones only. Its top modules are listed one by one.
+API_LAYERS: tuple[tuple[str, ...], ...] = (
+    ("app.api.errors",),
+    ("app.api.wire",),
+    ("app.api.engine",),
+    ("app.api.proof",),
+    ("app.api.completions",),
+    ("app.api.service",),
+    ("app.api.http",),
+    ("app.api",),  # its __init__: open_service, serve
+)
 
 
 def _folder(module: str) -> str:
@@ -165,6 +185,25 @@ def test_imports_point_one_way_between_folders() -> None:
     assert wrong == []
 
 
+def _api_room(module: str) -> int:
+    """The API_LAYERS index of a module of app.api (every top module is listed, so a new one must be placed)."""
+    rooms = [(len(f), i) for i, layer in enumerate(API_LAYERS) for f in layer
+             if module == f or (f != "app.api" and module.startswith(f + "."))]
+    assert rooms, f"{module} is in no room of API_LAYERS"
+    return max(rooms)[1]
+
+
+def test_the_training_api_rooms_point_one_way() -> None:
+    known = _modules()
+    api = {n: p for n, p in known.items() if n == "app.api" or n.startswith("app.api.")}
+    wrong = []
+    for name, path in api.items():
+        for dep in _imports(name, path, known, nested=True):
+            if dep in api and _api_room(dep) > _api_room(name):
+                wrong.append(f"{name} -> {dep}")
+    assert wrong == []
+
+
 def test_the_layer_rule_can_fail() -> None:
     assert _folder("app.run.pipeline") == "app.run" and _folder("app.errors") == "app"
     assert _folder("app.config.base") == "app.config" and _folder("attestation.policy") == "attestation"
@@ -173,6 +212,9 @@ def test_the_layer_rule_can_fail() -> None:
     assert _layer(_folder("attestation.rounds.verify")) > _layer(_folder("attestation.bundle.verify")) > _layer(
         _folder("attestation.privacy.dp")) > _layer(_folder("attestation.bundle.manifest")) > _layer(
         _folder("attestation.tdx.quote"))
+    assert _api_room("app.api.http.server") > _api_room("app.api.service") > _api_room("app.api.proof.vault") > _api_room(
+        "app.api.engine.engine") > _api_room("app.api.wire") > _api_room("app.api.errors")
+    assert _api_room("app.api") == len(API_LAYERS) - 1 and _api_room("app.api.engine") == _api_room("app.api.engine.dp")
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:

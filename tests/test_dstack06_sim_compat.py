@@ -1,6 +1,6 @@
 """The product against both simulated dstack lines (``tee.simulator.dstack``): the demo run and a federated client
 round, each verified. 0.5.11 measures the audit chain into RTMR3 with EmitEvent; 0.6.7 refuses EmitEvent (400) and
-the run goes on with ``audit.rtmr3: unsupported``. (The API on both: ``test_key_epochs_api.py``.)"""
+the run goes on with ``audit.rtmr3: unsupported``, each checkpoint anchored by a quote. (The API on both: ``test_key_epochs_api.py``.)"""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def test_demo_run_verifies_on_both(tmp_path: Path, dstack: str) -> None:
     bundle = next((tmp_path / "out" / "exports").glob("run-*"))
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert (manifest["tee"]["agent_version"], manifest["audit"]["rtmr3"]) == VERSIONS[dstack]
+    assert manifest["audit"].get("anchors") == (None if dstack == "0.5" else 1)  # 0.6: its one checkpoint, anchored
     assert main(["verify", str(bundle), "--policy", str(tmp_path / "out" / "simulator-test-policy.yaml")]) == 0
 
 

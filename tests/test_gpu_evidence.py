@@ -329,12 +329,13 @@ def test_bundles_from_before_gpu_evidence_are_a_skip_not_a_failure(tmp_path: Pat
     from attestation.bundle.verify import _gpu
     from attestation.verify import QuoteFindings
 
-    old = B.Manifest.model_construct(gpu=None, files={})
+    unanchored = B.AuditInfo.model_construct(anchors=None)
+    old = B.Manifest.model_construct(gpu=None, files={}, audit=unanchored)
     assert B.hashed_files(old) == B.HASHED_FILES and B.Manifest.model_fields["gpu"].default is None
     f = QuoteFindings()
     _gpu(f, tmp_path, old)
     assert [(c.name, c.status) for c in f.checks] == [("gpu.evidence", "skip")]
-    new = B.Manifest.model_construct(gpu=G.summarize(_evidence(_h100())), files={})
+    new = B.Manifest.model_construct(gpu=G.summarize(_evidence(_h100())), files={}, audit=unanchored)
     assert B.hashed_files(new) == (*B.HASHED_FILES, "gpu-evidence.json")
     _gpu(f, tmp_path, new)  # the manifest records GPU evidence but the file is gone
     assert (f.checks[-1].status, f.checks[-1].detail) == ("fail", "gpu-evidence.json missing or unreadable")

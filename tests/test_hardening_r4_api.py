@@ -28,7 +28,7 @@ CAPS = "api:\n  max_sessions_per_key: 2\n  max_sampling_sessions_per_key: 3\n  l
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from starlette.testclient import TestClient
 
-    from app.api.server import create_app
+    from app.api.http.server import create_app
 
     with service(tmp_path_factory.mktemp("r4-api"), CAPS) as svc:
         keys = frozenset(hashlib.sha256(k.encode()).hexdigest() for k in (KEY, OTHER))
@@ -142,7 +142,7 @@ def test_sampling_sessions_per_key_are_capped(client: Any) -> None:
 # --- the real command: chunked bodies and SIGTERM ---------------------------------------------------------------
 
 LIMIT = 1 << 20
-PREAMBLE = f"import app.api.server as _server\n_server.MAX_BODY = {LIMIT}\n"
+PREAMBLE = f"import app.api.http.server as _server\n_server.MAX_BODY = {LIMIT}\n"
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from app.api.attest import MAX_DOC
+from app.api.http.attest import MAX_DOC
 from app.errors import ConfigError
 
 Route = Callable[[Any, Any], None]
@@ -33,7 +33,7 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    from app.api.tls import spki_sha256
+    from app.api.http.tls import spki_sha256
 
     tmp = tmp_path_factory.mktemp("tls")
     key = ec.generate_private_key(ec.SECP256R1())
@@ -69,7 +69,7 @@ def policy(sim: Any, tmp_path: Path) -> Path:
 
 def _document(sim: Any, tls: dict[str, Any], path: str) -> bytes:
     """The attestation document a training API would answer, its quote binding ``tls``'s key and the nonce."""
-    from app.api.tls import SCHEMA, report_data
+    from app.api.http.tls import SCHEMA, report_data
 
     nonce = bytes.fromhex(urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)["nonce"][0])
     q = sim.get_quote(report_data(nonce, tls["spki"]))
@@ -127,7 +127,7 @@ def test_the_ssl_cert_file_hint_is_an_absolute_path(serve: Any, tls: dict[str, A
 @pytest.mark.timeout(60)
 def test_a_dripped_body_stops_at_the_overall_deadline(serve: Any, tls: dict[str, Any], sim: Any, policy: Path,
                                                       tmp_path: Path) -> None:
-    from app.api.attest import attest
+    from app.api.http.attest import attest
 
     def drip(h: Any, stop: Any) -> None:
         body = _document(sim, tls, h.path)

@@ -40,7 +40,7 @@ def serving(svc: Any, keys: tuple[str, ...]) -> Iterator[str]:
     """``svc`` behind uvicorn on a free loopback port (as ``api serve --plain-http``); yields its URL."""
     import uvicorn
 
-    from app.api.server import create_app
+    from app.api.http.server import create_app
 
     app = create_app(svc, frozenset(hashlib.sha256(k.encode()).hexdigest() for k in keys))
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
@@ -230,8 +230,8 @@ def test_a_real_out_of_memory_pass_lowers_the_budget_to_a_floor_and_it_recovers(
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from app.api import packed
-    from app.api.worker import FLOOR_FRACTION
+    from app.api.engine import packed
+    from app.api.engine.worker import FLOOR_FRACTION
 
     engine = api.svc.engine
     w = engine._worker

@@ -60,7 +60,7 @@ def _forge(svc: Any, saved: tuple[Path, dict[str, Any]], tmp: Path, ops: list[di
            lora: dict[str, Any] | None = None, custom: dict[str, Any] | None = None,
            determinism: dict[str, Any] | None = None, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
     """(bundle, ops file): a bundle the server's exporter signs, whose op chain is ``ops``' (and the hostile rest)."""
-    from app.api import bundle as api_bundle
+    from app.api.proof import bundle as api_bundle
 
     if determinism is not None:
         real = api_bundle._determinism()
@@ -164,7 +164,7 @@ def test_the_human_verdict_says_why_and_exits_1(svc: Any, policy: Path, saved: A
 def test_a_bundle_that_failed_a_check_is_not_re_executed(svc: Any, policy: Path, saved: Any, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """An unsigned or tampered bundle never runs its graph or ops here: no engine is even made."""
-    from app.api import engine
+    from app.api.engine import engine
 
     docs, ops = _custom(_with_node(POW))
     bundle, ops_file = _forge(svc, saved, tmp_path, ops, custom=docs, monkeypatch=monkeypatch)
@@ -182,7 +182,7 @@ def test_a_bundle_that_failed_a_check_is_not_re_executed(svc: Any, policy: Path,
 
 def test_a_replay_past_its_time_budget_stops_with_the_reason(svc: Any, policy: Path, saved: Any, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.api import replay
+    from app.api.proof import replay
 
     bundle, ops_file = _forge(svc, saved, tmp_path, [FB, FB], monkeypatch=monkeypatch)
     monkeypatch.setattr(replay, "OP_S", 0.0)

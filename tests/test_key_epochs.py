@@ -13,7 +13,7 @@ import dstack_sdk
 import pytest
 
 from app.api.errors import BadRequest
-from app.api.vault import Vault
+from app.api.proof.vault import Vault
 from app.dataset.keys import derive_key
 from app.keys_epoch import EPOCHS_FILE, EpochKeys, KeyEpochError, KeyEpochs, read_epochs
 from app.simulator import GuestAgentSimulator, SimulatorServer, SimulatorSettings

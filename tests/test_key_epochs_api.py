@@ -1,6 +1,6 @@
 """The training API on both simulated agent lines, and a KMS key rotation between ``save_state`` and ``load_state``:
 the saved state, sealed under the old key epochs, loads after the server restarts under new ones and is re-sealed
-under them (``app.keys_epoch``, ``app.api.vault``)."""
+under them (``app.keys_epoch``, ``app.api.proof.vault``)."""
 
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ def test_files_the_docs_create_are_ignored_by_git(path: str) -> None:
 
 def _volume(tmp_path: Path) -> Path:
     """An output volume with one exported run and one training-API save (each with its bundle's manifest)."""
-    from app.api.store import Checkpoint, Store
+    from app.api.proof.store import Checkpoint, Store
     from app.state import RunDB
 
     out = tmp_path / "out"

@@ -65,13 +65,15 @@ def test_bundle_layout(demo: dict) -> None:
     files = sorted(p.relative_to(demo["bundle"]).as_posix() for p in demo["bundle"].rglob("*") if p.is_file())
     assert files == sorted([
         "README.md", "adapter/adapter_config.json", "adapter/adapter_model.safetensors", *ADAPTER_EXTRAS,
-        "app-compose.json", "audit.jsonl", "collateral.json", "config.json", "event_log.json", "gpu-evidence.json",
+        "app-compose.json", "audit-anchors.jsonl", "audit.jsonl", "collateral.json", "config.json", "event_log.json", "gpu-evidence.json",
         "manifest.json", "quote.bin", "quote.hex", "report/loss.png", "report/report.json"])
     manifest = json.loads((demo["bundle"] / "manifest.json").read_text())
     assert manifest["schema"] == "cvm-tune/manifest/v1"
     assert manifest["backend"]["name"] == "hf"
     assert manifest["tee"]["mode"] == "embedded-simulator"
     assert manifest["audit"]["rtmr3"] == "unsupported"  # the default simulator is dstack 0.6: EmitEvent is gone
+    assert manifest["audit"]["anchors"] == sum(  # so each checkpoint entry is anchored by a quote instead
+        '"type":"checkpoint"' in line for line in (demo["bundle"] / "audit.jsonl").read_text().splitlines())
     adapter_cfg = json.loads((demo["bundle"] / "adapter/adapter_config.json").read_text())
     assert adapter_cfg["base_model_name_or_path"] == "cvm-tune/tiny-llama"  # no build path leaks
 

@@ -5,11 +5,13 @@ which the README's test command fills through requirements/test-tools.sh) and mu
 file; the committed page is then served from a loopback server with each bundle as a .tar.gz and driven by Debian's
 chromium through playwright-core (web/test/drive.mjs: one browser for the whole module).
 
-Corpus covered here: the demo bundle (a simulator run with a model signature and GPU evidence) and a tampered copy
-for every file the manifest binds, every attestation file and the bundle's layout, under the simulator's test
-policy; the demo bundle under the default policy; the committed sample bundle (tests/data/bundle: a bundle from
-before model signatures, the second run of an audit chain); the committed training-API checkpoint
-(tests/data/api-bundle) with its ops record, with changed records, without one, and with its op-chain head changed.
+Corpus covered here: the demo bundle (a dstack 0.6 simulator run with a model signature, GPU evidence and one
+checkpoint, anchored in audit-anchors.jsonl) and a tampered copy for every file the manifest binds, every attestation
+file and the bundle's layout, under the simulator's test policy; copies whose anchors break one rule of
+verifier-spec section 4a each, re-quoted by the same simulator CVM so that only the anchors decide, and the policies
+that require anchors or RTMR3; the demo bundle under the default policy; the committed sample bundle
+(tests/data/bundle: a bundle from before model signatures, the second run of an audit chain); the committed
+training-API checkpoint (tests/data/api-bundle) with its ops record, with changed records, without one, and with its op-chain head changed.
 For each, the page's verdict and every check's name and status equal the Python verifier's, and the page asked for
 nothing but the page and the files named in its URL.
 """
@@ -33,6 +35,7 @@ from urllib.parse import quote, urlparse
 import pytest
 
 from tests.loopback_http import Server, send
+from tests.test_audit_anchors import reattest
 
 REPO = Path(__file__).resolve().parent.parent
 WEB = REPO / "web"
@@ -296,6 +299,113 @@ TAMPERS: dict[str, Callable[[Path], None]] = {
     "file removed": lambda b: (b / "report" / "loss.png").unlink(),
     "empty folder": lambda b: (b / "merged").mkdir(),
     "symlink": _symlink,
+    "audit anchors": _flip("audit-anchors.jsonl", -3),  # "v":1 -> "v":0
+    "audit anchors removed": lambda b: (b / "audit-anchors.jsonl").unlink(),
+    "audit anchors count": _json_edit("manifest.json", lambda m: m["audit"].update(anchors=m["audit"]["anchors"] + 1)),
+    "audit anchors unlisted": _json_edit("manifest.json", lambda m: (m["audit"].update(anchors=None),
+                                                                     m["files"].pop("audit-anchors.jsonl"))),
+}
+
+
+# --- audit anchors (verifier-spec section 4a): the demo bundle's one checkpoint is anchored --------------------------
+# Cases that change audit-anchors.jsonl and then make the manifest, quote and event log consistent again (re-signed by
+# the embedded simulator, the CVM that made the demo bundle: same secret, same TD), so the anchors' own rules decide.
+
+POLICIES = {"anchors-required.yaml": ("require_audit_anchors: false", "require_audit_anchors: true"),
+            "rtmr3-required.yaml": ("require_rtmr3_audit: false", "require_rtmr3_audit: true")}
+
+
+def _sim(**changes: Any) -> Any:
+    from app.simulator import GuestAgentSimulator, SimulatorSettings
+
+    return GuestAgentSimulator(SimulatorSettings(**changes))
+
+
+def _entries(b: Path) -> list[Any]:
+    from attestation.bundle.audit import parse_lines
+
+    return parse_lines((b / "audit.jsonl").read_bytes())
+
+
+def _entry(b: Path, kind: str) -> Any:
+    return next(e for e in _entries(b) if e.type == kind)
+
+
+def _anchor_lines(b: Path) -> list[bytes]:
+    return (b / "audit-anchors.jsonl").read_bytes().split(b"\n")[:-1]
+
+
+def _anchor(entry: Any, sim: Any = None, **override: Any) -> bytes:
+    """The canonical anchor line of ``entry``, quoted by ``sim`` (the demo's simulator CVM), members overridden."""
+    from attestation.bundle.anchors import report_data
+    from attestation.io.hashing import canonical_json
+
+    answer = (sim or _sim()).get_quote(report_data(entry.seq, entry.hash))
+    return canonical_json({"v": 1, "seq": entry.seq, "head": entry.hash, "quote": answer["quote"],
+                           "event_log": answer["event_log"], **override})
+
+
+def _anchored(lines: Callable[[Path], list[bytes]], count: int | None = None) -> Callable[[Path], None]:
+    return lambda b: reattest(b, b"".join(line + b"\n" for line in lines(b)), count)
+
+
+OTHER_APP = json.dumps({"manifest_version": 2, "name": "another-app", "runner": "docker-compose",
+                        "docker_compose_file": "services: {}\n"})
+
+# name -> (edit of a copy of the demo bundle or None, policy, verdict, audit.anchors status)
+ANCHOR_CASES: dict[str, tuple[Callable[[Path], None] | None, str, str, str]] = {
+    "as made, require_audit_anchors": (None, "anchors-required.yaml", "accepted", "pass"),
+    "as made, require_rtmr3_audit": (None, "rtmr3-required.yaml", "rejected", "pass"),
+    "re-quoted as made": (_anchored(_anchor_lines), "simulator-policy.yaml", "accepted", "pass"),
+    "unanchored": (lambda b: reattest(b, None), "simulator-policy.yaml", "accepted", "skip"),
+    "unanchored, require_audit_anchors": (lambda b: reattest(b, None), "anchors-required.yaml", "rejected", "fail"),
+    "measured into RTMR3 and anchored": (
+        lambda b: reattest(b, (b / "audit-anchors.jsonl").read_bytes(),
+                            change=lambda m: m["audit"].update(rtmr3="emit_event")),
+        "simulator-policy.yaml", "rejected", "pass"),
+    "measured into RTMR3, unanchored": (
+        lambda b: reattest(b, None, change=lambda m: m["audit"].update(rtmr3="emit_event")),
+        "anchors-required.yaml", "rejected", "skip"),
+    "no anchor for the checkpoint": (_anchored(lambda b: []), "simulator-policy.yaml", "rejected", "fail"),
+    "the checkpoint anchored twice": (_anchored(lambda b: _anchor_lines(b) * 2), "simulator-policy.yaml", "rejected",
+                                      "fail"),
+    "an anchor names another entry's hash": (
+        _anchored(lambda b: [_anchor(_entry(b, "checkpoint"), head=_entry(b, "run.start").hash)]),
+        "simulator-policy.yaml", "rejected", "fail"),
+    "run.start anchored too": (_anchored(lambda b: [_anchor(_entry(b, "run.start")), *_anchor_lines(b)]),
+                               "simulator-policy.yaml", "rejected", "fail"),
+    "the quote of another entry": (
+        _anchored(lambda b: [_anchor(_entry(b, "checkpoint"),
+                                     quote=json.loads(_anchor(_entry(b, "run.start")))["quote"])]),
+        "simulator-policy.yaml", "rejected", "fail"),
+    "its event log emptied": (_anchored(lambda b: [_anchor(_entry(b, "checkpoint"), event_log="[]")]),
+                              "simulator-policy.yaml", "rejected", "fail"),
+    "its event log not JSON": (_anchored(lambda b: [_anchor(_entry(b, "checkpoint"), event_log="x")]),
+                               "simulator-policy.yaml", "rejected", "fail"),
+    "its event log with a BOM": (
+        _anchored(lambda b: [_anchor(_entry(b, "checkpoint"),
+                                     event_log="\ufeff" + json.loads(_anchor_lines(b)[0])["event_log"])]),
+        "simulator-policy.yaml", "rejected", "fail"),
+    "the quote of another deployment": (
+        _anchored(lambda b: [_anchor(_entry(b, "checkpoint"), _sim(app_compose=OTHER_APP))]),
+        "simulator-policy.yaml", "rejected", "fail"),
+    "the quote of a reboot with a new app key epoch": (
+        _anchored(lambda b: [_anchor(_entry(b, "checkpoint"), _sim(app_epoch=1))]),
+        "simulator-policy.yaml", "accepted", "pass"),
+    "the quote of a TD with a GPU": (_anchored(lambda b: [_anchor(_entry(b, "checkpoint"), _sim(gpu=True))]),
+                                     "simulator-policy.yaml", "accepted", "pass"),
+    "the quote of a dstack 0.5 TD": (_anchored(lambda b: [_anchor(_entry(b, "checkpoint"), _sim(dstack="0.5"))]),
+                                     "simulator-policy.yaml", "rejected", "fail"),
+    "a line not canonical": (_anchored(lambda b: [_anchor_lines(b)[0].replace(b'"v":1', b'"v": 1')]),
+                             "simulator-policy.yaml", "rejected", "fail"),
+    "a line with a BOM": (_anchored(lambda b: [b"\xef\xbb\xbf" + _anchor_lines(b)[0]]), "simulator-policy.yaml",
+                          "rejected", "fail"),
+    "a line with v 2": (_anchored(lambda b: [_anchor(_entry(b, "checkpoint"), v=2)]), "simulator-policy.yaml",
+                        "rejected", "fail"),
+    "an empty line": (_anchored(lambda b: [*_anchor_lines(b), b""]), "simulator-policy.yaml", "rejected", "fail"),
+    "no final newline": (lambda b: reattest(b, (b / "audit-anchors.jsonl").read_bytes()[:-1], 1),
+                         "simulator-policy.yaml", "rejected", "fail"),
+    "the manifest counts two": (_anchored(_anchor_lines, count=2), "simulator-policy.yaml", "rejected", "fail"),
 }
 
 
@@ -307,6 +417,10 @@ def corpus(demo_bundle: tuple[Path, Path], site: Site, tmp_path_factory: pytest.
     work = tmp_path_factory.mktemp("corpus")
     shutil.copyfile(policy, site.root / "simulator-policy.yaml")
     shutil.copyfile(SAMPLE_POLICY, site.root / "sample-policy.yaml")
+    for name, (was, now) in POLICIES.items():
+        text = policy.read_text()
+        assert text.count(was) == 1, f"{policy} has no single '{was}' line"
+        (site.root / name).write_text(text.replace(was, now))
     cases = []
 
     def add(name: str, src: Path, policy_name: str | None, ops: str | None = None) -> None:
@@ -342,6 +456,13 @@ def corpus(demo_bundle: tuple[Path, Path], site: Site, tmp_path_factory: pytest.
         shutil.copytree(bundle, copy, symlinks=True)
         edit(copy)
         add(f"tampered: {name}", copy, "simulator-policy.yaml")
+    for name, (edit, policy_name, _verdict, _status) in ANCHOR_CASES.items():
+        src = bundle
+        if edit is not None:
+            src = work / f"anchors-{len(cases):02d}" / bundle.name
+            shutil.copytree(bundle, src, symlinks=True)
+            edit(src)
+        add(f"anchors: {name}", src, policy_name)
     return cases
 
 
@@ -359,6 +480,29 @@ def test_the_demo_bundle_is_accepted_with_the_simulator_warning(shown: dict[str,
     print(f"\ndemo bundle: verified in {page['ms']:.0f} ms in the page in headless Chromium ({page['loaded_ms']:.0f} ms "
           f"from opening the page), cvm-tune verify {page['python_s'] * 1000:.0f} ms in-process")
     assert page["loaded_ms"] <= PAGE_BUDGET_MS
+    # its run wrote a checkpoint (save_steps = max_steps), which the dstack 0.6 simulator anchored
+    anchors = _reason(page["verdict"], "audit.anchors")
+    assert anchors == _reason(page["python"], "audit.anchors")
+    assert anchors == ("pass", "1 checkpoint(s) anchored by quotes of this TD")
+
+
+def _reason(verdict: dict[str, Any], name: str) -> tuple[str, str]:
+    """(status, reason) of the check ``name`` in a verdict (the page's or cvm-tune's)."""
+    return next((c["status"], c["reason"]) for c in verdict["checks"] if c["name"] == name)
+
+
+@pytest.mark.parametrize("case", list(ANCHOR_CASES))
+def test_audit_anchors_get_the_same_checks_and_reasons(shown: dict[str, dict[str, Any]], case: str) -> None:
+    """Re-quoted bundles whose anchors break one rule of section 4a (or none), and the policies that require
+    anchors or RTMR3: the same checks, and audit.anchors with the same status and reason."""
+    page = shown[f"anchors: {case}"]
+    same_checks(page, page["python"], case)
+    _edit, _policy, verdict, status = ANCHOR_CASES[case]
+    assert page["verdict"]["verdict"] == verdict
+    assert _reason(page["verdict"], "audit.anchors") == _reason(page["python"], "audit.anchors")
+    assert _reason(page["verdict"], "audit.anchors")[0] == status
+    failed = {c["name"] for c in page["python"]["checks"] if c["status"] == "fail"}
+    assert failed <= {"audit.anchors", "audit.rtmr3"}, f"{case}: the case is not about anchors alone: {failed}"
 
 
 @pytest.mark.parametrize("case", ["demo, default policy", "sample bundle", "api checkpoint, no ops",
@@ -386,6 +530,105 @@ def test_a_changed_audit_event_of_a_05_bundle_is_rejected_by_the_same_checks(sho
     assert {c["name"]: c["status"] for c in page["python"]["checks"]}["event_log.replay"] == "fail"
 
 
+def _units(web: Path, *calls: tuple[str, list[Any]]) -> list[Any]:
+    """The page's functions run by node on the modules it bundles (web/test/units.mjs): one result per call."""
+    out = subprocess.run(["node", str(web / "test" / "units.mjs")], input=json.dumps(calls), capture_output=True,
+                         text=True, check=True, timeout=120)
+    return json.loads(out.stdout)
+
+
+_H = "a" * 64
+_GOOD = b'{"event_log":"[]","head":"' + _H.encode() + b'","quote":"00","seq":1,"v":1}'
+ANCHOR_BODIES = [
+    b"", _GOOD + b"\n", _GOOD + b"\n" + _GOOD.replace(b'"seq":1', b'"seq":2') + b"\n", _GOOD, b"\n", b"x\n" * 10_001,
+    _GOOD.replace(b'"seq":1', b'"seq":1180591620717411303424') + b"\n",  # 2**70: Python's int, the page's BigInt
+    *(line + b"\n" for line in [
+        _GOOD.replace(b'"v":1}', b'"v":1,"x":0}'), _GOOD.replace(b'"event_log":', b'"event_log": '),
+        _GOOD.replace(_H.encode(), _H.upper().encode()), _GOOD.replace(b'"00"', b'"0"'), _GOOD.replace(b'"00"', b'""'),
+        _GOOD.replace(b'"00"', b'"0x00"'), _GOOD.replace(b'"seq":1', b'"seq":-1'),
+        _GOOD.replace(b'"seq":1', b'"seq":true'), _GOOD.replace(b'"seq":1', b'"seq":1.0'),
+        _GOOD.replace(b'"seq":1', b'"seq":1e0'), _GOOD.replace(b'"seq":1', b'"seq":"1"'),
+        _GOOD.replace(b'"v":1', b'"v":1.0'), _GOOD.replace(b'"v":1', b'"v":true'), _GOOD.replace(b'"v":1', b'"v":2'),
+        _GOOD.replace(b'"[]"', b"[]"), _GOOD.replace(b'{"event_log":"[]",', b'{"event_log":"[]","event_log":"[]",'),
+        _GOOD.replace(b'"v":1}', b'"v":1} '), b"\xef\xbb\xbf" + _GOOD, b"\xff", b"[]", b"null",
+        _GOOD.replace(b'"[]"', '"é"'.encode()), _GOOD.replace(b'"[]"', b'"\\u00e9"'),
+        _GOOD.replace(b'"[]"', b'"\\u0001"'), _GOOD.replace(b'"[]"', '"\U0001f600"'.encode()),
+        _GOOD.replace(b'"[]"', b'"\\ud83d\\ude00"'), _GOOD.replace(b'"[]"', b'"\\""'),
+    ])]
+
+
+def test_anchor_files_are_read_as_cvm_tune_reads_them(web_copy: Path) -> None:
+    """audit-anchors.jsonl bodies (canonical lines, exact members and types, hex rules, the final newline, at most
+    10,000 lines): the page reads the same anchors, or refuses with cvm-tune's reason."""
+    from attestation.bundle.anchors import AnchorFormatError, parse_anchor_lines
+
+    def python(body: bytes) -> Any:
+        try:
+            return [[str(a.seq), a.head, a.quote.hex(), a.event_log] for a in parse_anchor_lines(body)]
+        except AnchorFormatError as exc:
+            return {"error": str(exc)}
+
+    got = _units(web_copy, *(("anchorLines", [base64.b64encode(b).decode()]) for b in ANCHOR_BODIES))
+    for body, page in zip(ANCHOR_BODIES, got, strict=True):
+        assert page == python(body), body[:200]
+
+
+def _audit_line(seq: int, kind: str) -> bytes:
+    from attestation.io.hashing import canonical_json
+
+    return canonical_json({"data": {}, "prev": "0" * 64, "run_id": "r", "seq": seq, "time": "2026-12-06T12:00:00Z",
+                           "type": kind, "v": 1})
+
+
+def test_the_anchor_rules_are_cvm_tunes(web_copy: Path) -> None:
+    """anchor_problems on a slice with checkpoint and promote entries, each anchor quote's check result given (what
+    verify_quote found): the same problems in the same order, and the same quotes checked against the same
+    report_data (SHA-512 of "cvm-tune-audit-anchor-v1:" seq ":" head)."""
+    from attestation.bundle.anchors import anchor_problems, parse_anchor_lines
+    from attestation.bundle.audit import parse_lines
+    from attestation.io.hashing import canonical_json
+
+    audit = b"".join(_audit_line(s, t) + b"\n" for s, t in
+                     [(5, "run.start"), (6, "checkpoint"), (7, "promote"), (8, "checkpoint"), (9, "export")])
+    hashes = {e.seq: e.hash for e in parse_lines(audit)}
+    td = {k: "11" * 48 for k in ("mr_td", "mr_config_id", "mr_owner", "mr_owner_config", "td_attributes", "xfam",
+                                 "rt_mr0", "rt_mr1", "rt_mr2")}
+    boot = {"app-id": "22", "compose-hash": "33", "instance-id": "44", "os-image-hash": "55", "key-provider": None}
+    ok = [[], td, boot]
+    other = [["quote.signature", "report_data", "event_log.replay"], {**td, "mr_td": "00", "rt_mr2": None},
+             {**boot, "instance-id": "45", "key-provider": "aa"}]
+
+    def lines(*anchors: tuple[int, str, str]) -> bytes:
+        return b"".join(canonical_json({"v": 1, "seq": seq, "head": head, "quote": quote, "event_log": "[]"}) + b"\n"
+                        for seq, head, quote in anchors)
+
+    cases = [
+        (lines((6, hashes[6], "06"), (7, hashes[7], "07"), (8, hashes[8], "08")), {"06": ok, "07": ok, "08": ok}),
+        (lines((6, hashes[6], "06"), (7, hashes[7], "07")), {"06": ok, "07": ok}),
+        (lines((8, hashes[8], "08"), (6, hashes[6], "06")), {"06": ok, "08": ok}),
+        (lines((6, hashes[6], "06"), (8, hashes[8], "08"), (9, hashes[9], "09")), {"06": ok, "08": ok}),
+        (lines((6, hashes[5], "06"), (8, hashes[8], "08"), (2**70, hashes[8], "ff")), {"08": ok}),
+        (lines((6, hashes[6], "06"), (6, hashes[6], "06"), (8, hashes[8], "08")), {"06": ok, "08": other}),
+        (lines((5, hashes[5], "05"), (7, hashes[7], "07")), {"07": other}),
+        (b"", {}),
+    ]
+    main = (["quote.signature", "collateral.chains"], td, boot)
+    calls = [("anchorProblems", [base64.b64encode(body).decode(), base64.b64encode(audit).decode(), results, *main])
+             for body, results in cases]
+    for (body, results), page in zip(cases, _units(web_copy, *calls), strict=True):
+        asked: list[list[str]] = []
+
+        def check(raw: bytes, _log: str, expected: bytes, results: dict[str, Any] = results,
+                  asked: list[list[str]] = asked) -> tuple[set[str], dict[str, Any], dict[str, Any]]:
+            asked.append([raw.hex(), expected.hex()])
+            failed, t, b = results[raw.hex()]
+            return set(failed), t, b
+
+        problems = anchor_problems(parse_anchor_lines(body), parse_lines(audit), check, main_failed=set(main[0]),
+                                   main_td=main[1], main_boot=main[2])
+        assert page == {"problems": problems, "asked": asked}, body
+
+
 def test_the_page_asks_for_nothing_but_the_named_files(shown: dict[str, dict[str, Any]]) -> None:
     for page in shown.values():
         only_named_files(page)
@@ -396,7 +639,7 @@ def test_random_bit_flips_get_the_same_checks(web_copy: Path, demo_bundle: tuple
     the modules it bundles, and cvm-tune verify give every check the same status (a fixed seed: reproducible)."""
     import random
 
-    bundle, policy = demo_bundle
+    bundle, _policy = demo_bundle
     rnd = random.Random(36)
     parsed = ["quote.bin", "event_log.json", "collateral.json", "audit.jsonl", "manifest.json", "gpu-evidence.json",
               "adapter/model.sig", "quote.hex"]
@@ -405,6 +648,23 @@ def test_random_bit_flips_get_the_same_checks(web_copy: Path, demo_bundle: tuple
     for i in range(120):
         name = rnd.choice(parsed if i % 4 else every)
         flips.append((name, rnd.randrange((bundle / name).stat().st_size), 1 << rnd.randrange(8)))
+    _flips_agree(web_copy, demo_bundle, flips, tmp_path)
+
+
+def test_random_bit_flips_in_the_audit_anchors_get_the_same_checks(web_copy: Path, demo_bundle: tuple[Path, Path],
+                                                                     tmp_path: Path) -> None:
+    """The same in audit-anchors.jsonl: a flipped bit in its JSON, its quote's hex or its event log."""
+    import random
+
+    rnd = random.Random(4)
+    size = (demo_bundle[0] / "audit-anchors.jsonl").stat().st_size
+    flips = [("audit-anchors.jsonl", rnd.randrange(size), 1 << rnd.randrange(8)) for _ in range(40)]
+    _flips_agree(web_copy, demo_bundle, flips, tmp_path)
+
+
+def _flips_agree(web_copy: Path, demo_bundle: tuple[Path, Path], flips: list[tuple[str, int, int]],
+                 tmp_path: Path) -> None:
+    bundle, policy = demo_bundle
     proc = subprocess.run(["node", str(web_copy / "test" / "mutate.mjs")], capture_output=True, text=True, timeout=300,
                           input=json.dumps({"bundle": str(bundle), "policy": policy.read_text(), "now": NOW,
                                             "flips": flips}), check=True)

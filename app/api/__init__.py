@@ -1,10 +1,10 @@
 """The attested Tinker-compatible training API (``cvm-tune api serve``; docs/api.md).
 
 :func:`open_service` loads the configured base model once, opens the guest agent and the state database and
-returns the :class:`~app.api.service.Service` the routes (:mod:`app.api.server`) call; :func:`serve` runs it with
-uvicorn, with TLS that terminates inside the CVM (:mod:`app.api.tls`); plain HTTP only on loopback with the simulator.
+returns the :class:`~app.api.service.Service` the routes (:mod:`app.api.http.server`) call; :func:`serve` runs it with
+uvicorn, with TLS that terminates inside the CVM (:mod:`app.api.http.tls`); plain HTTP only on loopback with the simulator.
 
-Both choose the training backend (``api.backend``, :mod:`app.api.backend`) before anything else is imported: Unsloth
+Both choose the training backend (``api.backend``, :mod:`app.api.engine.backend`) before anything else is imported: Unsloth
 must be imported before transformers, peft and trl.
 """
 
@@ -25,14 +25,14 @@ STOP_WAIT_S = 30.0  # at shutdown, how long the operation running may take to fi
 @contextlib.contextmanager
 def open_service(cfg: Config, progress: Progress = lambda _m: None, *, export: bool = True) -> Iterator[object]:
     """The service for ``cfg`` (base model loaded, state database migrated, guest agent open), closed after."""
-    from app.api.backend import prepare
+    from app.api.engine.backend import prepare
 
     backend = prepare(cfg)  # first: Unsloth (GPU) is imported before anything imports transformers/peft/trl
-    from app.api.bundle import Exporter
-    from app.api.engine import Engine
+    from app.api.proof.bundle import Exporter
+    from app.api.engine.engine import Engine
     from app.api.service import Service
-    from app.api.store import Store
-    from app.api.vault import open_vault
+    from app.api.proof.store import Store
+    from app.api.proof.vault import open_vault
     from app.fsutil import remove_stale_temps
     from app.run.stages import agent_stage, base_model_stage
     from app.state import claim_volume
@@ -126,14 +126,14 @@ def check_listen(listen: str) -> tuple[str, int, bool]:
 
 
 def serve(cfg: Config, listen: str, progress: Progress = print, *, plain_http: bool = False) -> None:
-    """Serve until stopped: TLS with the CVM-derived key (:mod:`app.api.tls`), or plain HTTP on loopback with the
+    """Serve until stopped: TLS with the CVM-derived key (:mod:`app.api.http.tls`), or plain HTTP on loopback with the
     simulator.
 
     Raises:
         ConfigError: plain HTTP asked for off loopback or in a real CVM, bad --listen, no API key accepted, or
             ``api.backend: unsloth`` where it cannot run (before anything is loaded or listens).
     """
-    from app.api.backend import prepare
+    from app.api.engine.backend import prepare
 
     host, port, loopback = check_listen(listen)
     if plain_http and not loopback:
@@ -147,8 +147,8 @@ def serve(cfg: Config, listen: str, progress: Progress = print, *, plain_http: b
     # request waits on it; 1 ms lets request handling in sooner (docs/performance.md: many tenants).
     sys.setswitchinterval(0.001)
 
-    from app.api.server import accepted_keys, create_app
-    from app.api.tls import tls_identity
+    from app.api.http.server import accepted_keys, create_app
+    from app.api.http.tls import tls_identity
 
     keys = accepted_keys(cfg.api.key_sha256)
     if not keys:
@@ -159,14 +159,14 @@ def serve(cfg: Config, listen: str, progress: Progress = print, *, plain_http: b
                               fix="drop --plain-http; clients check the server with `cvm-tune api attest`")
         ssl: dict[str, str] = {}
         if not plain_http:
-            svc.tls = tls_identity(svc.agent.agent, cfg.api.tls_names)  # type: ignore[attr-defined]
+            svc.tls = tls_identity(svc.agent.agent, cfg.api.tls_names, svc.out / "api")  # type: ignore[attr-defined]
             ssl["ssl_keyfile"], ssl["ssl_certfile"] = files.enter_context(svc.tls.files())  # type: ignore[attr-defined]
         config = uvicorn.Config(create_app(svc, keys), host=host, port=port, log_level="warning", access_log=False,
                                 proxy_headers=False, **ssl)  # no proxy's headers are trusted, none are parsed
         config.load()  # reads the key and certificate now
         files.close()  # ... which then leave the disk
         if config.ssl is not None:  # a client that does not trust the certificate is named, with the fix
-            from app.api.tls import log_refused_handshakes
+            from app.api.http.tls import log_refused_handshakes
 
             log_refused_handshakes(config.ssl, progress, f"https://{host}:{port}")
         server = uvicorn.Server(config)
@@ -179,6 +179,6 @@ def serve(cfg: Config, listen: str, progress: Progress = print, *, plain_http: b
             progress(f"listening on {scheme}://{host}:{bound} (base model {svc.base_name})")  # type: ignore[attr-defined]
 
         server.startup = startup  # type: ignore[method-assign]
-        from app.api.server import run_until_stopped
+        from app.api.http.server import run_until_stopped
 
         run_until_stopped(server)  # SIGTERM / SIGINT: a graceful stop, exit 0 as documented

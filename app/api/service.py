@@ -1,12 +1,12 @@
 """What the API's routes do: sessions, models, futures, checkpoints and sampling sessions, each owned by the API
 key (its SHA-256) that created it; another key gets 404, as if it did not exist.
 
-Every operation becomes a row in the state database (:mod:`app.api.store`) and a job on the engine's one worker
-(:mod:`app.api.engine`); its future resolves to the job's result. Saves seal the adapter (and optimizer) under
-``api/checkpoints/`` (:mod:`app.api.vault`: built in RAM, never plaintext on the volume) and write an attested export
-bundle under ``exports/`` (:mod:`app.api.bundle`; sampler saves when asked, expiry, quota: ``vault.Storage``); loads
+Every operation becomes a row in the state database (:mod:`app.api.proof.store`) and a job on the engine's one worker
+(:mod:`app.api.engine.engine`); its future resolves to the job's result. Saves seal the adapter (and optimizer) under
+``api/checkpoints/`` (:mod:`app.api.proof.vault`: built in RAM, never plaintext on the volume) and write an attested export
+bundle under ``exports/`` (:mod:`app.api.proof.bundle`; sampler saves when asked, expiry, quota: ``vault.Storage``); loads
 and samples decrypt a saved state into RAM for the engine. Listing, TTL, deletion and external weights (the stock
-``tinker checkpoint`` commands) are :mod:`app.api.checkpoints`.
+``tinker checkpoint`` commands) are :mod:`app.api.proof.checkpoints`.
 """
 
 from __future__ import annotations
@@ -25,21 +25,21 @@ from tinker import types
 from attestation.io.hashing import sha256_file
 from attestation.outputs import op_chain
 
-from app.api import dp as dpsgd
 from app.api import wire
-from app.api.admission import admit
-from app.api.bundle import Exporter
-from app.api.checkpoints import Checkpoints, live
 from app.api.completions import Completions
-from app.api.engine import Engine, Model
-from app.api.loading import saved_dp
-from app.api.sample_batch import request_item
-from app.api.worker import run_job
+from app.api.engine import dp as dpsgd
+from app.api.engine.admission import admit
+from app.api.engine.engine import Engine, Model
+from app.api.engine.history import check_adam, load_record
+from app.api.engine.loading import saved_dp
+from app.api.engine.sample_batch import request_item
+from app.api.engine.worker import run_job
 from app.api.errors import BadRequest, NotFound, NotServed, TooMany
-from app.api.external import check_name
-from app.api.history import check_adam, load_record
-from app.api.store import Checkpoint, Store
-from app.api.vault import Storage, Vault, size_of
+from app.api.proof.bundle import Exporter
+from app.api.proof.checkpoints import Checkpoints, live
+from app.api.proof.external import check_name
+from app.api.proof.store import Checkpoint, Store
+from app.api.proof.vault import Storage, Vault, size_of
 from app.audit import utc_now
 from app.config.api import ApiSettings
 from app.fsutil import withdraw_dir
@@ -54,7 +54,7 @@ class Service:
         self.out, self.engine, self.store, self.exporter = Path(out), engine, store, exporter
         self.vault = vault  # saved states: sealed under the app's key, plaintext only in RAM
         self.agent, self.collateral = agent, collateral  # app.run.stages.Agent; quote -> collateral JSON or None
-        self.tls: Any = None  # app.api.tls.TlsIdentity once serving TLS
+        self.tls: Any = None  # app.api.http.tls.TlsIdentity once serving TLS
         self.base_name, self.limits = base_name, limits
         self.sessions: dict[str, str] = {}  # session id -> owner
         self.samplers: dict[str, tuple[str, str | None]] = {}  # sampling session id -> (owner, checkpoint path)
@@ -67,7 +67,7 @@ class Service:
         self.storage = Storage(store, vault, exporter, limits)  # what saved states take: exports, expiry, quota
         self.store.fail_interrupted()
         self.storage.sweep()
-        self.checkpoints = Checkpoints(self)  # list, info, TTL, delete, external weights (app.api.checkpoints)
+        self.checkpoints = Checkpoints(self)  # list, info, TTL, delete, external weights (app.api.proof.checkpoints)
 
     # --- sessions and ownership --------------------------------------------------------------------
 
@@ -173,7 +173,7 @@ class Service:
                                           model=lambda model_id: self._model(owner, model_id))
         session = op.model_id.split(":", 1)[0]
         if op.loss_fn == "custom":  # a loss this session created: rebuilt, checked, named by its hash
-            from app.api.custom_loss import lookup
+            from app.api.engine.custom_loss import lookup
 
             op.extra["custom"] = lookup(self.custom_losses.get((owner, session), {}), session, op)
 
@@ -186,8 +186,8 @@ class Service:
 
     def create_custom_loss(self, owner: str, req: types.CreateCustomLossRequest) -> dict[str, Any]:
         """Rebuild the loss from its allow-listed operations and keep it for the session under its id
-        (:mod:`app.api.custom_loss`); the future answers the id."""
-        from app.api.custom_loss import create
+        (:mod:`app.api.engine.custom_loss`); the future answers the id."""
+        from app.api.engine.custom_loss import create
 
         self._session(owner, req.session_id)
         loss = create(req, self.custom_losses.setdefault((owner, req.session_id), {}))
@@ -344,7 +344,7 @@ class Service:
             if path is None and req.base_model != self.base_name:
                 raise BadRequest(f"base model {req.base_model!r} is not served")
         c = self._checkpoint(owner, path) if path else None
-        item = request_item(req, self.engine, self.limits, lambda: self._sampler(c))  # checked before queueing
+        item = request_item(req, self.engine, self.limits, lambda: self._sampler(c), f"{owner}/{session}")  # checked
 
         def run() -> tuple[bool, str, bytes]:
             return True, PROTO, self.engine.sample_request(item)
@@ -395,10 +395,3 @@ class Service:
         if got is None or got[0] != owner:
             raise NotFound(f"sampling session {req.target.sampling_session_id} not found")
         return await self.completions.poll(req)
-
-    def attestation(self, nonce: str) -> dict[str, Any]:
-        from app.api.tls import attestation
-
-        if self.agent is None:
-            raise NotServed("this server has no guest agent to quote with")
-        return attestation(self.agent, self.tls, nonce, self.collateral or (lambda _q: None))

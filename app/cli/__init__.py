@@ -168,6 +168,9 @@ def _parser() -> argparse.ArgumentParser:
                    "KMS root-key rotation)")
     s.add_argument("--app-epoch", type=int, default=0, metavar="N",
                    help="app key epoch of the simulated CVM (default 0; a higher one simulates an app-key rotation)")
+    s.add_argument("--gpu", action="store_true",
+                   help="--dstack 0.6 only: simulate one H100 that dstack's boot gate attested (RTMR3 gpu-attestation, "
+                   "boot-time evidence from Attest, AttestGpu evidence with TEST bytes)")
     s.add_argument("--emit-event", choices=("accept", "noop", "reject"), default="accept",
                    help="--dstack 0.5 only: EmitEvent behaviour: accept (dstack OS 0.5.x), noop (simulator "
                    "0.5.3-0.5.8), reject (>= 0.5.9). A 0.6 agent always refuses EmitEvent")

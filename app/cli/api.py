@@ -41,7 +41,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def _api(args: argparse.Namespace) -> int:
     if args.api_command == "attest":
-        from app.api.attest import attest
+        from app.api.http.attest import attest
 
         return attest(args.url, policy_file=args.policy, out=args.out)
     from app.api import check_listen, serve

@@ -153,7 +153,7 @@ def _simulator(args: argparse.Namespace) -> int:
             raise ConfigError(f"cannot read {args.app_compose}: {exc}") from exc
     try:
         settings = SimulatorSettings(emit_event=args.emit_event, app_compose=app_compose, dstack=args.dstack,
-                                     root_epoch=args.root_epoch, app_epoch=args.app_epoch)
+                                     root_epoch=args.root_epoch, app_epoch=args.app_epoch, gpu=args.gpu)
     except ValueError as exc:
         raise ConfigError(str(exc), fix="--root-epoch and --app-epoch take integers from 0 to 2^32-1") from exc
     try:

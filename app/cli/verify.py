@@ -56,7 +56,7 @@ def _verify(args: argparse.Namespace) -> int:
     except OpsFileError as exc:
         raise ConfigError(f"--ops: {exc}", fix="pass the JSONL of the ops as sent (docs/api.md)") from None
     if args.replay and args.ops is not None:  # the client's ops re-executed from the base model: its weights?
-        from app.api.replay import replay_check
+        from app.api.proof.replay import replay_check
 
         verdict = replay_check(verdict, args.bundle, args.ops, base_model_dir=args.base_model, progress=_stderr)
     elif args.replay:  # a nightly run re-executed from its configuration, base model and dataset

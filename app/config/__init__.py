@@ -297,7 +297,7 @@ class StateSettings(_Closed):
 
     rollback_anchor: Path | None = Field(
         None, description="A file outside the output volume where the service publishes its run counter and audit "
-        "chain head (MAC'd with a GetKey-derived key) after every run; a volume rolled back behind it is refused. "
+        "chain head after every run and at every anchored checkpoint; a volume rolled back behind it is refused. "
         "Unset: no rollback detection.")
 
 

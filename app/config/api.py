@@ -47,6 +47,11 @@ class ApiSettings(_Closed):
                                 "previous pass took) for the next op of every other model that trained in the last "
                                 "0.1 s, so that tenants stepping at once share passes. A lone model never waits. 0: "
                                 "a pass takes only what is already waiting.")
+    sample_wait_ms: float = Field(40.0, ge=0, le=1000, description="Gather window of the engine's sample batches: "
+                                  "a batch of sample requests without a seed waits at most this long (and no longer "
+                                  "than the previous batch took) for the next request of every other sampler that got "
+                                  "its answer in the last 0.1 s, so that tenants sampling in turn decode together. A "
+                                  "lone sampler never waits. 0: a batch takes only what is already waiting.")
     long_poll_s: float = Field(5.0, ge=0, le=30, description="How long retrieve_future waits for a result before "
                                "answering try_again.")
     backend: Literal["auto", "hf", "unsloth"] = Field(

@@ -21,3 +21,6 @@ class TeeSimulatorSettings(_Closed):
                             "(raise it to simulate a KMS root-key rotation).")
     app_epoch: int = Field(0, ge=0, lt=2**32, description="The app key epoch the simulated CVM runs under "
                            "(raise it to simulate an app-key rotation).")
+    gpu: bool = Field(False, description="0.6 only: simulate one H100 that dstack's boot gate attested (an RTMR3 "
+                      "gpu-attestation event, boot-time GPU evidence from Attest, AttestGpu evidence made of TEST bytes). "
+                      "No effect on 0.5, which attaches GPUs unverified.")

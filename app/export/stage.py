@@ -18,6 +18,7 @@ from typing import Any
 
 from attestation import DEFAULT_POLICY, Verdict, verify_bundle
 from attestation.bundle import manifest as B
+from attestation.bundle.anchors import of_chain
 from attestation.bundle.verify import INTEGRITY_CHECKS
 from attestation.io.hashing import files_digest, sha256_file
 from attestation.policy import policy_file_text, simulator_policy
@@ -67,7 +68,7 @@ class ExportInputs:
     lineage: dict[str, str] | None = None  # the promoted bundle this run continued from (app.run.continual)
     evaluation: dict[str, Any] | None = None  # the promotion gate's scores and decision
     federation: dict[str, Any] | None = None  # the federated round this run trained for (app.federated)
-    op_chain: dict[str, Any] | None = None  # a training-API checkpoint's op chain (app.api.bundle)
+    op_chain: dict[str, Any] | None = None  # a training-API checkpoint's op chain (app.api.proof.bundle)
     confidential: Any = None  # app.export.confidential.Plan: weights encrypted to recipients (None: plaintext)
 
 
@@ -98,6 +99,8 @@ def export_bundle(x: ExportInputs, *, phase: Phase, timings: dict[str, float],
         (stage / B.CONFIG).write_bytes(x.config_bytes)
         (stage / B.APP_COMPOSE).write_bytes(x.compose_bytes)
         (stage / B.GPU_EVIDENCE).write_bytes(x.gpu.data)
+        if x.gpu.boot is not None:  # dstack 0.6: the boot gate's evidence, bound by RTMR3, not by the manifest
+            (stage / B.GPU_BOOT_EVIDENCE).write_bytes(x.gpu.boot)
         model_dirs = (finish_model_dirs(x, stage) if x.confidential is None  # tokenizer, merged/, model.sig
                       else confidential.model_dirs(x.confidential, stage, result.adapter_dir,  # built in RAM, encrypted
                                                    lambda plain: finish_model_dirs(x, plain)))
@@ -113,8 +116,11 @@ def export_bundle(x: ExportInputs, *, phase: Phase, timings: dict[str, float],
             x.recorder.record(x.run_id, "export", {"artifacts_sha256": files_digest(artifacts)})
         entries = x.log.run_slice(x.run_id)
         (stage / B.AUDIT).write_bytes(b"".join(e.line + b"\n" for e in entries))
+        anchors = of_chain(x.log.anchors(), entries) if x.recorder.rtmr3 != "emit_event" else None
+        if anchors is not None:  # no RTMR3 measurement: the slice's checkpoints carry their quotes
+            (stage / B.AUDIT_ANCHORS).write_bytes(b"".join(a.line + b"\n" for a in anchors))
         manifest = export.manifest_bytes(_manifest(x, stage, artifacts, report_files, entries, effective_batch,
-                                                    model_dirs))
+                                                    model_dirs, anchors))
         (stage / B.MANIFEST).write_bytes(manifest)
         with phase("quote"):
             quote, event_log = x.agent.quote(B.manifest_report_data(manifest))
@@ -172,7 +178,8 @@ def _checks(x: ExportInputs) -> list[str]:
 
 
 def _manifest(x: ExportInputs, stage: Path, artifacts: dict[str, str], report_files: dict[str, Path],
-              entries: list[Any], effective_batch: int, model_dirs: export.ModelDirs) -> dict[str, Any]:
+              entries: list[Any], effective_batch: int, model_dirs: export.ModelDirs,
+              anchors: list[Any] | None) -> dict[str, Any]:
     r, ts, ident = x.train, x.cfg.training, x.ident
     return {
         "schema": B.MANIFEST_SCHEMA, "run_id": x.run_id, "started_at": x.started_at, "created_at": utc_now(),
@@ -189,8 +196,10 @@ def _manifest(x: ExportInputs, stage: Path, artifacts: dict[str, str], report_fi
                      "effective_batch_size": effective_batch, "batch": r.batch or None,
                      "eval_losses": r.eval_losses or None, "objective": ts.objective, "dpo": dpo_settings(ts)},
         "audit": {"head": entries[-1].hash, "start_prev": entries[0].prev, "first_seq": entries[0].seq,
-                  "entries": len(entries), "rtmr3": x.recorder.rtmr3 or "unsupported"},
+                  "entries": len(entries), "rtmr3": x.recorder.rtmr3 or "unsupported",
+                  "anchors": None if anchors is None else len(anchors)},
         "files": {**artifacts, B.AUDIT: sha256_file(stage / B.AUDIT), B.GPU_EVIDENCE: x.gpu.info.evidence_sha256,
+                  **({} if anchors is None else {B.AUDIT_ANCHORS: sha256_file(stage / B.AUDIT_ANCHORS)}),
                   **{rel: sha256_file(p) for rel, p in report_files.items()}, **model_dirs.files},
         "gpu": x.gpu.info.model_dump(mode="json"),
         "build": x.build,

@@ -88,6 +88,8 @@ def export_round(out: Path, agg: Aggregator, rec: RoundRecord, aggregate: Any, a
             (stage / B.QUOTE_BIN).write_bytes(quote)
             (stage / B.QUOTE_HEX).write_text(quote.hex() + "\n")
             (stage / B.EVENT_LOG).write_text(event_log)
+            if (mr_config := agg.agent.mr_config_document(quote)) is not None:  # dstack 0.6, MRCONFIGID v3
+                (stage / B.MR_CONFIG).write_bytes(mr_config)
             coll, missing = agg.agent.bundle_collateral(quote, mode=agg.collateral, pccs_url=agg.pccs_url,
                                                         timeout_s=agg.timeout_s)
             if coll is not None:
@@ -147,5 +149,5 @@ def _self_verify(stage: Path, agg: Aggregator, round_: int) -> None:
 
 def head_files(round_dir: Path) -> tuple[str, ...]:
     """The files of a round bundle that attest it without its client bundles (``verify_round_head``)."""
-    names = (R.ROUND_MANIFEST, B.QUOTE_BIN, B.QUOTE_HEX, B.EVENT_LOG, B.APP_COMPOSE, B.COLLATERAL)
+    names = (R.ROUND_MANIFEST, B.QUOTE_BIN, B.QUOTE_HEX, B.EVENT_LOG, B.APP_COMPOSE, B.COLLATERAL, B.MR_CONFIG)
     return tuple(n for n in names if (round_dir / n).is_file())

@@ -48,7 +48,8 @@ from app.run.stages import (
     token_stage,
 )
 from app.run.inputs import scratch_dir
-from app.run.state import RUN_ID, choose_run, record_export, record_promotion, record_start, resume_changes
+from app.run.state import (RUN_ID, choose_run, publish_head, record_export, record_promotion, record_start,
+                           resume_changes)
 from app.state import check_output_dir
 
 SIMULATOR_POLICY_FILE = export_stage.SIMULATOR_POLICY_FILE
@@ -169,7 +170,7 @@ def run_once(cfg: Config, *, progress: Progress = lambda _m: None, run_id: str |
         done: list[bool] = []  # set once the bundle is published
         stack.push(lambda _et, exc, _tb: _record_abort(audit.recorder, run.run_id, exc, done))  # run.abort on failure
         with timer.phase("gpu_evidence"):
-            gpu = gpu_stage(cfg, audit, run, progress)  # 9. GPU evidence, nonce = the chain head
+            gpu = gpu_stage(cfg, ag, audit, run, progress)  # 9. GPU evidence, nonce = the chain head
         with timer.phase("train"):
             result = train_stage(cfg, ds, base, keys, parent, run, audit, scratch, hooks, progress, dp)  # 10. checkpoints
         with timer.phase("audit"):
@@ -265,7 +266,8 @@ def audit_stage(cfg: Config, out: Path, ag: Agent, ds: Dataset, base: BaseModel,
                 run: RunIdentity, progress: Progress, dp: Any = None) -> Audit:
     """``run.start`` (or ``run.resume``) commits to every input hash before training, measured into RTMR3."""
     log = AuditLog(out / "state" / "audit.jsonl")
-    recorder = AuditRecorder(log, ag.agent, require_emit=cfg.tee.emit_events == "required")
+    recorder = AuditRecorder(log, ag.agent, require_emit=cfg.tee.emit_events == "required",
+                             on_anchor=lambda head: publish_head(cfg.state.rollback_anchor, out, head))
     commitment = {
         "config_sha256": sha256_hex(run.config_bytes), "training_config_sha256": sha256_hex(cfg.training_json()),
         "dataset_id": ds.info["dataset_id"], "dataset_version": ds.info["dataset_version"],
@@ -280,16 +282,19 @@ def audit_stage(cfg: Config, out: Path, ag: Agent, ds: Dataset, base: BaseModel,
     else:
         recorder.record(run.run_id, "run.start", commitment)
     measured = "measured into RTMR3" if recorder.rtmr3 == "emit_event" else (
-        f"not measured into RTMR3 ({recorder.note}); the audit chain's head is bound by the export's quote")
+        f"not measured into RTMR3 ({recorder.note}); the chain is anchored by a quote at each checkpoint and bound "
+        "by the export's quote")
     progress(f"run {run.run_id}: {'resuming' if run.resuming else 'started'}; audit events {measured}")
     return Audit(log, recorder)
 
 
-def gpu_stage(cfg: Config, audit: Audit, run: RunIdentity, progress: Progress) -> Any:
-    """GPU evidence, fresh for this run: its nonce is the chain head (the entry just recorded)."""
-    gpu = gpu_evidence.collect(audit.log.head)
+def gpu_stage(cfg: Config, ag: Agent, audit: Audit, run: RunIdentity, progress: Progress) -> Any:
+    """GPU evidence, fresh for this run: its nonce is the chain head (the entry just recorded); on dstack 0.6 also
+    the agent's (AttestGpu with that nonce, and the boot gate's evidence)."""
+    gpu = gpu_evidence.collect(audit.log.head, agent=ag.agent)
     audit.recorder.record(run.run_id, "gpu.evidence", gpu.audit_data())
-    progress(f"gpu: {describe_gpu(gpu.info)}")
+    progress(f"gpu: {describe_gpu(gpu.info)}" + ("" if gpu.boot is None else "; dstack's boot gate attested the "
+             "GPU(s) (RTMR3 gpu-attestation; its evidence goes into the bundle as gpu-boot-evidence.json)"))
     if cfg.tee.gpu_evidence != "auto":
         gpu_evidence.require_confidential(gpu.info, attested=cfg.tee.gpu_evidence == "attested")
     return gpu

@@ -18,7 +18,7 @@ from attestation.bundle import manifest as B
 
 from app.audit import AuditLog, utc_now
 from app.errors import StateError
-from app.state import RunDB, RunRecord
+from app.state import RunDB, RunRecord, publish_anchor
 
 RUN_ID = re.compile(B.RUN_ID_PATTERN)
 
@@ -122,3 +122,15 @@ def resume_changes(log: AuditLog, run_id: str, commitment: dict[str, str]) -> st
         raise StateError(f"run {run_id} cannot be resumed: {', '.join(sorted(differ))} changed since it started",
                          fix="restore the inputs it started with, or start a new run (cvm-tune run --run-id NEW_ID)")
     return "config changed" if before.get("config_sha256") not in (None, commitment["config_sha256"]) else ""
+
+
+def publish_head(anchor: Path | None, out: Path, audit_head: str) -> None:
+    """Publish a new audit head during a run (an anchored checkpoint): a volume rolled back behind it is refused at
+    the next start even when the run never finishes."""
+    if anchor is None:
+        return
+    db = RunDB(out)
+    try:
+        publish_anchor(anchor, counter=db.counter(), audit_head=audit_head)
+    finally:
+        db.close()

@@ -70,6 +70,7 @@ class SimulatorSettings:
     dstack: Literal["0.5", "0.6"] = "0.6"
     root_epoch: int = 0  # the KMS root key epoch the CVM booted under
     app_epoch: int = 0  # the app key epoch (0.6.4+); a 0.5 agent derives from them too but cannot select old ones
+    gpu: bool = False  # 0.6: one H100 that dstack's boot gate attested (0.5 attaches GPUs unverified: no effect)
 
     def __post_init__(self) -> None:
         if not isinstance(self.secret, bytes) or len(self.secret) != 32:
@@ -78,6 +79,8 @@ class SimulatorSettings:
             raise ValueError(f"SimulatorSettings.emit_event must be accept, noop or reject, not {self.emit_event!r}")
         if self.dstack not in ("0.5", "0.6"):
             raise ValueError(f"SimulatorSettings.dstack must be '0.5' or '0.6', not {self.dstack!r}")
+        if not isinstance(self.gpu, bool):
+            raise ValueError(f"SimulatorSettings.gpu must be a bool, not {self.gpu!r}")
         for name in ("root_epoch", "app_epoch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
@@ -121,10 +124,12 @@ class GuestAgentSimulator:
         self.epochs = (settings.root_epoch, settings.app_epoch)
         self.kms_k256_public_key = _k256_key(self._kms_root(0)).public_key  # root epoch 0's KMS key
         self.mr_config: str | None = None  # the MrConfigV3 document, when MRCONFIGID is v3
+        # nvattest's boot-time output (the real H100 sample) that the boot gate measured; None: no attested GPU
+        self.boot_gpu_evidence = _fixture("gpu_boot_evidence.json") if settings.gpu and self.is_06 else None
         body = bytearray(self._base.header_body)
         body[232:280] = self._mr_config_id(compose, self._kms_id)
         self._body_template = bytes(body)
-        self.vm_config = _VM_CONFIG if self.mr_config is None else v06.vm_config_with(_VM_CONFIG, self.mr_config)
+        self.vm_config = v06.vm_config_with(_VM_CONFIG, self.mr_config, gpus=int(self.boot_gpu_evidence is not None))
         self._boot()
 
     def _boot(self) -> None:
@@ -143,10 +148,12 @@ class GuestAgentSimulator:
             return [("system-preparing", b""), ("app-id", self.app_id), ("compose-hash", self.compose_hash),
                     ("instance-id", self.instance_id), ("boot-mr-done", b""),
                     ("key-provider", self.key_provider_info.encode()), ("storage-fs", storage), ("system-ready", b"")]
-        # dstack 0.6.7 with a KMS (dstack-0.6.md §3.1); no GPU here, so no gpu-attestation event.
+        # dstack 0.6.7 with a KMS (dstack-0.6.md §3.1); gpu-attestation only when a simulated GPU passed the gate.
+        gpu = [] if self.boot_gpu_evidence is None else [("gpu-attestation", v06.gpu_attestation_payload(
+            self.boot_gpu_evidence))]
         return [("system-preparing", b""), ("app-id", self.app_id), ("compose-hash", self.compose_hash),
-                *[("init-script-hash", h) for h in self.init_script_hashes],
-                ("gpu-policy-hash", self.gpu_policy_hash), ("instance-id", self.instance_id), ("boot-mr-done", b""),
+                *[("init-script-hash", h) for h in self.init_script_hashes], ("gpu-policy-hash", self.gpu_policy_hash),
+                *gpu, ("instance-id", self.instance_id), ("boot-mr-done", b""),
                 ("os-image-hash", bytes.fromhex(BASE_OS_IMAGE_HASH)), ("key-provider", self.key_provider_info.encode()),
                 ("app-epoch", v06.app_epoch_payload(*self.epochs)), ("storage-fs", storage), ("system-ready", b"")]
 

@@ -69,14 +69,21 @@ def _dispatch_v1(agent: Any, method: str, body: dict) -> dict:
         return get_key_v1(agent, _str(body, "domain"), _str(body, "algorithm"))
     if method == "Attest":
         answer = agent.attest(_hex(body, "report_data"), v1=True)
-        if body.get("include_boottime_gpu_evidence") is True:
-            answer["boottime_gpu_evidence"] = []  # no GPU passed the boot gate (no gpu-attestation event)
+        if body.get("include_boottime_gpu_evidence") is True:  # empty: no GPU passed the boot gate
+            answer["boottime_gpu_evidence"] = _gpu_bundles(agent.boot_gpu_evidence, v06.BOOT_EVIDENCE_FORMAT)
         return answer
     if method == "AttestGpu":
-        if len(_hex(body, "nonce")) != 32:
+        nonce = _hex(body, "nonce")
+        if len(nonce) != 32:
             raise SimulatorRpcError("nonce must be exactly 32 bytes")
-        return {"bundles": []}  # no GPU attached to the simulated CVM
+        fresh = None if agent.boot_gpu_evidence is None else v06.collect_evidence(nonce)  # None: no GPU attached
+        return {"bundles": _gpu_bundles(fresh, v06.FRESH_EVIDENCE_FORMAT)}
     raise SimulatorRpcError(f"Service not found: {method}", status=404)
+
+
+def _gpu_bundles(evidence: bytes | None, fmt: str) -> list[dict]:
+    """``GpuEvidenceBundle`` list (``{vendor, format, evidence (hex)}``): one NVIDIA bundle, or none."""
+    return [] if evidence is None else [{"vendor": v06.NVIDIA, "format": fmt, "evidence": evidence.hex()}]
 
 
 def info_v1(agent: Any) -> dict:

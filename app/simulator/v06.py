@@ -6,6 +6,7 @@
 * ``VersionedAttestation`` in both encodings: legacy SCALE V0 and MessagePack V1 (``msgpack`` is imported lazily:
   only ``Attest`` needs it), §2.4;
 * MRCONFIGID v3 from an MrConfigV3 document, §5;
+* a simulated GPU: the ``gpu-attestation`` boot event and the evidence ``Attest`` / ``AttestGpu`` serve, §4;
 * the simulator's key epochs: how a KMS root epoch and an app epoch change the app root key. dstack does not
   publish the KMS's per-epoch derivation; the simulator's is its own (below) and only its *effect* is faithful:
   epoch (0, 0) gives the app root key of the 0.5 simulator, every other epoch a different one.
@@ -15,6 +16,7 @@ Nothing here is secret or talks to anything; the agent (``agent.py``) serves the
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import struct
@@ -167,6 +169,33 @@ def app_epoch_payload(root_epoch: int, app_epoch: int) -> bytes:
     return jcs({"app_epoch": app_epoch, "root_epoch": root_epoch})
 
 
-def vm_config_with(vm_config: str, mr_config: str) -> str:
-    """``vm_config`` carrying the MrConfigV3 document (where hosts before the top-level ``mr_config`` put it)."""
-    return json.dumps({**json.loads(vm_config), "mr_config": mr_config}, separators=(",", ":"))
+def vm_config_with(vm_config: str, mr_config: str | None, gpus: int = 0) -> str:
+    """``vm_config`` carrying the MrConfigV3 document (where hosts before the top-level ``mr_config`` put it) and
+    the number of GPUs attached (``vm_config`` unchanged when there is neither)."""
+    if mr_config is None and not gpus:
+        return vm_config
+    doc = {**json.loads(vm_config), "num_gpus": gpus}
+    return json.dumps(doc if mr_config is None else {**doc, "mr_config": mr_config}, separators=(",", ":"))
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+NVIDIA = "nvidia"
+BOOT_EVIDENCE_FORMAT = "nvidia-nvattest-boottime-json-v1"  # Attest(include_boottime_gpu_evidence): attestation.out
+FRESH_EVIDENCE_FORMAT = "nvidia-nvattest-collect-evidence-json-v1"  # AttestGpu(nonce): nvattest collect-evidence
+
+
+def gpu_attestation_payload(evidence: bytes, devices: int = 1) -> bytes:
+    """The ``gpu-attestation`` RTMR3 event dstack's boot gate measures (compact JSON, dstack's field order, §4)."""
+    doc = {"version": 2, "provider": NVIDIA, "devices": devices, "cc_mode": "on", "devtools": False,
+           "evidence_sha256": hashlib.sha256(evidence).hexdigest()}
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def collect_evidence(nonce: bytes) -> bytes:
+    """A stand-in for ``nvattest collect-evidence`` (the shape of §4, one H100 with the boot sample's driver and
+    VBIOS): ``evidence`` and ``certificate`` are labelled TEST bytes, not an NVIDIA report; only ``nonce`` is real."""
+    label = base64.b64encode(b"cvm-tune simulator TEST: not an NVIDIA attestation report").decode()
+    return json.dumps({"evidences": [{"version": "1.0", "arch": "HOPPER", "nonce": nonce.hex(),
+                                      "vbios_version": "96.00.D9.00.01", "driver_version": "580.159.03",
+                                      "evidence": label, "certificate": label}],
+                       "result_code": 0, "result_message": "Ok"}, separators=(",", ":")).encode()

@@ -4,7 +4,7 @@ Top to bottom, :func:`train`:
 
 1. Select the backend (``hf`` or ``unsloth``) **before** importing trl/transformers/peft: Unsloth
    monkeypatches those libraries at import time and must be imported first in the process. Only
-   :func:`_import_unsloth` imports it first (the training API's ``app.api.backend`` too), only on that
+   :func:`_import_unsloth` imports it first (the training API's ``app.api.engine.backend`` too), only on that
    branch, so importing this module on a CPU machine never touches Unsloth (GPU-only).
 2. Load the base model from a local directory only (``local_files_only``, offline env vars) and
    seed everything first so the LoRA initialisation is reproducible.

@@ -1,7 +1,7 @@
 """Sealed directories: a directory of files encrypted onto the output volume under a key that never leaves the CVM.
 
 The format of the nightly run's checkpoints (:mod:`app.training.checkpoints`) and of the training API's saved
-states (``app.api.vault``); each use has a key of its own (its own dstack ``GetKey`` path), so one never opens the
+states (``app.api.proof.vault``); each use has a key of its own (its own dstack ``GetKey`` path), so one never opens the
 other's. A sealed directory holds::
 
     manifest.enc          the manifest, itself sealed (below)

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from attestation.io.hashing import canonical_json, sha256_hex
+from attestation.io.hashing import canonical_json, canonical_or_none, sha256_hex
 from attestation.tdx.eventlog import ENTRY_TYPES, EVENT_PREFIX
 
 GENESIS = "0" * 64
@@ -70,7 +70,7 @@ def parse_entry(line: bytes) -> AuditEntry:
         raise AuditFormatError("audit line is not JSON") from exc
     if not isinstance(obj, dict) or set(obj) != _KEYS or obj["v"] != 1:
         raise AuditFormatError("audit line does not have the v1 fields")
-    if canonical_json(obj) != line:
+    if canonical_or_none(obj) != line:  # not canonical, or no canonical form at all (NaN, a lone surrogate)
         raise AuditFormatError("audit line is not in canonical form")
     if obj["type"] not in ENTRY_TYPES or not isinstance(obj["data"], dict):
         raise AuditFormatError(f"unknown audit entry type {obj['type']!r}")

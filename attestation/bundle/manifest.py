@@ -50,6 +50,7 @@ COLLATERAL = "collateral.json"
 MR_CONFIG = "mr-config.json"  # dstack 0.6: the MrConfigV3 document a v3 MRCONFIGID is the hash of (exact bytes)
 GPU_BOOT_EVIDENCE = "gpu-boot-evidence.json"  # dstack 0.6: nvattest's boot-time output, bound by RTMR3 gpu-attestation
 AUDIT = "audit.jsonl"
+AUDIT_ANCHORS = "audit-anchors.jsonl"  # quotes over the chain head at each checkpoint (attestation.bundle.anchors)
 CONFIG = "config.json"
 APP_COMPOSE = "app-compose.json"
 MODEL_CARD = "README.md"
@@ -95,6 +96,7 @@ def hashed_files(manifest: Manifest | None) -> tuple[str, ...]:
         return HASHED_FILES
     base = tuple(C.stored_name(f, encrypted(manifest)) for f in HASHED_FILES)
     gpu = (GPU_EVIDENCE,) if manifest.gpu is not None else ()
+    gpu += (AUDIT_ANCHORS,) if manifest.audit.anchors is not None else ()
     report = REPORT_FILES if set(REPORT_FILES) & set(manifest.files) else ()
     signed = tuple(f"{d}/{SIGNATURE_NAME}" for d in manifest.signing.signed) if manifest.signing else ()
     listed = tuple(sorted(f for f in manifest.files if _LISTED.fullmatch(f) and f not in base and f not in signed))
@@ -256,6 +258,7 @@ class AuditInfo(_Closed):
     first_seq: int
     entries: int
     rtmr3: Literal["emit_event", "unsupported"]
+    anchors: int | None = Field(None, ge=0)  # lines of audit-anchors.jsonl (attestation.bundle.anchors); None: not anchored
 
 
 class BuildInfo(_Closed):

@@ -13,6 +13,7 @@ Bundle steps (after ``attestation.verify``'s quote steps):
  B7 ``tee.app_id``       manifest app-id = event-log app-id
  B8 ``audit.chain``      audit.jsonl intact, linked, head and hashes agree with the manifest
  B9 ``audit.rtmr3``      the measured RTMR3 app events are the audit entries (when EmitEvent was used)
+ B9a ``audit.anchors``   audit-anchors.jsonl: every checkpoint entry anchored by a quote of the same TD (dstack 0.6)
  B10 ``base_model.tree`` the base-model tree hash is recomputed (and compared with a local copy if given)
  B11 ``dataset.file``    the encrypted dataset hash (only when the file is given)
  B12 ``gpu.evidence``    gpu-evidence.json re-summarised = the manifest's ``gpu``, committed by the last
@@ -42,7 +43,7 @@ from attestation.bundle import manifest as B
 from attestation.compose import app_compose as C
 from attestation.compose.dstack06 import audit06, gpu_policy_hash
 from attestation.bundle import confidential as confidential_verify
-from attestation.bundle import input_checks
+from attestation.bundle import anchors, input_checks
 from attestation.outputs import op_chain
 from attestation.privacy import dp as privacy
 from attestation.bundle.audit import AuditEntry, AuditFormatError, chain_problems, parse_entry, parse_lines
@@ -64,7 +65,7 @@ MAX_FILE = 64 << 20
 INTEGRITY_CHECKS = frozenset({
     "bundle.files", "manifest.schema", "manifest.files", "quote.parse", "quote.hex", "quote.padding", "report_data",
     "event_log.parse", "event_log.replay", "event_log.boot", "compose.hash", "tee.app_id", "audit.chain",
-    "audit.rtmr3", "base_model.tree", "gpu.evidence", "evaluation.decision", "model.signature", "privacy.dp",
+    "audit.rtmr3", "audit.anchors", "base_model.tree", "gpu.evidence", "evaluation.decision", "model.signature", "privacy.dp",
     "confidential.outputs", "confidential.plaintext",
 })
 
@@ -118,6 +119,7 @@ def verify_bundle(
         entries = _audit_entries(root)  # parsed once: the audit and GPU steps both read them
         config_bytes = _config_bytes(root)  # read once: the audit, evaluation and privacy steps compare with it
         _audit(f, entries, config_bytes, manifest, policy)
+        anchors.check(f, root, manifest, entries, policy=policy, now=now, collateral=coll, mr_config=mr_config)
         _gpu(f, root, manifest, events, entries)
         _gpu_06(f, root, manifest, events)
         input_checks.evaluation(f, manifest, config_bytes)

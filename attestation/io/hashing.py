@@ -26,6 +26,14 @@ def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
+def canonical_or_none(obj: Any) -> bytes | None:
+    """:func:`canonical_json`, or None when ``obj`` has no canonical form (NaN/Infinity, a lone surrogate)."""
+    try:
+        return canonical_json(obj)
+    except ValueError:
+        return None
+
+
 def sha256_hex(data: bytes) -> str:
     """Hex SHA-256 of ``data``."""
     return hashlib.sha256(data).hexdigest()

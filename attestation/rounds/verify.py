@@ -6,7 +6,8 @@ Steps (after ``attestation.verify``'s quote steps on the aggregator's quote):
  R2 ``round.schema``     round-manifest.json parses against ``cvm-tune/round-manifest/v1``
  R3 ``quote.hex``, ``report_data`` (= SHA-512("cvm-tune-round-v1:" || round-manifest.json bytes))
  R4 ``round.file_hashes`` app-compose.json and the global adapter hash to the manifest; global_adapter_sha256 agrees
- R5 ``compose.hash``, ``tee.app_id``  the aggregator's compose and app id, as for a bundle
+ R5 ``compose.hash``, ``tee.app_id``  the aggregator's compose and app id, as for a bundle (with ``mr-config.json``
+                         when its MRCONFIGID is v3)
  R6 ``client.<name>``    the client bundle verifies under the same policy (every bundle check), and its manifest,
                          quote (by its signed region, ``quote_identity``) and adapter hash to what the round lists
  R7 ``round.terms``      every client manifest's ``federation`` block names this round, nonce, the round's input
@@ -35,6 +36,7 @@ from attestation.bundle.verify import (
     _bundle_collateral,
     _compose_and_app_id,
     _events,
+    _optional,
     _quote_bytes,
     _read,
     file_problems,
@@ -104,7 +106,8 @@ def _attested_manifest(f: QuoteFindings, root: Path, policy: Policy, now: int,
     events = _events(f, root)
     if quote is not None:
         verify_quote(quote, policy=policy, now=now, collateral=collateral or _bundle_collateral(f, root),
-                     events=events, expected_report_data=R.round_report_data(raw_manifest), findings=f)
+                     events=events, expected_report_data=R.round_report_data(raw_manifest), findings=f,
+                     mr_config=_optional(root, B.MR_CONFIG))
     if m is not None:
         _compose_and_app_id(f, root, m)  # type: ignore[arg-type]  # reads only .tee
     return m
@@ -159,7 +162,7 @@ def _files(f: QuoteFindings, root: Path, m: R.RoundManifest | None) -> None:
     top = _TOP | ({R.global_adapter(m.confidentiality is not None)} if m is not None else (present & adapters) or
                   {R.GLOBAL_ADAPTER})
     problems += [f"missing {p}" for p in sorted(top - present)]
-    problems += [f"unexpected file {p}" for p in sorted(present - top - {B.COLLATERAL})]
+    problems += [f"unexpected file {p}" for p in sorted(present - top - {B.COLLATERAL, B.MR_CONFIG})]
     problems += [f"unexpected directory {d}/" for d in sorted(dirs - _TOP_DIRS)]
     if m is not None:
         want = {a.client for a in m.admitted}

@@ -6,6 +6,7 @@ import { MAX_QUOTE_BYTES } from "./quote.js";
 import { verifyQuote } from "./quotechecks.js";
 import { checkMrConfigId, dstack06Audit, gpuPolicyHash, serviceImage } from "./compose.js";
 import { auditEntries, auditSteps } from "./audit.js";
+import { ANCHORS_FILE, anchorsStep } from "./anchors.js";
 import { bootEvidenceStep, gpuStatus, gpuStep } from "./gpu.js";
 import { manifestProblem } from "./schema.js";
 import { modelSignature } from "./signature.js";
@@ -32,6 +33,7 @@ function hashedFiles(m) {
   if (!m) return HASHED;
   const base = HASHED.map((f) => storedName(f, m.confidentiality != null));
   const gpu = m.gpu != null ? ["gpu-evidence.json"] : [];
+  if (m.audit.anchors != null) gpu.push(ANCHORS_FILE);  // verifier-spec §4a: listed when the manifest counts anchors
   const report = REPORT.some((f) => f in m.files) ? REPORT : [];
   const signed = m.signing ? m.signing.signed.map((d) => `${d}/model.sig`) : [];
   const listed = Object.keys(m.files).filter((f) => LISTED.test(f) && !base.includes(f) && !signed.includes(f)).sort();
@@ -100,9 +102,10 @@ export async function verifyBundle(b, { policy, now, ops = null }) {
   const raw = quoteBytes(f, b);
   const coll = readCollateral(f, b);
   const events = readEvents(f, b);
+  const mrConfig = b.files.get("mr-config.json") ?? null;
   if (raw) {
     const expected = sha512(concat(enc.encode("cvm-tune-manifest-v1:"), manifestBytes));
-    verifyQuote(f, raw, { policy, now, coll, events, expectedReportData: expected, mrConfig: b.files.get("mr-config.json") ?? null });
+    verifyQuote(f, raw, { policy, now, coll, events, expectedReportData: expected, mrConfig });
   }
   if (m) {
     f.bundle = { run_id: m.run_id, created_at: m.created_at, audit_head: m.audit.head, audit_last_seq: m.audit.first_seq + m.audit.entries - 1 };
@@ -115,6 +118,7 @@ export async function verifyBundle(b, { policy, now, ops = null }) {
     const entries = auditEntries(b.files.get("audit.jsonl"));
     const config = b.files.get("config.json") ?? null;
     auditSteps(f, entries, config, m, policy);
+    anchorsStep(f, b, m, entries, { policy, now, coll, mrConfig });
     gpuStep(f, b.files.get("gpu-evidence.json") ?? null, m, events, entries);
     f.add("gpu.boot_evidence", ...bootEvidenceStep(events, b.files.get("gpu-boot-evidence.json") ?? null));
     f.gpu = gpuStatus(events, m.gpu != null && m.gpu.present === true, f.checks);

@@ -19,7 +19,7 @@ const APP_EVENTS = ["run.start", "run.resume", "gpu.evidence", "train.batch", "t
 export const DEFAULT_POLICY = Object.freeze({
   schema_version: 1, name: "default", trusted_root: "intel", allowed_tcb_statuses: ["UpToDate"], denied_advisories: [],
   expected_mrtd: [], expected_rtmr0: [], expected_rtmr1: [], expected_rtmr2: [], compose_hashes: [], app_ids: [],
-  require_rtmr3_audit: false, outofdate_grace_period_s: 0, min_tcb_evaluation_data_number: null, max_epsilon: null,
+  require_rtmr3_audit: false, require_audit_anchors: false, outofdate_grace_period_s: 0, min_tcb_evaluation_data_number: null, max_epsilon: null,
   max_delta: null, allowed_compose_findings: [], expected_gpu_policy_hashes: [], allowed_boot_events: BOOT_EVENTS,
   allowed_app_events: APP_EVENTS,
 });
@@ -40,6 +40,7 @@ const RULES = {
   compose_hashes: list(/^[0-9a-f]{64}$/, "64 lowercase hex characters"),
   app_ids: list(/^[0-9a-f]{40}$/, "40 lowercase hex characters"),
   require_rtmr3_audit: (v) => typeof v === "boolean" || "must be true or false",
+  require_audit_anchors: (v) => typeof v === "boolean" || "must be true or false",
   outofdate_grace_period_s: (v) => (Number.isInteger(v) && v >= 0 && v <= 90 * 86400) || "must be 0 to 7776000",
   min_tcb_evaluation_data_number: (v) => v === null || (Number.isInteger(v) && v >= 1) || "must be null or >= 1",
   max_epsilon: (v) => v === null || (typeof v === "number" && v > 0) || "must be null or > 0",

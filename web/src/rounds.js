@@ -11,6 +11,7 @@ import { concat, enc, hex, sha256, sha256hex, sha512 } from "./util.js";
 
 const TOP = ["round-manifest.json", "quote.bin", "quote.hex", "event_log.json", "app-compose.json"];
 const TOP_DIRS = ["adapter", "clients"];
+const OPTIONAL = ["collateral.json", "mr-config.json"];  // platform files: collateral, the MrConfigV3 document (v3)
 const WEIGHT_TOLERANCE = 1e-9;
 const globalAdapter = (secure) => storedName(WEIGHTS, secure);
 
@@ -37,7 +38,7 @@ function files(f, b, m) {
   const found = present.filter((p) => p === globalAdapter(false) || p === globalAdapter(true));
   const top = new Set([...TOP, ...(m ? [globalAdapter(m.confidentiality != null)] : found.length ? found : [globalAdapter(false)])]);
   const problems = [...[...top].filter((p) => !b.files.has(p)).sort().map((p) => `missing ${p}`),
-    ...present.filter((p) => !top.has(p) && p !== "collateral.json").sort().map((p) => `unexpected file ${p}`),
+    ...present.filter((p) => !top.has(p) && !OPTIONAL.includes(p)).sort().map((p) => `unexpected file ${p}`),
     ...dirs.filter((d) => !TOP_DIRS.includes(d)).sort().map((d) => `unexpected directory ${d}/`)];
   if (m) {
     const want = new Set(m.admitted.map((a) => a.client));
@@ -153,7 +154,8 @@ export async function verifyRound(b, { policy, now }) {
   const events = readEvents(f, b);
   if (raw) {
     const coll = readCollateral(f, b);
-    verifyQuote(f, raw, { policy, now, coll, events, expectedReportData: sha512(concat(enc.encode("cvm-tune-round-v1:"), rawManifest)) });
+    verifyQuote(f, raw, { policy, now, coll, events, expectedReportData: sha512(concat(enc.encode("cvm-tune-round-v1:"), rawManifest)),
+      mrConfig: b.files.get("mr-config.json") ?? null });
   }
   if (m) composeAndAppId(f, b, m);
   files(f, b, m);

@@ -98,7 +98,8 @@ const MANIFEST = obj({
     eval_losses: opt(list(pair)), objective: lit("sft", "dpo"),
     dpo: opt(obj({ beta: num((x) => x > 0), loss_type: lit("sigmoid", "hinge", "ipo"), reference: lit("base model (adapter disabled)") })),
   }),
-  audit: obj({ head: str(H64), start_prev: str(H64), first_seq: int(), entries: int(), rtmr3: lit("emit_event", "unsupported") }),
+  audit: obj({ head: str(H64), start_prev: str(H64), first_seq: int(), entries: int(), rtmr3: lit("emit_event", "unsupported") },
+    { anchors: opt(int(0)) }),  // lines of audit-anchors.jsonl (anchors.js); absent or null: not anchored
   files: dict(str()),
 }, {
   schema: lit("cvm-tune/manifest/v1"),

@@ -26,12 +26,17 @@ function derToRaw(der) {
   return at === der.length ? out : null;
 }
 
+const BUNDLE_MEDIA_TYPE = "application/vnd.dev.sigstore.bundle.v0.3+json";
+
 async function verifyDir(b, dir, pem) {
   const sigBytes = b.files.get(`${dir}/model.sig`);
   if (!sigBytes) return "missing";
   let bundle, payload, statement;
   try {
     bundle = JSON.parse(utf8(sigBytes));
+    if (bundle.mediaType !== BUNDLE_MEDIA_TYPE) {  // model_signing's key verifier accepts this media type only
+      return `Invalid sigstore bundle, got media type ${bundle.mediaType} but expected ${BUNDLE_MEDIA_TYPE}`;
+    }
     const env = bundle.dsseEnvelope;
     payload = b64(env.payload);
     const hint = bundle.verificationMaterial && bundle.verificationMaterial.publicKey && bundle.verificationMaterial.publicKey.hint;

@@ -80,6 +80,9 @@ function summary(bundle) {
   if (m.privacy) add("differential privacy", `ε = ${m.privacy.epsilon} at δ = ${m.privacy.delta} (${m.privacy.accountant}, as recorded)`);
   if (m.op_chain) add("training API", `${m.op_chain.ops} ops, ${m.op_chain.optimizer_steps} optimizer steps, ${m.op_chain.checkpoint}`);
   if (m.op_chain && isObj(m.op_chain.dp)) add("differential privacy", `ε = ${m.op_chain.dp.epsilon} at δ = ${m.op_chain.dp.delta} (as recorded)`);
+  const au = isObj(m.audit) ? m.audit : {};
+  add("audit chain", au.entries === undefined ? null : `${au.entries} entries, ${au.rtmr3 === "emit_event" ? "measured into RTMR3"
+    : au.anchors != null ? `${au.anchors} anchor quote(s) in audit-anchors.jsonl` : "not anchored (bound by the export's quote)"}`);
   if (m.confidentiality) add("recipients", (m.confidentiality.recipients || []).join(" "));
   if (m.federation) add("federated round", m.federation.round);
   add("TEE", m.tee && `${m.tee.mode}, app-id ${m.tee.app_id}`);

@@ -7,6 +7,8 @@ import { historyProblems, recomputeEpsilon } from "../src/epsilon.js";
 import { weightedSum } from "../src/aggregate.js";
 import { DtypeLookupError, loadSafetensors } from "../src/safetensors.js";
 import { Findings } from "../src/bundle.js";
+import { anchorProblems, parseAnchorLines, reportData } from "../src/anchors.js";
+import { auditEntries } from "../src/audit.js";
 import { checkMrConfigId, dstack06Audit } from "../src/compose.js";
 import { bootInfo, parseEventLog, replay } from "../src/eventlog.js";
 import { bootEvidenceStep, gpuPolicyStep, gpuStatus } from "../src/gpu.js";
@@ -78,6 +80,27 @@ const FUNCTIONS = {
     opChainCheck(f, m, enc.encode(opsText));
     return f.checks[0];
   },
+  // audit-anchors.jsonl (base64) as anchors.js reads it: [[seq, head, quote hex, event log]] or {error}
+  anchorLines: (b64) => {
+    try {
+      return parseAnchorLines(new Uint8Array(Buffer.from(b64, "base64"))).map((a) => [String(a.seq), a.head, Buffer.from(a.quote).toString("hex"), a.eventLog]);
+    } catch (e) { return { error: e.message }; }
+  },
+  // anchorProblems on anchor lines and audit lines (base64), each quote's check result looked up by its hex in
+  // `results` ([failed names, TD fields, boot payloads]); returns the problems and the (quote, report_data) asked
+  anchorProblems: (anchorsB64, auditB64, results, mainFailed, mainTd, mainBoot) => {
+    const asked = [];
+    const check = (quote, log, expected) => {
+      const q = Buffer.from(quote).toString("hex");
+      asked.push([q, Buffer.from(expected).toString("hex")]);
+      const [failed, td, boot] = results[q];
+      return [new Set(failed), td, boot];
+    };
+    const anchors = parseAnchorLines(new Uint8Array(Buffer.from(anchorsB64, "base64")));
+    const entries = auditEntries(new Uint8Array(Buffer.from(auditB64, "base64")));
+    return { problems: anchorProblems(anchors, entries, check, { mainFailed: new Set(mainFailed), mainTd, mainBoot }), asked };
+  },
+  anchorReportData: (seq, head) => Buffer.from(reportData(BigInt(seq), head)).toString("hex"),
   opChain: (manifestOpChain, opsText) => {
     const f = new Findings();
     opChainCheck(f, { op_chain: manifestOpChain }, enc.encode(opsText));

@@ -111,6 +111,66 @@ def routed(layers: list[Any], segments: list[tuple[str, int, int]], dim: int = 1
             del layer.forward
 
 
+class RowRouter:
+    """A decode batch's sequences each through its own adapter, every LoRA layer adding all of them in two products
+    whatever the number of adapters (:func:`_rows_forward`): ``route(segments)`` ((adapter, first row, end row)
+    along dim 0) is entered around each forward. The stacked weights are built once per set of segments, so one
+    router serves one decode (the adapters' weights do not change during it). For inference only (no dropout;
+    a layer with a LoRA bias takes :func:`routed`'s path); a row's bits may differ from a pass alone, so a draw that
+    must reproduce exactly decodes alone."""
+
+    def __init__(self, layers: list[Any]) -> None:
+        self.layers = layers
+        self._plans: dict[tuple[tuple[str, int], ...], list[Any]] = {}
+
+    @contextlib.contextmanager
+    def route(self, segments: list[tuple[str, int, int]]) -> Iterator[None]:
+        key = tuple((name, b - a) for name, a, b in segments)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = [self._plan(layer, segments) for layer in self.layers]
+        for layer, forward in zip(self.layers, plan, strict=True):
+            layer.forward = forward
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                del layer.forward
+
+    @staticmethod
+    def _plan(layer: Any, segments: list[tuple[str, int, int]]) -> Any:
+        import torch
+
+        names = [name for name, *_ in segments]
+        if any(n in layer.lora_A and (layer.lora_A[n].bias is not None or layer.lora_B[n].bias is not None)
+               for n in names):
+            return functools.partial(_routed_forward, layer, segments, dim=0)
+        present = [(i, n) for i, n in enumerate(names) if n in layer.lora_A]
+        if not present:
+            return layer.base_layer
+        a = torch.cat([layer.lora_A[n].weight for _i, n in present])  # (sum of ranks, in)
+        b = torch.cat([layer.lora_B[n].weight for _i, n in present], dim=1)  # (out, sum of ranks)
+        scale = a.new_zeros(len(segments), a.shape[0])  # a segment -> its adapter's columns, scaled
+        col = 0
+        for i, n in present:
+            rank = layer.lora_A[n].weight.shape[0]
+            scale[i, col:col + rank] = layer.scaling[n]
+            col += rank
+        sizes = torch.tensor([end - first for _name, first, end in segments], device=scale.device)
+        return functools.partial(_rows_forward, layer, a, b, scale.repeat_interleave(sizes, dim=0))
+
+
+def _rows_forward(layer: Any, a: Any, b: Any, rows: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+    """The base layer on every row, plus ``((x @ A.T) * rows) @ B.T``: A and B every adapter's, stacked along the
+    rank, and ``rows`` each row's own adapter's scaling on its columns (zero on the others')."""
+    from torch.nn.functional import linear
+
+    result = layer.base_layer(x, *args, **kwargs)
+    mask = rows if x.dim() == 2 else rows.view(rows.shape[0], *([1] * (x.dim() - 2)), rows.shape[1])
+    delta = linear(linear(x.to(a.dtype), a) * mask, b)
+    return result + delta.to(result.dtype)
+
+
 def lora_layers(model: Any) -> list[Any]:
     """The model's LoRA layers, which a packed pass routes."""
     from peft.tuners.lora.layer import LoraLayer
@@ -205,9 +265,9 @@ def forward_backward(engine: Any, items: list[tuple[Any, Any]]) -> list[Any]:
 
     import torch
 
-    from app.api import losses
+    from app.api.engine import losses
     from app.api.errors import ApiError, BadRequest
-    from app.api.history import applied, link
+    from app.api.engine.history import applied, link
 
     refused: dict[int, Exception] = {}
     heads = {}

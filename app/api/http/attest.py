@@ -4,7 +4,7 @@
    is then read (not trusted yet: that is what this decides); the whole exchange within one deadline, the answer at
    most :data:`MAX_DOC` bytes.
 2. The quote under the policy (signature, TCB, RTMR replay with the event log), its report_data =
-   :func:`app.api.tls.report_data` over the nonce and the SHA-256 of the SubjectPublicKeyInfo of the certificate this
+   :func:`app.api.http.tls.report_data` over the nonce and the SHA-256 of the SubjectPublicKeyInfo of the certificate this
    connection presented (a man in the middle, or a gateway that terminates TLS, presents another key: rejected).
 3. The app-compose hashes to the compose-hash the event log measured, and a non-zero MRCONFIGID binds that same
    compose-hash (v1 or v2, as the bundle verifier's ``compose.hash`` step checks it).
@@ -36,7 +36,7 @@ from attestation.tdx.inputs import event_log_from_json, getquote_mr_config
 from attestation.io.safe_yaml import parse_json
 from attestation.verify import quote_verdict
 
-from app.api.tls import SCHEMA, report_data, spki_sha256
+from app.api.http.tls import SCHEMA, report_data, spki_sha256
 from app.errors import ConfigError
 from app.fsutil import atomic_write_bytes
 

@@ -4,7 +4,7 @@ Bodies are parsed with the SDK's own pydantic types (``tinker.types``) and proto
 unknown model or a request over the limits is a 4xx whose body says why (the SDK surfaces it). A ``forward_backward``
 or ``optim_step`` the SDK sends again (same ``seq_id``, its answer lost) answers its first future: applied once.
 Routes not served answer 400 with the reason (``NotServed``: a 5xx would have the SDK retry for minutes). Every route
-needs an API key but health, attestation and the signed download URLs of external weights (:mod:`app.api.external`:
+needs an API key but health, attestation and the signed download URLs of external weights (:mod:`app.api.proof.external`:
 the URL is the capability).
 """
 
@@ -24,9 +24,10 @@ from tinker import types
 
 from attestation.io.safe_yaml import parse_json
 
+from app.api.engine.sampling import check_params
 from app.api.errors import ApiError, BadRequest, NotServed, TooLarge, TooMany, Unauthorized
-from app.api.external import ROUTE as DOWNLOAD
-from app.api.sampling import check_params
+from app.api.http import tls
+from app.api.proof.external import ROUTE as DOWNLOAD
 from app.api.service import Service
 
 logger = logging.getLogger(__name__)
@@ -250,7 +251,9 @@ def create_app(svc: Service, keys: frozenset[str]) -> FastAPI:
 
     @app.get("/api/v1/cvm_tune/attestation")
     def attestation(nonce: str = "") -> Any:  # a thread of its own: the guest agent's quote takes a while
-        return _json(svc.attestation(nonce))
+        if svc.agent is None:
+            raise NotServed("this server has no guest agent to quote with")
+        return _json(tls.attestation(svc.agent, svc.tls, nonce, svc.collateral or (lambda _q: None)))
 
     @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE"])
     async def not_served(rest: str) -> Any:
@@ -329,7 +332,7 @@ async def _read(request: Request) -> bytes:
 
 
 def _numbered(raw: bytes) -> tuple[str, int, str]:
-    """(model id, seq id, kind) of a forward_backward body, for :meth:`app.api.store.Store.once` (seq id 0: none,
+    """(model id, seq id, kind) of a forward_backward body, for :meth:`app.api.proof.store.Store.once` (seq id 0: none,
     or a body that does not parse, which the service then refuses with the reason)."""
     from google.protobuf.message import DecodeError
     from tinker.proto import tinker_public_pb2 as pb

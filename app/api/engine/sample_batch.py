@@ -1,6 +1,6 @@
 """Sample requests decoded on the engine's thread: one alone, or several waiting ones (other prompts, other sampler
-checkpoints, other tenants) as one batch (:func:`app.api.sampling.generate_many`), each row through its own LoRA
-adapter (the packed pass's routed LoRA layers, :func:`app.api.packed.routed`, each draw's rows a segment).
+checkpoints, other tenants) as one batch (:func:`app.api.engine.sampling.generate_many`), each row through its own LoRA
+adapter (the packed pass's routed LoRA layers, :func:`app.api.engine.packed.routed`, each draw's rows a segment).
 
 A request without a seed may join a batch (the service marks it ``joins``); one with a seed decodes alone, so the
 same request with the same seed to the same server gets the same tokens whatever else is waiting: in a batch its
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.api import packed, sampling
+from app.api.engine import packed, sampling
 
-MAX_SAMPLERS = 8  # sampler checkpoints kept loaded as adapters (app.api.worker.SAMPLE_JOBS: one batch fits)
+MAX_SAMPLERS = 8  # sampler checkpoints kept loaded as adapters (app.api.engine.worker.SAMPLE_JOBS: one batch fits)
 
 
 @dataclass(eq=False)
@@ -29,12 +29,14 @@ class SampleItem:
     checkpoint: Callable[[], AbstractContextManager[Path | None]]  # its sampler checkpoint while it decodes (None: base)
     prompt: list[int]
     params: dict[str, Any] = field(default_factory=dict)  # num_samples, max_tokens, temperature, top_k, top_p, seed,
-    # stop, prompt_logprobs, topk_prompt_logprobs (app.api.sampling.run's keywords)
+    # stop, prompt_logprobs, topk_prompt_logprobs (app.api.engine.sampling.run's keywords)
     joins: bool = False  # may decode in a batch with other waiting requests (no seed)
+    who: str = ""  # the sampler it comes from (a tenant's sampling session): a batch waits briefly for active ones
 
 
-def request_item(req: Any, engine: Any, limits: Any, checkpoint: Callable[[], Any]) -> SampleItem:
-    """A ``SampleRequest`` checked against the server's limits and the base model, as the engine decodes it.
+def request_item(req: Any, engine: Any, limits: Any, checkpoint: Callable[[], Any], who: str = "") -> SampleItem:
+    """A ``SampleRequest`` (from sampler ``who``) checked against the server's limits and the base model, as the
+    engine decodes it.
 
     Raises:
         BadRequest: a non-token prompt chunk, ``max_tokens``, the prompt's length or ``num_samples`` out of range, a
@@ -59,7 +61,7 @@ def request_item(req: Any, engine: Any, limits: Any, checkpoint: Callable[[], An
     return SampleItem(checkpoint, prompt, dict(
         num_samples=req.num_samples, max_tokens=max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
         seed=p.seed, stop=stop, prompt_logprobs=bool(req.prompt_logprobs),
-        topk_prompt_logprobs=req.topk_prompt_logprobs), joins=p.seed is None)  # a seed: decoded alone, exactly
+        topk_prompt_logprobs=req.topk_prompt_logprobs), joins=p.seed is None, who=who)  # a seed: decoded alone
 
 
 def adapter_of(engine: Any, src: Path, keep: set[str]) -> str:
@@ -89,7 +91,7 @@ def _decode_of(engine: Any, params: dict[str, Any]) -> Callable[[list[int]], str
 
 
 def decode_alone(engine: Any, src: Path | None, prompt: list[int], params: dict[str, Any]) -> bytes:
-    """:func:`app.api.sampling.run` on the base, or through the sampler checkpoint at ``src``."""
+    """:func:`app.api.engine.sampling.run` on the base, or through the sampler checkpoint at ``src``."""
     adapter = adapter_of(engine, src, set()) if src is not None else None
     engine._activate(adapter or engine.placeholder, False)
     return sampling.run(engine.net, prompt, decode=_decode_of(engine, params), device=engine.device, **params)
@@ -110,11 +112,12 @@ def decode_together(engine: Any, items: list[SampleItem]) -> None:
         engine._mode(False)
         import torch
 
-        route = (lambda segments: packed.routed(engine.lora_layers(), segments, dim=0)) if engine.packed else None
+        route = packed.RowRouter(engine.lora_layers()).route if engine.packed else None
         with torch.no_grad():
             seqs = sampling.generate_many(engine.net, draws, engine.device, route=route)
         for item, adapter, got in zip(items, adapters, seqs, strict=True):
-            engine._activate(adapter or engine.placeholder, False)  # the prompt is scored through its own adapter
+            if item.params["prompt_logprobs"] or item.params.get("topk_prompt_logprobs", 0):
+                engine._activate(adapter or engine.placeholder, False)  # the prompt is scored through its adapter
             engine._ready[id(item)] = sampling.respond(
                 engine.net, item.prompt, got, prompt_logprobs=item.params["prompt_logprobs"],
                 topk_prompt_logprobs=item.params.get("topk_prompt_logprobs", 0), device=engine.device)

@@ -14,7 +14,7 @@ for a bundle that verified: every other check of the verdict passed (an unsigned
 re-executed). It then runs under the limits the server enforced (the bundle's ``config.json`` ``api`` block:
 tokens per request and per datum, LoRA rank; the token ids, losses, lengths and custom-loss bounds of the server's
 own checks) and within a budget: :data:`OP_S` seconds an op, :data:`TOTAL_S` in all, a LoRA whose state fits in the
-free memory and ops whose pass holds at most half of it (:func:`app.api.packed.budget`). Anything the server would
+free memory and ops whose pass holds at most half of it (:func:`app.api.engine.packed.budget`). Anything the server would
 refuse, or that fails or passes the budget, fails the check with the reason (exit 1), never the verifier.
 """
 
@@ -34,13 +34,13 @@ from attestation.io.safe_yaml import parse_json
 from attestation.outputs import op_chain
 from attestation.verdict import Check
 
-from app.api.replay_limits import MODEL, ReplayFailed, check_lora, server_limits, server_op, short, torch_threads
+from app.api.proof.replay_limits import MODEL, ReplayFailed, check_lora, server_limits, server_op, short, torch_threads
 
 CHECK = "op_chain.replay"
 WEIGHTS = "adapter/adapter_model.safetensors"
 TINY = "cvm-tune/tiny-llama"
 GPU_ATOL, GPU_RTOL = 1e-3, 1e-2  # a GPU-made bundle: |replayed - bundle| <= GPU_ATOL + GPU_RTOL * |bundle| per weight
-PASS_ROWS_MAX = 128  # the most rows a server pads a pass to (app.api.packed.rows_min)
+PASS_ROWS_MAX = 128  # the most rows a server pads a pass to (app.api.engine.packed.rows_min)
 OP_S = 300.0  # wall-clock budget of one op (a custom loss checks it node by node, every op once it ran)
 TOTAL_S = 3600.0  # wall-clock budget of the whole replay
 
@@ -195,8 +195,8 @@ def _run(base: Path, oc: B.OpChainInfo, ops: list[dict[str, Any]], base_name: st
 
     import torch
 
-    from app.api.admission import admit, free_memory
-    from app.api.engine import Engine
+    from app.api.engine.admission import admit, free_memory
+    from app.api.engine.engine import Engine
     from app.api.errors import ApiError
     from app.config.api import ApiSettings
 
@@ -257,8 +257,8 @@ def _run(base: Path, oc: B.OpChainInfo, ops: list[dict[str, Any]], base_name: st
 
 def _pass_budget(engine: Any, free: int | None) -> tuple[int, int]:
     """(bytes a replayed op's pass may hold, bytes a token of it holds): the server's pass budget on this machine
-    (:func:`app.api.packed.budget`, half the free memory) and :func:`app.api.packed.token_bytes`."""
-    from app.api import packed
+    (:func:`app.api.engine.packed.budget`, half the free memory) and :func:`app.api.engine.packed.token_bytes`."""
+    from app.api.engine import packed
 
     return packed.budget(free), packed.token_bytes(engine.model)
 
@@ -270,7 +270,7 @@ def _custom_losses(docs: dict[str, Any] | None) -> dict[str, Any]:
     Raises:
         ReplayFailed: a loss the server would refuse.
     """
-    from app.api.custom_loss import Loss
+    from app.api.engine.custom_loss import Loss
     from app.api.errors import ApiError
 
     out = {}
@@ -289,7 +289,7 @@ def _load(engine: Any, model: Any, op: dict[str, Any], i: int) -> None:
     its weights must be the ones the load names. A gradient the saved state's last ops left pending is dropped (a
     save keeps none; the server refused a load into a model with one of its own, whose ops are not in this record).
     The optimizer starts afresh unless the load kept it."""
-    from app.api.history import fresh_optimizer
+    from app.api.engine.history import fresh_optimizer
 
     if hashlib.sha256(engine.adapter_bytes(model)).hexdigest() != op["weights_sha256"]:
         raise ReplayFailed(f"op {i} (load) names weights {op['weights_sha256'][:16]}…, but the ops before it give "

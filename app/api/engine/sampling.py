@@ -172,23 +172,33 @@ def generate_many(model: Any, draws: list[Draw], device: str, base: str = "__bas
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = forward(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
         cache, logits, pos = out.past_key_values, out.logits[:, -1].float(), positions[:, -1]
-    warps = [_warpers(draw.temperature, draw.top_k, draw.top_p) for draw in draws]
+    warps = {(d.temperature, d.top_k, d.top_p): _warpers(d.temperature, d.top_k, d.top_p) for d in draws}
     while True:
         tok = torch.empty(len(owner), dtype=torch.long, device=logits.device)
-        chosen: list[float] = []
-        start = 0
-        for d, rows in itertools.groupby(owner, key=lambda row: row[0]):  # a draw's rows are contiguous
-            draw, end = draws[d], start + len(list(rows))
-            lp = torch.log_softmax(logits[start:end] / draw.temperature if draw.temperature > 0
-                                   else logits[start:end], dim=-1)  # the distribution sampled from
-            if draw.temperature <= 0:
+        chosen = torch.empty(len(owner), device=logits.device)
+        runs, start = [], 0  # (draw, first row, end row): a draw's rows are contiguous
+        for d, rows in itertools.groupby(owner, key=lambda row: row[0]):
+            runs.append((d, start, start + len(list(rows))))
+            start = runs[-1][2]
+        for settings, warp in warps.items():  # the draws that sample alike share one softmax and one warp
+            mine = [(d, a, b) for d, a, b in runs if (draws[d].temperature, draws[d].top_k, draws[d].top_p) == settings]
+            if not mine:
+                continue
+            at = torch.cat([torch.arange(a, b, device=logits.device) for _d, a, b in mine])
+            temperature = settings[0]
+            lp = torch.log_softmax(logits[at] / temperature if temperature > 0 else logits[at], dim=-1)
+            if temperature <= 0:  # the distribution sampled from, and the token
                 t = lp.argmax(dim=-1)
             else:
-                t = torch.multinomial(torch.softmax(warps[d](None, lp), dim=-1).cpu(), 1,
-                                      generator=draw.generator)[:, 0].to(lp.device)
-            tok[start:end] = t
-            chosen += lp.gather(1, t[:, None])[:, 0].tolist()
-            start = end
+                probs, t, first = torch.softmax(warp(lp), dim=-1).cpu(), torch.empty(len(at), dtype=torch.long), 0
+                for d, a, b in mine:  # each draw from its own generator, its rows in order
+                    t[first:first + b - a] = torch.multinomial(probs[first:first + b - a], 1,
+                                                               generator=draws[d].generator)[:, 0]
+                    first += b - a
+                t = t.to(lp.device)
+            tok[at] = t
+            chosen[at] = lp.gather(1, t[:, None])[:, 0]
+        chosen = chosen.tolist()
         for row, ((d, i), t) in enumerate(zip(owner, tok.tolist(), strict=True)):
             if not live[row]:
                 continue
@@ -217,16 +227,18 @@ def generate_many(model: Any, draws: list[Draw], device: str, base: str = "__bas
         cache, logits = out.past_key_values, out.logits[:, -1].float()
 
 
-def _warpers(temperature: float, top_k: int, top_p: float) -> Any:
-    """transformers' top-k then top-p warpers (over log-probabilities already divided by the temperature)."""
-    from transformers import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
+def _warpers(temperature: float, top_k: int, top_p: float) -> Callable[[Any], Any]:
+    """transformers' top-k then top-p warpers (over log-probabilities already divided by the temperature), called
+    in turn (what ``LogitsProcessorList`` does, without its per-call signature inspection)."""
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
 
-    warpers = LogitsProcessorList()
-    if top_k > 0:
-        warpers.append(TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p))
-    return warpers
+    warpers = ([TopKLogitsWarper(top_k)] if top_k > 0 else []) + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])
+
+    def warp(scores: Any) -> Any:
+        for w in warpers:
+            scores = w(None, scores)
+        return scores
+    return warp
 
 
 def score_prompt(model: Any, prompt: list[int], device: str, topk: int = 0) -> tuple[list[float], Any]:

@@ -1,4 +1,4 @@
-"""What ``verify --ops --replay`` (:mod:`app.api.replay`) accepts of a bundle and its ops before it runs them: what the
+"""What ``verify --ops --replay`` (:mod:`app.api.proof.replay`) accepts of a bundle and its ops before it runs them: what the
 server accepted, under the server's limits (the bundle's ``config.json``), checked by the server's own code where
 it can be (the request decoder, the loss's configuration, the custom-loss rebuild).
 """
@@ -97,7 +97,7 @@ def server_op(op: dict[str, Any], custom: dict[str, Any], vocab: int, limits: An
     from tinker.proto import tinker_public_pb2 as pb
 
     from app.api import wire
-    from app.api.custom_loss import lookup
+    from app.api.engine.custom_loss import lookup
 
     msg = pb.ForwardBackwardRequest(model_id=MODEL, loss_fn=str(op.get("loss_fn")))
     for k, v in (op.get("loss_fn_config") or {}).items():
@@ -118,7 +118,7 @@ def server_op(op: dict[str, Any], custom: dict[str, Any], vocab: int, limits: An
     out = wire.decode_forward_backward(msg.SerializeToString(), vocab=vocab, max_seq_len=limits.max_seq_len,
                                        max_tokens=limits.max_tokens_per_request)
     if out.loss_fn == "custom":
-        from app.api.losses import check_config
+        from app.api.engine.losses import check_config
 
         check_config(out.loss_fn, out.loss_fn_config)
         out.extra["custom"] = lookup(custom, "the bundle's record", out)

@@ -1,7 +1,7 @@
 """The training API's backend (``api.backend``; docs/api.md, "On a GPU"): chosen as the nightly run chooses, Unsloth
 imported first, and the base model loaded through Unsloth with the nightly run's arguments.
 
-``hf`` is :class:`app.api.engine.Engine`'s own transformers + PEFT path. ``unsloth`` (:func:`load_unsloth`) loads the
+``hf`` is :class:`app.api.engine.engine.Engine`'s own transformers + PEFT path. ``unsloth`` (:func:`load_unsloth`) loads the
 base with ``FastLanguageModel.from_pretrained`` and attaches the placeholder adapter with
 ``FastLanguageModel.get_peft_model``, which installs Unsloth's fused LoRA paths; each API model is then a plain PEFT
 adapter added next to it (``add_adapter``), with the same ``LoraConfig`` as on ``hf``. Unsloth's kernels read the
@@ -181,7 +181,7 @@ class OwnHead:
     """``model`` called for its final hidden states (Unsloth's :data:`HIDDEN_ENV`), with ``lm_head`` applied here
     through PEFT (the active adapter's LoRA on it included), then ``transform`` (the logit scaling and soft-capping).
 
-    Called like the model with the keywords the engine and :mod:`app.api.sampling` pass; returns ``.logits`` and
+    Called like the model with the keywords the engine and :mod:`app.api.engine.sampling` pass; returns ``.logits`` and
     ``.past_key_values``.
     """
 

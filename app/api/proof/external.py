@@ -3,7 +3,7 @@ signed URLs that serve its files (``get_external_weights_urls``), as the stock `
 them.
 
 - **What is downloaded.** ``save_weights_external(name)`` saves the model's adapter into RAM, as a save does, and
-  publishes its export bundle (:meth:`app.api.vault.Storage.export`: the bundle a save makes, with the model's op
+  publishes its export bundle (:meth:`app.api.proof.vault.Storage.export`: the bundle a save makes, with the model's op
   chain as it is now) as the checkpoint ``tinker://<model>/external_weights/<name>``. Its files are the bundle's,
   under the names the bundle gives them, so the downloaded directory is what ``cvm-tune verify`` checks. Nothing is
   sealed: the record's directory is the bundle itself, so its expiry (``ttl_seconds``, swept as a saved state's) and
@@ -37,8 +37,8 @@ from tinker import types
 from attestation.io.hashing import canonical_json
 
 from app.api.errors import ApiError, BadRequest
-from app.api.store import Checkpoint
-from app.api.vault import TTL_S, Expired, size_of
+from app.api.proof.store import Checkpoint
+from app.api.proof.vault import TTL_S, Expired, size_of
 from app.audit import utc_now
 from app.fsutil import withdraw_dir
 

@@ -18,7 +18,9 @@ depend on them), and hands their requests to ``decode`` at once: one batch whose
 With a gather window (``wait_s`` > 0), a pass also waits for the next forward_backward of every model whose last
 pass ended in the last :data:`ACTIVE_S` and that has no job waiting (its client is between two steps): until they
 all came, a stop is queued, the window passed, or as long as the previous pass took, whichever comes first. A lone
-model never waits; a pass of many models costs less than its models' passes one by one.
+model never waits; a pass of many models costs less than its models' passes one by one. A sample batch waits the
+same way (its own window, ``sample_wait_s``) for every sampler (``sample.who``: a tenant's sampling session) whose last decode ended in the last
+:data:`ACTIVE_S`, as long as the previous decode took at most.
 """
 
 from __future__ import annotations
@@ -53,14 +55,17 @@ SAMPLE_JOBS = 8  # sample requests decoded in one batch at most (each its own ad
 
 class Worker:
     def __init__(self, batch: Callable[[list[Any]], None], budget: int, wait_s: float = 0.0,
-                 decode: Callable[[list[Any]], None] | None = None) -> None:
+                 decode: Callable[[list[Any]], None] | None = None, sample_wait_s: float = 0.0) -> None:
         """``batch(ops)``: run the ops as one pass and keep each op's result for its job; ``wait_s``: the gather
         window (0: a pass takes what is waiting, never waits); ``decode(requests)``: decode sample requests as one
-        batch and keep each one's result for its job."""
+        batch and keep each one's result for its job; ``sample_wait_s``: the sample batches' gather window."""
         self.batch, self.budget, self.wait_s, self.decode = batch, budget, wait_s, decode
+        self.sample_wait_s = sample_wait_s
         self.initial = budget  # what a pass may hold at start; out-of-memory lowers ``budget`` for a while
         self._active: dict[str, float] = {}  # model -> when its last pass ended (time.monotonic)
         self._last_pass = 0.0  # how long the last pass took (s)
+        self._samplers: dict[str, float] = {}  # sampler (SampleItem.who) -> when its last decode ended
+        self._last_decode = 0.0  # how long the last decode of joinable sample requests took (s)
         self.stats = {"passes": 0, "packed_ops": 0, "largest": 0,  # packed passes of more than one op
                       "sample_batches": 0, "batched_samples": 0, "largest_sample_batch": 0}  # and sample batches
         self._jobs: collections.deque[Job | None] = collections.deque()
@@ -106,10 +111,7 @@ class Worker:
                 return None
             taken = [first]
             if first.sample is not None:
-                taken += [j for j in self._jobs if j is not None and j.sample is not None][:SAMPLE_JOBS - 1]
-                for job in taken[1:]:
-                    self._jobs.remove(job)
-                return taken
+                return self._samples(taken)
             if first.op is None or first.cost > self.budget:
                 return taken
             now = time.monotonic()
@@ -121,6 +123,23 @@ class Worker:
                 if left <= 0 or None in self._jobs or not self._awaited(taken):
                     return taken
                 self._cv.wait(left)  # a job's arrival wakes it
+
+    def _samples(self, taken: list[Job]) -> list[Job]:
+        """Move every waiting sample job that may join into ``taken``, up to :data:`SAMPLE_JOBS`, waiting for the
+        active samplers that have none queued (called holding the lock)."""
+        now = time.monotonic()
+        deadline = now + min(self.sample_wait_s, self._last_decode)
+        self._samplers = {who: t for who, t in self._samplers.items() if now - t < ACTIVE_S}
+        while True:
+            more = [j for j in self._jobs if j is not None and j.sample is not None][:SAMPLE_JOBS - len(taken)]
+            for job in more:
+                self._jobs.remove(job)
+            taken += more
+            awaited = self._samplers.keys() - {j.sample.who for j in taken}
+            left = deadline - time.monotonic()
+            if left <= 0 or len(taken) >= SAMPLE_JOBS or None in self._jobs or not awaited:
+                return taken
+            self._cv.wait(left)  # a job's arrival wakes it
 
     def _awaited(self, taken: list[Job]) -> set[str]:
         """The active models a pass of ``taken`` still waits for: neither in it nor with a job waiting (called
@@ -179,6 +198,10 @@ class Worker:
                 end = time.monotonic()
                 self._last_pass = end - start
                 self._active.update((j.model, end) for j in taken if j.model is not None)
+            elif taken[0].sample is not None:  # a decode: its samplers are active, its length bounds the next wait
+                end = time.monotonic()
+                self._last_decode = end - start
+                self._samplers.update((j.sample.who, end) for j in taken)
 
     def _count(self, batches: str, jobs: str, largest: str, n: int) -> None:
         self.stats[batches] += 1

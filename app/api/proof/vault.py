@@ -18,7 +18,7 @@ sample decrypts it into RAM, hands it to the engine and removes it again.
   configured ``output.scratch_dir``, else ``/dev/shm``; refused unless a RAM file system, as for a nightly run).
   It exists only while one operation runs (the engine runs one at a time), with the one copy that operation needs,
   and is removed when it ends (and at start, after a kill). A sampler checkpoint is decrypted to a path stable per
-  checkpoint, so the engine's cache of sampler adapters (keyed by that path, at most ``app.api.sample_batch.MAX_SAMPLERS``) loads it once;
+  checkpoint, so the engine's cache of sampler adapters (keyed by that path, at most ``app.api.engine.sample_batch.MAX_SAMPLERS``) loads it once;
   it is decrypted again only after the engine evicted it.
 - **Storage** (:class:`Storage`): a training save, and a sampler save that asks for it, is also an export bundle; a
   sampler save's bundle can be made later, from the progress sealed with it (``export.json``), as its save would
@@ -45,7 +45,7 @@ from typing import Any
 from attestation.io.hashing import canonical_json, sha256_hex
 
 from app.api.errors import ApiError, BadRequest
-from app.api.store import Checkpoint
+from app.api.proof.store import Checkpoint
 from app.config import Config
 from app.config.api import ApiSettings
 from app.dataset import DerivedKeySource

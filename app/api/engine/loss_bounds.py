@@ -1,4 +1,4 @@
-"""The bounds of a server-side custom loss's work (:mod:`app.api.custom_loss`), checked node by node before each
+"""The bounds of a server-side custom loss's work (:mod:`app.api.engine.custom_loss`), checked node by node before each
 node computes, so that no node of any graph takes more than a bounded time or memory (one Python operation on huge
 numbers holds the interpreter, and every request with it; docs/api.md "What a custom loss may compute"):
 

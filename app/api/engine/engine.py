@@ -1,12 +1,12 @@
 """The training engine behind the API: the base model loaded once, one LoRA adapter per model, every operation run
-on one worker thread, each model's in the order they were accepted (:mod:`app.api.worker`); forward_backward ops of
-different models waiting together share one base-model pass (:mod:`app.api.packed`).
+on one worker thread, each model's in the order they were accepted (:mod:`app.api.engine.worker`); forward_backward ops of
+different models waiting together share one base-model pass (:mod:`app.api.engine.packed`).
 
 Each model keeps its adapter (PEFT, named ``m<N>``), its Adam optimizer over that adapter's parameters and its op
 chain head (:mod:`attestation.outputs.op_chain`): ``forward_backward`` accumulates gradients, ``optim_step`` applies them with
 the request's Adam parameters and clears them. Sampler checkpoints are loaded as adapters of their own, once.
 
-The base is loaded by transformers + PEFT (backend ``hf``) or by Unsloth (``unsloth``, :mod:`app.api.backend`); the
+The base is loaded by transformers + PEFT (backend ``hf``) or by Unsloth (``unsloth``, :mod:`app.api.engine.backend`); the
 adapters, their ``LoraConfig`` and what is saved are the same on both.
 """
 
@@ -22,13 +22,14 @@ import numpy as np
 
 from attestation.outputs.op_chain import GENESIS
 
-from app.api import dp as dpsgd
-from app.api import losses, packed, sample_batch, wire
-from app.api.admission import free_memory
+from app.api import wire
+from app.api.engine import dp as dpsgd
+from app.api.engine import losses, packed, sample_batch
+from app.api.engine.admission import free_memory
 from app.api.errors import ApiError, BadRequest, NotFound
-from app.api.history import applied, check_adam, fresh_optimizer, link, opt_restore, opt_snapshot
-from app.api.sample_batch import SampleItem
-from app.api.worker import Job, Worker
+from app.api.engine.history import applied, check_adam, fresh_optimizer, link, opt_restore, opt_snapshot
+from app.api.engine.sample_batch import SampleItem
+from app.api.engine.worker import Job, Worker
 
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -51,7 +52,7 @@ class Model:
     pending_loss: float = 0.0
     tokens_seen: int = 0
     last_adam: dict[str, float] | None = None
-    dp: dict[str, Any] | None = None  # app.api.dp settings and spend; None: no DP
+    dp: dict[str, Any] | None = None  # app.api.engine.dp settings and spend; None: no DP
     dp_sums: list[Any] | None = None  # the clipped per-datum gradients summed since the last optim_step
     pending: int = 0  # forward_backward ops whose gradient the next optim_step applies
     custom_losses: dict[str, Any] = field(default_factory=dict)  # id -> document of each custom loss its ops used
@@ -63,7 +64,7 @@ class Engine:
         self.base_dir = Path(base_dir)
         self.backend = backend
         if backend == "unsloth":
-            from app.api import backend as api_backend
+            from app.api.engine import backend as api_backend
 
             self.model = api_backend.load_unsloth(self.base_dir, cfg)
             self.placeholder, self.device = api_backend.PLACEHOLDER, next(self.model.parameters()).device.type
@@ -86,7 +87,8 @@ class Engine:
         self.token_bytes = packed.token_bytes(self.model) if self.packed else 0  # what a token of a pass holds
         self._ready: dict[int, Any] = {}  # id(op or sample request) -> its result from a packed pass or a batch
         self._worker = Worker(self._batch, packed.budget(free_memory(self.device)),
-                              cfg.api.pack_wait_ms / 1000 if cfg is not None else 0.0, decode=self._decode)
+                              cfg.api.pack_wait_ms / 1000 if cfg is not None else 0.0, decode=self._decode,
+                              sample_wait_s=cfg.api.sample_wait_ms / 1000 if cfg is not None else 0.0)
 
     def _load_hf(self, base_dir: Path, cfg: Any) -> None:
         import torch
@@ -113,7 +115,7 @@ class Engine:
                ahead: bool = False, sample: SampleItem | None = None) -> None:
         """Queue ``job`` (acting on ``model``); ``op``: the forward_backward it runs, which may join a packed pass;
         ``ahead``: an optimizer step, taken before waiting passes; ``sample``: the sample request it decodes, which
-        may join a batch of waiting ones (app.api.worker, app.api.sample_batch)."""
+        may join a batch of waiting ones (app.api.engine.worker, app.api.engine.sample_batch)."""
         packable = op is not None and self.packed
         joins = sample is not None and sample.joins and self.backend == "hf"  # PEFT's mixed-adapter batches
         self._worker.submit(Job(job, model, op if packable else None, self._cost([op]) if packable else 0, ahead,
@@ -144,7 +146,7 @@ class Engine:
                 self._ready[id(op)] = result
 
     def _cost(self, ops: list[wire.Op]) -> int:
-        """What ``ops`` hold in a packed pass, against its budget (:func:`app.api.packed.token_bytes`)."""
+        """What ``ops`` hold in a packed pass, against its budget (:func:`app.api.engine.packed.token_bytes`)."""
         return sum(op.n_tokens for op in ops) * self.token_bytes
 
     def _packs(self, op: wire.Op, m: Model) -> bool:
@@ -158,7 +160,7 @@ class Engine:
 
     @property
     def pass_budget(self) -> int:
-        """Bytes a packed pass may hold (:func:`app.api.packed.budget`)."""
+        """Bytes a packed pass may hold (:func:`app.api.engine.packed.budget`)."""
         return self._worker.budget
 
     def stop(self, wait_s: float = 0.0) -> None:
@@ -222,7 +224,7 @@ class Engine:
         if self._state[0] != adapter:
             self.model.set_adapter(adapter)
             if self.backend == "unsloth":
-                from app.api.backend import route
+                from app.api.engine.backend import route
 
                 route(self.model, adapter)
             self._state = (adapter, None)
@@ -376,8 +378,8 @@ class Engine:
             (dest / "dp.json").write_text(json.dumps(m.dp, sort_keys=True))
 
     def load(self, m: Model, src: Path, *, optimizer: bool, record: dict[str, Any]) -> None:
-        """:func:`app.api.loading.load`: the saved state in ``src`` replaces the model's, as the ``load`` op ``record``."""
-        from app.api.loading import load
+        """:func:`app.api.engine.loading.load`: the saved state in ``src`` replaces the model's, as the ``load`` op ``record``."""
+        from app.api.engine.loading import load
 
         load(self, m, src, optimizer=optimizer, record=record)
 
@@ -392,7 +394,7 @@ class Engine:
 
     def sample(self, src: Path | None, prompt: list[int], **params: Any) -> bytes:
         """One sample request decoded alone, on the base or through the sampler checkpoint at ``src`` (loaded
-        once): :func:`app.api.sample_batch.decode_alone`."""
+        once): :func:`app.api.engine.sample_batch.decode_alone`."""
         return sample_batch.decode_alone(self, src, prompt, params)
 
     def sample_request(self, item: SampleItem) -> bytes:

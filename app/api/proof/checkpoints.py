@@ -1,6 +1,6 @@
 """A key's checkpoints as the SDK's ``RestClient`` and the stock ``tinker checkpoint`` CLI manage them: the list of a
 training run and of the key, a training run's info, ``weights_info``, the TTL, deletion and external weights
-(:mod:`app.api.external`). Publishing is not served: a checkpoint is its key's alone. Another key's checkpoint or
+(:mod:`app.api.proof.external`). Publishing is not served: a checkpoint is its key's alone. Another key's checkpoint or
 training run, and one that does not exist, get the same 404.
 
 Deleting never removes evidence. A saved state with an export bundle loses its sealed state; its bundle (what
@@ -19,9 +19,9 @@ from typing import Any
 from tinker import types
 
 from app.api.errors import ApiError, BadRequest, NotFound
-from app.api.external import External
-from app.api.store import Checkpoint
-from app.api.vault import TTL_S, Expired, Storage
+from app.api.proof.external import External
+from app.api.proof.store import Checkpoint
+from app.api.proof.vault import TTL_S, Expired, Storage
 from app.fsutil import withdraw_dir
 
 SEGMENTS = ("weights", "sampler_weights", "external_weights")  # of tinker://<model>/<segment>/<name>

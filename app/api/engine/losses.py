@@ -38,7 +38,7 @@ def check_config(name: str, config: dict[str, Any] | None) -> None:
 
     from app.api.errors import BadRequest
 
-    if name == "custom":  # a server-side custom loss (app.api.custom_loss), named by its canonical hash
+    if name == "custom":  # a server-side custom loss (app.api.engine.custom_loss), named by its canonical hash
         lid = (config or {}).get("loss_id")
         if set(config or {}) != {"loss_id"} or not isinstance(lid, str) or not re.fullmatch(r"[0-9a-f]{64}", lid):
             raise BadRequest("loss custom needs loss_fn_config {\"loss_id\": <the id create_custom_loss answered>}")
@@ -63,7 +63,7 @@ def _clip(config: dict[str, Any] | None) -> tuple[float, float]:
 
 def loss(name: str, logp: Any, inputs: dict[str, np.ndarray], config: dict[str, Any] | None, custom: Any = None,
          metrics: dict[str, float] | None = None) -> Any:
-    """One datum's loss; ``custom`` (an :class:`app.api.custom_loss.Loss`) for ``custom``, whose metrics are summed
+    """One datum's loss; ``custom`` (an :class:`app.api.engine.custom_loss.Loss`) for ``custom``, whose metrics are summed
     into ``metrics``."""
     import torch
 

@@ -1,4 +1,4 @@
-"""Loading a saved state into a model of the engine (:meth:`app.api.engine.Engine.load`): read and checked in full,
+"""Loading a saved state into a model of the engine (:meth:`app.api.engine.engine.Engine.load`): read and checked in full,
 then applied, as the ``load`` op of the model's chain."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from app.api.errors import BadRequest
-from app.api.history import fresh_optimizer, link
+from app.api.engine.history import fresh_optimizer, link
 
 
 def load(engine: Any, m: Any, src: Path, *, optimizer: bool, record: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 from attestation.io.hashing import sha256_file, sha256_hex
 
 from app import export
-from app.api.engine import LORA_ALPHA, LORA_DROPOUT
+from app.api.engine.engine import LORA_ALPHA, LORA_DROPOUT
 from app.audit import AuditLog, AuditRecorder, utc_now
 from app.config import Config
 from app.dataset.rows import RowReport
@@ -65,7 +65,7 @@ class Exporter:
             "dataset_id": "tinker-api", "dataset_version": m.ops, "dataset_encrypted_sha256": m.op_head,
             "dataset_plaintext_sha256": m.op_head, "base_model_tree_sha256": self.base.tree,
             "code_source_sha256": code_sha, "parent_manifest_sha256": None, "op_chain": op_chain})
-        gpu = gpu_evidence.collect(self.log.head)
+        gpu = gpu_evidence.collect(self.log.head, agent=self.ag.agent)  # dstack 0.6: its GPU evidence too
         self.recorder.record(run_id, "gpu.evidence", gpu.audit_data())
         self.recorder.record(run_id, "train.done", {"global_step": m.steps, "adapter_sha256": {
             f"adapter/{n}": sha256_file(adapter_dir / n) for n in ("adapter_config.json", "adapter_model.safetensors")}})
@@ -125,11 +125,11 @@ class _Adapter:
 def _determinism() -> dict[str, int | str]:
     """What replaying the ops bit for bit needs besides the library versions (``backend``): the device the engine
     computed on, torch's CPU threads (reductions are split by thread), and on a CPU the rows every packed pass was
-    padded to (``pass_rows``, :func:`app.api.packed.rows_min`; 0: no packed passes, as this CPU cannot make them
+    padded to (``pass_rows``, :func:`app.api.engine.packed.rows_min`; 0: no packed passes, as this CPU cannot make them
     exact)."""
     import torch
 
-    from app.api.packed import pad_rows
+    from app.api.engine.packed import pad_rows
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return {"device": device, "torch_threads": torch.get_num_threads(),

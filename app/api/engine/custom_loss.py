@@ -7,7 +7,7 @@ name must be one of :data:`FUNCTIONS` / :data:`METHODS` (anything else is refuse
 is decoded from the SDK's encoding (``{"ref": node}``, ``{"tuple": …}``, ``{"float": "inf"}``, …), the graph is
 bounded in size (:data:`MAX_NODES`) and nesting (:data:`MAX_DEPTH`), and it is run node by node on tensors only.
 
-**Bounded work** (:mod:`app.api.loss_bounds`). A loss computes on tensors of one value per token; the Python
+**Bounded work** (:mod:`app.api.engine.loss_bounds`). A loss computes on tensors of one value per token; the Python
 numbers, strings and sequences a graph may also pass around, and the size of every tensor a node makes, are bounded
 before the node computes, so that no node of any graph takes more than a bounded time or memory.
 
@@ -33,7 +33,7 @@ from typing import Any
 from attestation.outputs.op_chain import custom_loss_id
 
 from app.api.errors import ApiError, BadRequest
-from app.api.loss_bounds import ELEMENTS_PER_TOKEN, MAX_LIST, MIN_ELEMENTS, after, before, check_scalar, short
+from app.api.engine.loss_bounds import ELEMENTS_PER_TOKEN, MAX_LIST, MIN_ELEMENTS, after, before, check_scalar, short
 
 MAX_NODES = 256
 MAX_DEPTH = 8
@@ -181,7 +181,7 @@ class Loss:
                 after(env[name], budget, name)
             except ApiError as exc:
                 raise BadRequest(f"custom loss {self.name}: {str(exc).removeprefix('custom loss: ')}") from None
-            except torch.OutOfMemoryError:  # the device's allocator: the pass's, not this loss's (app.api.packed)
+            except torch.OutOfMemoryError:  # the device's allocator: the pass's, not this loss's (app.api.engine.packed)
                 raise
             except Exception as exc:  # an allowed operation that fails on these values: the loss's own mistake
                 raise BadRequest(f"custom loss {self.name}: node {name} ({target}) failed: {type(exc).__name__}: "
