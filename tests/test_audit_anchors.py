@@ -286,3 +286,11 @@ def test_an_audit_line_without_a_canonical_form_is_a_format_error() -> None:
                  b'{"data":{"x":NaN},"prev":"' + b"0" * 64 + b'","run_id":"r","seq":0,"time":"t","type":"export","v":1}'):
         with pytest.raises(AuditFormatError, match="canonical"):
             parse_entry(line)
+
+
+@pytest.mark.parametrize("audit", [{"anchors": True}, {"anchors": "1"}, {"first_seq": "0"}, {"entries": 8.0}])
+def test_the_manifests_audit_counts_are_json_integers(made: tuple[Path, Path], tmp_path: Path,
+                                                      audit: dict[str, Any]) -> None:
+    bundle = _copy(made, tmp_path)
+    reattest(bundle, (bundle / B.AUDIT_ANCHORS).read_bytes(), change=lambda m: m["audit"].update(audit))
+    assert _checks(bundle, _policy(made[1]))["manifest.schema"][0] == "fail"

@@ -302,6 +302,9 @@ TAMPERS: dict[str, Callable[[Path], None]] = {
     "audit anchors": _flip("audit-anchors.jsonl", -3),  # "v":1 -> "v":0
     "audit anchors removed": lambda b: (b / "audit-anchors.jsonl").unlink(),
     "audit anchors count": _json_edit("manifest.json", lambda m: m["audit"].update(anchors=m["audit"]["anchors"] + 1)),
+    "audit anchors true": _json_edit("manifest.json", lambda m: m["audit"].update(anchors=True)),  # not a JSON integer
+    "audit first_seq a string": _json_edit("manifest.json",
+                                           lambda m: m["audit"].update(first_seq=str(m["audit"]["first_seq"]))),
     "audit anchors unlisted": _json_edit("manifest.json", lambda m: (m["audit"].update(anchors=None),
                                                                      m["files"].pop("audit-anchors.jsonl"))),
 }

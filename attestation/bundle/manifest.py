@@ -255,10 +255,10 @@ class TrainingInfo(_Closed):
 class AuditInfo(_Closed):
     head: Hex64 = _H64
     start_prev: Hex64 = _H64
-    first_seq: int
-    entries: int
+    first_seq: StrictInt  # JSON integers only (not "7" nor true), as the page reads them
+    entries: StrictInt
     rtmr3: Literal["emit_event", "unsupported"]
-    anchors: int | None = Field(None, ge=0)  # lines of audit-anchors.jsonl (attestation.bundle.anchors); None: not anchored
+    anchors: StrictInt | None = Field(None, ge=0)  # lines of audit-anchors.jsonl (attestation.bundle.anchors); None: none
 
 
 class BuildInfo(_Closed):
