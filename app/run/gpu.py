@@ -39,6 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from attestation.tdx import gpu as G
+from attestation.tdx.gpu_dstack import BOOT_FORMAT, FRESH_FORMAT
+from attestation.tdx.gpu_dstack import EVENT as GATE_EVENT  # RTMR3: dstack 0.6's boot gate attested the GPUs
+from attestation.tdx.gpu_dstack import PROVIDER as NVIDIA
 
 from app.errors import TeeError
 from app.tee import GuestAgent
@@ -54,10 +57,6 @@ SMI_COMMANDS = (
 )
 MAX_OUTPUT = 1 << 20
 ATTEST_GPU = "dstack-attest-gpu"  # gpu-evidence.json's entry for dstack 0.6's AttestGpu(nonce) answer
-GATE_EVENT = "gpu-attestation"  # RTMR3: dstack 0.6's boot gate attested the GPUs
-NVIDIA = "nvidia"
-BOOT_FORMAT = "nvidia-nvattest-boottime-json-v1"  # Attest(include_boottime_gpu_evidence): nvattest's attestation.out
-FRESH_FORMAT = "nvidia-nvattest-collect-evidence-json-v1"  # AttestGpu(nonce): nvattest collect-evidence
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.hazmat.primitives.asymmetric.utils import Prehashed, decode_dss_signature, encode_dss_signature
 
+from attestation.tdx.gpu_dstack import BOOT_FORMAT, FRESH_FORMAT, PROVIDER
+
 import app.simulator.v06 as v06
 
 _SECP256K1_N = 0xFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFFEBAAEDCE6AF48A03BBFD25E8CD0364141
@@ -70,20 +72,20 @@ def _dispatch_v1(agent: Any, method: str, body: dict) -> dict:
     if method == "Attest":
         answer = agent.attest(_hex(body, "report_data"), v1=True)
         if body.get("include_boottime_gpu_evidence") is True:  # empty: no GPU passed the boot gate
-            answer["boottime_gpu_evidence"] = _gpu_bundles(agent.boot_gpu_evidence, v06.BOOT_EVIDENCE_FORMAT)
+            answer["boottime_gpu_evidence"] = _gpu_bundles(agent.boot_gpu_evidence, BOOT_FORMAT)
         return answer
     if method == "AttestGpu":
         nonce = _hex(body, "nonce")
         if len(nonce) != 32:
             raise SimulatorRpcError("nonce must be exactly 32 bytes")
         fresh = None if agent.boot_gpu_evidence is None else v06.collect_evidence(nonce)  # None: no GPU attached
-        return {"bundles": _gpu_bundles(fresh, v06.FRESH_EVIDENCE_FORMAT)}
+        return {"bundles": _gpu_bundles(fresh, FRESH_FORMAT)}
     raise SimulatorRpcError(f"Service not found: {method}", status=404)
 
 
 def _gpu_bundles(evidence: bytes | None, fmt: str) -> list[dict]:
     """``GpuEvidenceBundle`` list (``{vendor, format, evidence (hex)}``): one NVIDIA bundle, or none."""
-    return [] if evidence is None else [{"vendor": v06.NVIDIA, "format": fmt, "evidence": evidence.hex()}]
+    return [] if evidence is None else [{"vendor": PROVIDER, "format": fmt, "evidence": evidence.hex()}]
 
 
 def info_v1(agent: Any) -> dict:

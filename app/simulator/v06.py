@@ -29,6 +29,8 @@ from eth_keys import keys as eth_keys
 from eth_utils import ValidationError as EthValidationError
 from eth_utils import keccak
 
+from attestation.tdx.gpu_dstack import PROVIDER
+
 RUNTIME_EVENT_TYPE = 0x08000001
 V1_SALT = b"dstack-guest-v1"
 V1_KEY_LABEL = b"dstack-guest-v1-key"
@@ -179,14 +181,11 @@ def vm_config_with(vm_config: str, mr_config: str | None, gpus: int = 0) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
-NVIDIA = "nvidia"
-BOOT_EVIDENCE_FORMAT = "nvidia-nvattest-boottime-json-v1"  # Attest(include_boottime_gpu_evidence): attestation.out
-FRESH_EVIDENCE_FORMAT = "nvidia-nvattest-collect-evidence-json-v1"  # AttestGpu(nonce): nvattest collect-evidence
 
 
 def gpu_attestation_payload(evidence: bytes, devices: int = 1) -> bytes:
     """The ``gpu-attestation`` RTMR3 event dstack's boot gate measures (compact JSON, dstack's field order, §4)."""
-    doc = {"version": 2, "provider": NVIDIA, "devices": devices, "cc_mode": "on", "devtools": False,
+    doc = {"version": 2, "provider": PROVIDER, "devices": devices, "cc_mode": "on", "devtools": False,
            "evidence_sha256": hashlib.sha256(evidence).hexdigest()}
     return json.dumps(doc, separators=(",", ":")).encode()
 

@@ -26,6 +26,9 @@ from attestation.tdx.eventlog import Event
 
 EVENT = "gpu-attestation"
 SYSTEM_READY = "system-ready"
+PROVIDER = "nvidia"  # the summary's provider and the vendor of dstack 0.6's GpuEvidenceBundle
+BOOT_FORMAT = "nvidia-nvattest-boottime-json-v1"  # Attest(include_boottime_gpu_evidence): nvattest's attestation.out
+FRESH_FORMAT = "nvidia-nvattest-collect-evidence-json-v1"  # AttestGpu(nonce): nvattest collect-evidence
 
 
 def _attestation_events(events: Iterable[Event] | None) -> list[tuple[Event, bool]]:
@@ -55,7 +58,7 @@ def boot_gpu_attestation(events: Iterable[Event] | None) -> tuple[bool, str] | N
         devices, cc, devtools, digest = doc["devices"], doc["cc_mode"], doc["devtools"], doc["evidence_sha256"]
     except (ValueError, TypeError, KeyError) as exc:
         return False, f"dstack GPU attestation event is not the expected summary: {exc}"
-    if not (doc.get("provider") == "nvidia" and isinstance(devices, int) and devices >= 1
+    if not (doc.get("provider") == PROVIDER and isinstance(devices, int) and devices >= 1
             and isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
         return False, "dstack GPU attestation event is not the expected summary"
     ok = cc == "on" and devtools is False

@@ -96,13 +96,12 @@ def _routed_forward(layer: Any, segments: list[tuple[str, int, int]], x: Any, *a
 
 
 @contextlib.contextmanager
-def routed(layers: list[Any], segments: list[tuple[str, int, int]], dim: int = 1) -> Iterator[None]:
+def routed(layers: list[Any], segments: list[tuple[str, int, int]]) -> Iterator[None]:
     """Within: the LoRA ``layers`` (every one of the model's) and attention follow ``segments`` ((adapter, first
-    row, end row), covering the packed row in order). ``dim`` 0: the segments are a decode batch's sequences
-    (their rows of the batch), each through its adapter; attention is the batch's own."""
+    row, end row), covering the packed row in order). A decode batch's sequences go through :class:`RowRouter`."""
     for layer in layers:
-        layer.forward = functools.partial(_routed_forward, layer, segments, dim=dim)
-    _pass.bounds = [(a, b) for _adapter, a, b in segments] if dim == 1 else None
+        layer.forward = functools.partial(_routed_forward, layer, segments)
+    _pass.bounds = [(a, b) for _adapter, a, b in segments]
     try:
         yield
     finally:
